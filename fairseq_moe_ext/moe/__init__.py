@@ -1,0 +1,14 @@
+"""MoE math with no fairseq dependency: router, capacity, dispatch, experts, losses, cache."""
+
+from .cache import MoEAux, MoEAuxCache, MoERecord, UncollectedMoELossError
+from .capacity import expert_capacity, slots_within_capacity
+from .experts import BatchedExperts, expert_seed
+from .layer import MoELayer
+from .losses import balance_loss, z_loss
+from .router import ROUTER_TYPES, Routing, TopKRouter
+
+__all__ = [
+    "BatchedExperts", "MoEAux", "MoEAuxCache", "MoELayer", "MoERecord", "ROUTER_TYPES", "Routing",
+    "TopKRouter", "UncollectedMoELossError", "balance_loss", "expert_capacity", "expert_seed",
+    "slots_within_capacity", "z_loss",
+]

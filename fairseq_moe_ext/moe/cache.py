@@ -1,0 +1,70 @@
+"""The loss cache: how auxiliary losses travel from MoE layers to the criterion.
+
+This replaces Tutel's process-global ``system.cache()``. The model owns one cache; each MoE layer
+appends a record (its balance loss, z-loss and routing statistics) every time it runs, and the
+criterion collects the records of the current forward pass, which clears them.
+
+* A layer that runs twice in one pass leaves two records; both are collected.
+* ``start_pass()`` (called by the model at the top of each forward) discards records of an earlier
+  pass that nobody collected, e.g. inference, so a later collection never sees stale values. If
+  such a record is part of an autograd graph (a training forward whose criterion never collected
+  its balance loss) it raises instead: the loss would otherwise be silently lost.
+* Records made while autograd runs a backward pass come from activation checkpointing
+  recomputing the forward; their losses were already counted in the first pass, so they are
+  dropped.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import torch
+
+
+@dataclass
+class MoEAux:
+    balance_loss: torch.Tensor  # scalar, differentiable
+    z_loss: torch.Tensor  # scalar, differentiable
+    stats: Dict[str, torch.Tensor] = field(default_factory=dict)  # detached, this worker's counts
+
+
+@dataclass
+class MoERecord:
+    layer: str
+    aux: MoEAux
+
+
+class UncollectedMoELossError(RuntimeError):
+    pass
+
+
+def inside_backward() -> bool:
+    current_task = getattr(torch._C, "_current_graph_task_id", None)
+    return current_task is not None and current_task() != -1
+
+
+class MoEAuxCache:
+    def __init__(self):
+        self._records: List[MoERecord] = []
+
+    def start_pass(self) -> None:
+        pending = [r for r in self._records if r.aux.balance_loss.requires_grad]
+        if pending:
+            raise UncollectedMoELossError(
+                f"MoE balance losses of {len(pending)} layer run(s) from the previous training "
+                "forward pass were never collected, so they would be silently lost: train MoE "
+                "models with an MoE criterion (--criterion moe_cross_entropy or "
+                "moe_label_smoothed_cross_entropy), or call model.moe_cache.collect() after forward"
+            )
+        self._records = []
+
+    def record(self, layer: str, aux: MoEAux) -> None:
+        if inside_backward():
+            return
+        self._records.append(MoERecord(layer, aux))
+
+    def collect(self) -> List[MoERecord]:
+        records, self._records = self._records, []
+        return records
+
+    def __len__(self):
+        return len(self._records)

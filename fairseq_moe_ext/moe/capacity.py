@@ -1,0 +1,73 @@
+"""How many token-slots each expert may take, with Tutel's ``capacity_factor`` semantics, and
+which slots are dropped when an expert is over capacity.
+
+``N`` tokens (pad tokens excluded), ``E`` experts, top-``k`` routing, ``spe = ceil(N / E)``:
+
+* ``cf > 0``  fixed capacity ``k * int(cf * spe)``; slots beyond it are dropped (the token's MoE
+  output for that choice is zero and the residual connection carries it);
+* ``cf == 0`` dropless: every slot is served;
+* ``cf < 0``  dropless up to a bound: at most ``k * int(|cf| * spe)`` slots per expert.
+
+Tutel computes the dropless capacity as the maximum load over ranks because it pads every expert
+to one size. We never pad, so ``cf == 0`` needs no number at all and ``cf < 0`` is simply the bound:
+a slot is dropped exactly when its position in the expert's queue reaches ``k * int(|cf| * spe)``.
+
+``N`` is the token count of the whole expert-parallel group and the queue order is global, so the
+same batch is routed and dropped the same way whether one worker or many process it.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+
+def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> float:
+    try:
+        value = float(capacity_factor)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {capacity_factor!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{name} must be finite, got {capacity_factor!r}: use 0 for dropless routing, "
+            f"a positive value for a fixed capacity, or a negative one for a bounded dropless one"
+        )
+    return value
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> Optional[int]:
+    """Slots per expert, or ``None`` when every slot is served (``capacity_factor == 0``)."""
+    capacity_factor = check_capacity_factor(capacity_factor)
+    if capacity_factor == 0:
+        return None
+    tokens_per_expert = (num_tokens + num_experts - 1) // num_experts
+    return k * int(abs(capacity_factor) * tokens_per_expert)
+
+
+def slots_within_capacity(
+    expert_index: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    priority_score: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Which of the ``[N, k]`` routed slots fit in their expert's capacity.
+
+    Queue order (GShard): every token's first choice before any second choice; within one choice,
+    tokens in batch order, or by ascending ``priority_score`` when given (batch-prioritised routing
+    passes minus the top-1 gate). Ties keep batch order, so the result is a pure function of the
+    concatenated batch.
+    """
+    n, k = expert_index.shape
+    if priority_score is None:
+        token_order = torch.arange(n, device=expert_index.device)
+    else:
+        token_order = torch.argsort(priority_score, stable=True)
+    queue_experts = expert_index.index_select(0, token_order).t().reshape(-1)  # [k*N] in service order
+    by_expert = torch.argsort(queue_experts, stable=True)
+    load = torch.bincount(queue_experts, minlength=num_experts)
+    first_position = torch.cumsum(load, 0) - load
+    position = torch.empty_like(by_expert)
+    position[by_expert] = torch.arange(k * n, device=expert_index.device) - first_position[queue_experts[by_expert]]
+    keep = torch.empty_like(expert_index, dtype=torch.bool)
+    keep[token_order] = (position < capacity).view(k, n).t()
+    return keep

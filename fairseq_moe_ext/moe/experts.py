@@ -1,0 +1,126 @@
+"""The experts: ``E_local`` feed-forward networks stored as stacked tensors.
+
+Weights use ``nn.Linear``'s layout (``[out, in]``) stacked along dim 0, so expert ``i`` of a dense
+FFN can be copied in verbatim and checkpoint tools can reshard experts by slicing dim 0.
+
+Each expert is initialised from its own random generator seeded by ``(seed, global expert id)``:
+experts never start identical (the reference thread's symptom), an expert's initial weights do not
+depend on how many workers share the experts, and the global RNG, which initialises the router and
+every shared weight, is left untouched so shared weights agree on every rank.
+"""
+
+import math
+from typing import Callable, List, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _gelu_accurate(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_fast": _gelu_accurate,
+    "gelu_accurate": _gelu_accurate,
+    "tanh": torch.tanh,
+    "linear": lambda x: x,
+    "swish": F.silu,
+    "silu": F.silu,
+}
+
+
+def resolve_activation(activation: Union[str, Callable]) -> Callable:
+    if callable(activation):
+        return activation
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown activation {activation!r}: choose one of {', '.join(ACTIVATIONS)} or pass a callable"
+        )
+    return ACTIVATIONS[activation]
+
+
+def expert_seed(seed: int, global_expert_id: int) -> int:
+    """A seed for one expert: distinct per (seed, id), reproducible, independent of world size."""
+    return (int(seed) * 1_000_003 + int(global_expert_id) * 7919 + 12345) % (2**63 - 1)
+
+
+class BatchedExperts(nn.Module):
+    def __init__(
+        self,
+        model_dim: int,
+        hidden_dim: int,
+        num_local_experts: int,
+        first_global_id: int = 0,
+        activation: Union[str, Callable] = "relu",
+        activation_dropout: float = 0.0,
+        bias: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        for name, value in (("model_dim", model_dim), ("hidden_dim", hidden_dim), ("num_local_experts", num_local_experts)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= activation_dropout < 1.0:
+            raise ValueError(f"activation_dropout must be in [0, 1), got {activation_dropout!r}")
+        self.model_dim = model_dim
+        self.hidden_dim = hidden_dim
+        self.num_local_experts = num_local_experts
+        self.first_global_id = first_global_id
+        self.activation = resolve_activation(activation)
+        self.activation_dropout = activation_dropout
+        self.seed = seed
+        self.batched_fc1_w = nn.Parameter(torch.empty(num_local_experts, hidden_dim, model_dim))
+        self.batched_fc2_w = nn.Parameter(torch.empty(num_local_experts, model_dim, hidden_dim))
+        if bias:
+            self.batched_fc1_b = nn.Parameter(torch.empty(num_local_experts, hidden_dim))
+            self.batched_fc2_b = nn.Parameter(torch.empty(num_local_experts, model_dim))
+        else:
+            self.register_parameter("batched_fc1_b", None)
+            self.register_parameter("batched_fc2_b", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        # nn.Linear's default (kaiming-uniform with a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        for i in range(self.num_local_experts):
+            g = torch.Generator().manual_seed(expert_seed(self.seed, self.first_global_id + i))
+            for weight, bias_param, fan_in in (
+                (self.batched_fc1_w, self.batched_fc1_b, self.model_dim),
+                (self.batched_fc2_w, self.batched_fc2_b, self.hidden_dim),
+            ):
+                bound = 1.0 / math.sqrt(fan_in)
+                w = torch.rand(weight.shape[1:], generator=g, dtype=torch.float32) * (2 * bound) - bound
+                weight[i].copy_(w)
+                b = torch.rand(weight.shape[1], generator=g, dtype=torch.float32) * (2 * bound) - bound
+                if bias_param is not None:
+                    bias_param[i].copy_(b)
+
+    def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """``x`` holds tokens sorted by local expert; ``counts[i]`` rows belong to expert ``i``."""
+        if len(counts) != self.num_local_experts:
+            raise ValueError(f"expected {self.num_local_experts} token counts, got {len(counts)}")
+        # unbind, not per-expert indexing: indexing a stacked parameter allocates a full-size
+        # gradient for every expert in backward; unbind allocates one.
+        fc1_w = self.batched_fc1_w.unbind(0)
+        fc2_w = self.batched_fc2_w.unbind(0)
+        fc1_b = self.batched_fc1_b.unbind(0) if self.batched_fc1_b is not None else [None] * len(counts)
+        fc2_b = self.batched_fc2_b.unbind(0) if self.batched_fc2_b is not None else [None] * len(counts)
+        outputs = []
+        # Empty experts still run (on zero rows) so every expert weight receives a gradient, zero
+        # when unused, exactly as in a single process holding all experts.
+        for i, tokens in enumerate(x.split(counts)):
+            h = self.activation(F.linear(tokens, fc1_w[i], fc1_b[i]))
+            h = F.dropout(h, p=self.activation_dropout, training=self.training)
+            outputs.append(F.linear(h, fc2_w[i], fc2_b[i]))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, self.model_dim)
+
+    def extra_repr(self):
+        return (
+            f"experts={self.num_local_experts} (global ids {self.first_global_id}.."
+            f"{self.first_global_id + self.num_local_experts - 1}), model_dim={self.model_dim}, "
+            f"hidden_dim={self.hidden_dim}, activation_dropout={self.activation_dropout}"
+        )

@@ -1,0 +1,198 @@
+"""The MoE layer: route, dispatch to experts (possibly on other workers), combine.
+
+Dispatch sorts token-slots by expert and gathers them once; combine scatters them back once. Cost
+is linear in the number of tokens (no dense ``tokens x experts x capacity`` one-hot einsum).
+
+With an expert-parallel ``group`` of W workers each worker holds ``E / W`` experts (global ids
+``rank * E/W ...``). Slots travel to their expert's worker and back with one all-to-all each way,
+with per-rank split sizes, so workers may hold different numbers of tokens. Statistics behind the
+losses and the capacity decision are totalled over the group, which makes a W-worker forward equal
+to one process holding all experts and the concatenated batch.
+"""
+
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .cache import MoEAux, MoEAuxCache
+from .capacity import check_capacity_factor, expert_capacity, slots_within_capacity
+from .experts import BatchedExperts
+from .losses import balance_loss, z_loss
+from .router import TopKRouter
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self,
+        model_dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        k: int = 2,
+        capacity_factor: float = 0.0,
+        eval_capacity_factor: float = 0.0,
+        router_type: str = "top",
+        fp32_router: bool = True,
+        gate_noise: float = 0.0,
+        normalize_gates: bool = False,
+        batch_prioritized: bool = False,
+        activation: Union[str, Callable] = "relu",
+        activation_dropout: float = 0.0,
+        bias: bool = True,
+        seed: int = 0,
+        group=None,
+        cache: Optional[MoEAuxCache] = None,
+        name: str = "moe",
+    ):
+        super().__init__()
+        world = comm.group_size(group)
+        if not isinstance(num_experts, int) or num_experts <= 0:
+            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+        if num_experts % world != 0:
+            raise ValueError(
+                f"{num_experts} experts cannot be split evenly over {world} workers: use an expert "
+                f"count that is a multiple of the world size (e.g. {world * max(1, num_experts // world)})"
+            )
+        self.capacity_factor = check_capacity_factor(capacity_factor)
+        self.eval_capacity_factor = check_capacity_factor(eval_capacity_factor, "eval_capacity_factor")
+        self.model_dim = model_dim
+        self.num_experts = num_experts
+        self.k = k
+        self.group = group
+        self.world_size = world
+        self.num_local_experts = num_experts // world
+        self.cache = cache
+        self.name = name
+        self.router = TopKRouter(
+            model_dim, num_experts, k, router_type=router_type, fp32=fp32_router,
+            gate_noise=gate_noise, normalize_gates=normalize_gates,
+            batch_prioritized=batch_prioritized,
+        )
+        self.experts = BatchedExperts(
+            model_dim, hidden_dim, self.num_local_experts,
+            first_global_id=comm.group_rank(group) * self.num_local_experts,
+            activation=activation, activation_dropout=activation_dropout, bias=bias, seed=seed,
+        )
+        for p in self.experts.parameters():
+            # The marker stock fairseq already honours (clip_grad_norm_, legacy DDP): this tensor
+            # is owned by one worker and must never be broadcast or averaged across workers.
+            p.expert = True
+
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x``: ``[..., model_dim]``; ``padding_mask``: ``x.shape[:-1]``, True at pad tokens.
+        Pad tokens are neither routed nor counted, and their output is zero."""
+        y, aux = self.forward_with_aux(x, padding_mask)
+        if self.cache is not None:
+            self.cache.record(self.name, aux)
+        return y
+
+    def forward_with_aux(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+        if x.dim() < 2 or x.shape[-1] != self.model_dim:
+            raise ValueError(
+                f"MoE layer expects input of shape [..., {self.model_dim}], got {tuple(x.shape)}"
+            )
+        flat = x.reshape(-1, self.model_dim)
+        if padding_mask is None:
+            y, aux = self.route_tokens(flat)
+            return y.view_as(x), aux
+        if tuple(padding_mask.shape) != tuple(x.shape[:-1]):
+            raise ValueError(
+                f"padding_mask shape {tuple(padding_mask.shape)} does not match the input's token "
+                f"shape {tuple(x.shape[:-1])}: pass a boolean mask, True at pad tokens"
+            )
+        real = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)
+        y_real, aux = self.route_tokens(flat.index_select(0, real))
+        y = y_real.new_zeros(flat.shape).index_copy(0, real, y_real)
+        return y.view_as(x), aux
+
+    def route_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, MoEAux]:
+        """The MoE function on ``[N, model_dim]`` real tokens."""
+        n, k, num_experts, group = tokens.shape[0], self.k, self.num_experts, self.group
+        routing = self.router(tokens)
+        expert_index = routing.expert_index
+
+        # Losses from group-wide sums (see comm.all_reduce_sum for why its backward also sums).
+        top1_count = torch.bincount(expert_index[:, 0], minlength=num_experts)
+        counts = comm.all_reduce_sum(
+            torch.cat([top1_count, top1_count.new_tensor([n])]).to(routing.probs.dtype), group
+        )
+        lse = torch.logsumexp(routing.logits.float(), dim=-1)
+        sums = comm.all_reduce_sum(torch.cat([routing.probs.sum(0), lse.pow(2).sum().view(1)]), group)
+        total_tokens = counts[-1].detach().round().long()
+        aux_balance = balance_loss(sums[:num_experts], counts[:num_experts], total_tokens)
+        aux_z = z_loss(sums[num_experts], total_tokens)
+
+        capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity = expert_capacity(int(total_tokens), num_experts, k, capacity_factor)
+        keep = None
+        if capacity is not None:
+            keep = self._slots_within_capacity(routing, capacity)
+
+        # Dispatch: token-major slots (token t, choice j) -> t * k + j, sorted by expert.
+        slot_expert = expert_index.reshape(-1)
+        if keep is None:
+            sorted_slots = torch.argsort(slot_expert, stable=True)
+            kept_expert = slot_expert
+        else:
+            kept = keep.reshape(-1).nonzero().squeeze(1)
+            kept_expert = slot_expert.index_select(0, kept)
+            sorted_slots = kept.index_select(0, torch.argsort(kept_expert, stable=True))
+        expert_load = torch.bincount(kept_expert, minlength=num_experts)
+        dispatched = tokens.index_select(0, sorted_slots // k)
+
+        expert_out = self._run_experts(dispatched, expert_load)
+
+        # Combine: put each slot's output back in its (token, choice) place, weight by its gate.
+        if keep is None:
+            slot_out = expert_out.index_select(0, torch.argsort(sorted_slots))
+        else:
+            slot_out = expert_out.new_zeros(n * k, self.model_dim).index_copy(0, sorted_slots, expert_out)
+        gates = routing.gates.to(slot_out.dtype)
+        y = torch.bmm(gates.unsqueeze(1), slot_out.view(n, k, self.model_dim)).squeeze(1)
+
+        probs = routing.probs.detach()
+        stats = {
+            "num_tokens": torch.tensor(float(n)),
+            "num_slots": torch.tensor(float(n * k)),
+            "dropped_slots": torch.tensor(float(n * k - int(expert_load.sum()))),
+            "expert_slots": torch.bincount(slot_expert, minlength=num_experts).float().cpu(),
+            "router_entropy_sum": -(probs * torch.log(probs.clamp_min(1e-20))).sum().float().cpu(),
+        }
+        return y, MoEAux(aux_balance, aux_z, stats)
+
+    def _slots_within_capacity(self, routing, capacity: int) -> torch.Tensor:
+        expert_index, score = routing.expert_index, routing.priority_score
+        if self.group is None:
+            return slots_within_capacity(expert_index, self.num_experts, capacity, score)
+        # Capacity is a property of the whole batch: decide on the gathered routing decisions
+        # exactly as a single process would, then keep this worker's rows.
+        all_index, sizes = comm.all_gather_rows(expert_index, self.group)
+        all_score = comm.all_gather_rows(score, self.group)[0] if score is not None else None
+        keep = slots_within_capacity(all_index, self.num_experts, capacity, all_score)
+        start = sum(sizes[: comm.group_rank(self.group)])
+        return keep[start : start + expert_index.shape[0]]
+
+    def _run_experts(self, dispatched: torch.Tensor, expert_load: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.experts(dispatched, expert_load.tolist())
+        world, local = self.world_size, self.num_local_experts
+        send_counts = expert_load.view(world, local)
+        recv_counts = comm.exchange_counts(send_counts, self.group)  # [source rank, local expert]
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = comm.all_to_all(dispatched, send_splits, recv_splits, self.group)
+        # Rows arrive grouped by source rank; experts want them grouped by local expert.
+        row_expert = torch.repeat_interleave(
+            torch.arange(local, device=received.device).repeat(world), recv_counts.reshape(-1)
+        )
+        by_expert = torch.argsort(row_expert, stable=True)
+        out = self.experts(received.index_select(0, by_expert), recv_counts.sum(0).tolist())
+        out = out.index_select(0, torch.argsort(by_expert))
+        return comm.all_to_all(out, recv_splits, send_splits, self.group)
+
+    def extra_repr(self):
+        return (
+            f"experts={self.num_experts} (local {self.num_local_experts}), k={self.k}, "
+            f"capacity_factor={self.capacity_factor}, eval_capacity_factor={self.eval_capacity_factor}"
+        )

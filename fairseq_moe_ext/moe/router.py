@@ -1,0 +1,121 @@
+"""Routers: score every token against every expert and pick its top-k experts.
+
+Two scoring functions, with Tutel's semantics so that migrating users keep their intuition:
+  * ``top``: a linear projection ``d_model -> E``;
+  * ``cosine``: a projection ``d_model -> proj_dim``, cosine similarity against one learned vector
+    per expert, times a learned temperature whose scale is clamped at 100 (``log 100``).
+
+The router runs in fp32 when ``fp32=True`` whatever the activation dtype: autocast is switched off
+inside, because softmax over a handful of bf16 logits decides which expert a token sees and small
+rounding differences flip that decision between otherwise identical runs.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROUTER_TYPES = ("top", "cosine")
+
+
+@dataclass
+class Routing:
+    """What the router decided for N tokens (all tensors are on the tokens' device)."""
+
+    logits: torch.Tensor  # [N, E] fp32 (or activation dtype when fp32=False)
+    probs: torch.Tensor  # [N, E] softmax(logits)
+    expert_index: torch.Tensor  # [N, k] chosen experts, best first
+    gates: torch.Tensor  # [N, k] weight of each chosen expert in the combined output
+    priority_score: Optional[torch.Tensor]  # [N] lower is served first; None = batch order
+
+
+class TopKRouter(nn.Module):
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 2,
+        router_type: str = "top",
+        fp32: bool = True,
+        gate_noise: float = 0.0,
+        normalize_gates: bool = False,
+        batch_prioritized: bool = False,
+        cosine_proj_dim: int = 256,
+        cosine_init_temperature: float = 0.5,
+    ):
+        super().__init__()
+        if not isinstance(num_experts, int) or num_experts <= 0:
+            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"top-k must be an integer >= 1, got {k!r}")
+        if k > num_experts:
+            raise ValueError(
+                f"top-k ({k}) exceeds the number of experts ({num_experts}): "
+                f"use k <= {num_experts} or add experts"
+            )
+        if router_type not in ROUTER_TYPES:
+            raise ValueError(
+                f"unknown router type {router_type!r}: choose one of {', '.join(ROUTER_TYPES)}"
+            )
+        if not isinstance(model_dim, int) or model_dim <= 0:
+            raise ValueError(f"model_dim must be a positive integer, got {model_dim!r}")
+        if not math.isfinite(gate_noise) or gate_noise < 0:
+            raise ValueError(f"gate_noise must be a finite number >= 0, got {gate_noise!r}")
+        self.num_experts = num_experts
+        self.k = k
+        self.router_type = router_type
+        self.fp32 = fp32
+        self.gate_noise = gate_noise
+        self.normalize_gates = normalize_gates
+        self.batch_prioritized = batch_prioritized
+        if router_type == "top":
+            self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        else:
+            self.cosine_projector = nn.Linear(model_dim, cosine_proj_dim)
+            self.sim_matrix = nn.Parameter(torch.empty(cosine_proj_dim, num_experts))
+            nn.init.normal_(self.sim_matrix, std=0.01)
+            self.temperature = nn.Parameter(
+                torch.full([1], math.log(1.0 / cosine_init_temperature))
+            )
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router_type == "top":
+            weight = self.wg.weight.float() if self.fp32 else self.wg.weight
+            return F.linear(x, weight)
+        proj = self.cosine_projector
+        if self.fp32:
+            h = F.linear(x, proj.weight.float(), proj.bias.float())
+            sim = self.sim_matrix.float()
+        else:
+            h = proj(x)
+            sim = self.sim_matrix
+        scale = torch.clamp(self.temperature, max=math.log(100.0)).exp()
+        return torch.matmul(F.normalize(h, dim=-1), F.normalize(sim, dim=0)) * scale
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route ``x`` of shape ``[N, model_dim]``."""
+        if x.dim() != 2:
+            raise ValueError(f"router expects [tokens, model_dim], got shape {tuple(x.shape)}")
+        device_type = x.device.type
+        with torch.autocast(device_type=device_type, enabled=False):
+            if self.fp32:
+                x = x.float()
+            logits = self.compute_logits(x)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32 if self.fp32 else None)
+            selection_scores = logits
+            if self.training and self.gate_noise > 0:
+                # Noise explores alternatives during training; it changes which experts are chosen
+                # but not the gate values, so the output stays a smooth function of the logits.
+                noise = torch.randn_like(logits) * (self.gate_noise / self.num_experts)
+                selection_scores = logits.detach() + noise
+            expert_index = torch.topk(selection_scores, self.k, dim=-1, sorted=True).indices
+            gates = probs.gather(1, expert_index)
+            if self.normalize_gates:
+                gates = gates / gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
+        # Batch-prioritised routing (Riquelme et al.): when an expert is over capacity, the tokens
+        # the router is most confident about are served first.
+        priority_score = -gates[:, 0].detach() if self.batch_prioritized else None
+        return Routing(logits, probs, expert_index, gates, priority_score)

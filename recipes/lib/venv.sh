@@ -1,0 +1,24 @@
+# Sourced by the quickstart commands: creates (or reuses) ./.venv with the pinned stack and this
+# package installed in editable mode, then activates it.
+#
+# Why ve-fairseq: upstream fairseq==0.12.2 does not import on Python 3.11 (dataclass mutable
+# defaults). ve-fairseq==0.12.3 is a prebuilt cp311 wheel of the same 0.12.3 sources (about 2 min
+# to install); fairseq-fixed==0.12.3.1 is an sdist that compiles for ~15 min. Set
+# FAIRSEQ_SPEC=fairseq-fixed==0.12.3.1 to use the latter.
+set -e
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+venv=${MOE_VENV:-$repo_root/.venv}
+stamp=$venv/.moe-ext-installed
+requirements=$repo_root/requirements.txt
+if [ ! -f "$stamp" ] || ! cmp -s "$requirements" "$stamp"; then
+  echo "[venv] installing pinned dependencies into $venv (first use only)" >&2
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements" \
+      ${FAIRSEQ_SPEC:+"$FAIRSEQ_SPEC"} 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo_root" \
+      2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "$venv/bin/python" -c "import fairseq, torch, fairseq_moe_ext" >/dev/null
+  cp "$requirements" "$stamp"
+fi
+# shellcheck disable=SC1091
+source "$venv/bin/activate"
