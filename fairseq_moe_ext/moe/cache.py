@@ -9,11 +9,15 @@ criterion collects the records of the current forward pass, which clears them.
   pass that nobody collected, e.g. inference, so a later collection never sees stale values. If
   such a record is part of an autograd graph (a training forward whose criterion never collected
   its balance loss) it raises instead: the loss would otherwise be silently lost.
+* A ``scoped`` cache (what fairseq models use) records only inside ``forward_pass()``, i.e. during
+  the model's own forward; fairseq's generators call the encoder and decoder directly, step after
+  step, and nothing from those steps needs to be kept.
 * Records made while autograd runs a backward pass come from activation checkpointing
   recomputing the forward; their losses were already counted in the first pass, so they are
   dropped.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -43,8 +47,10 @@ def inside_backward() -> bool:
 
 
 class MoEAuxCache:
-    def __init__(self):
+    def __init__(self, scoped: bool = False):
         self._records: List[MoERecord] = []
+        self.scoped = scoped
+        self._open_passes = 0
 
     def start_pass(self) -> None:
         pending = [r for r in self._records if r.aux.balance_loss.requires_grad]
@@ -57,8 +63,17 @@ class MoEAuxCache:
             )
         self._records = []
 
+    @contextmanager
+    def forward_pass(self):
+        self.start_pass()
+        self._open_passes += 1
+        try:
+            yield
+        finally:
+            self._open_passes -= 1
+
     def record(self, layer: str, aux: MoEAux) -> None:
-        if inside_backward():
+        if inside_backward() or (self.scoped and not self._open_passes):
             return
         self._records.append(MoERecord(layer, aux))
 

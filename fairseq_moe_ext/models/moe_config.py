@@ -1,0 +1,105 @@
+"""The ``--moe-*`` model options, named after fairseq's ``moe`` branch where it had them."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.utils import safe_getattr
+
+from ..moe.router import ROUTER_TYPES
+
+MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
+
+
+@dataclass
+class MoEConfig(FairseqDataclass):
+    moe_expert_count: int = field(
+        default=8, metadata={"help": "number of experts in each MoE layer, over all workers (default 8)"}
+    )
+    moe_freq: int = field(
+        default=2,
+        metadata={"help": "layer i (0-based) is an MoE layer when (i + 1) % freq == 0; 0 disables MoE "
+                  "(default 2: every other layer)"},
+    )
+    decoder_moe_freq: Optional[int] = field(
+        default=None, metadata={"help": "--moe-freq for decoder layers (default: --moe-freq)"}
+    )
+    moe_top_k: int = field(default=2, metadata={"help": "experts per token (default 2)"})
+    moe_capacity_factor: float = field(
+        default=0.0,
+        metadata={"help": "training capacity, Tutel semantics with N tokens over all workers: > 0 keeps "
+                  "k*int(cf*ceil(N/E)) slots per expert and drops the rest; 0 is dropless; < 0 is "
+                  "dropless up to k*int(|cf|*ceil(N/E)) (default 0)"},
+    )
+    moe_eval_capacity_factor: float = field(
+        default=0.0,
+        metadata={"help": "capacity factor in validation and inference (default 0: dropless, so outputs "
+                  "do not depend on batch composition)"},
+    )
+    moe_gate_noise: float = field(
+        default=0.0,
+        metadata={"help": "std of Gaussian noise (divided by E) added to router logits when choosing "
+                  "experts in training only (default 0)"},
+    )
+    moe_gating_use_fp32: bool = field(
+        default=False,
+        metadata={"help": "accepted for compatibility with fairseq's moe branch: routing already runs in "
+                  "fp32 unless --moe-gating-no-fp32"},
+    )
+    moe_gating_no_fp32: bool = field(
+        default=False, metadata={"help": "run the router in the activation dtype instead of fp32"}
+    )
+    moe_router: MOE_ROUTER_CHOICES = field(
+        default="top",
+        metadata={"help": "router: 'top' (linear logits) or 'cosine' (Tutel's cosine_top: projected "
+                  "cosine similarity times a learned temperature clamped at 100) (default top)"},
+    )
+    moe_expert_ffn_dim: Optional[int] = field(
+        default=None, metadata={"help": "hidden size of each expert (default: the layer's ffn dim)"}
+    )
+    moe_batch_prioritized_routing: bool = field(
+        default=False,
+        metadata={"help": "when an expert is over capacity, serve tokens with the highest top-1 gate first "
+                  "instead of in batch order"},
+    )
+    moe_normalize_gate: bool = field(
+        default=False, metadata={"help": "renormalise each token's k gate values to sum to 1"}
+    )
+
+
+@dataclass
+class MoEEncoderDecoderConfig(MoEConfig):
+    encoder_moe_freq: Optional[int] = field(
+        default=None, metadata={"help": "--moe-freq for encoder layers (default: --moe-freq)"}
+    )
+
+
+def moe_freq(args, side: str) -> int:
+    value = safe_getattr(args, f"{side}_moe_freq", None)
+    return safe_getattr(args, "moe_freq", 2) if value is None else value
+
+
+def check_moe_args(args) -> None:
+    """Fail before anything is built, with one line that names the flag and the fix."""
+    experts = safe_getattr(args, "moe_expert_count", 8)
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"--moe-expert-count must be a positive integer, got {experts!r}")
+    k = safe_getattr(args, "moe_top_k", 2)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"--moe-top-k must be >= 1, got {k!r}")
+    if k > experts:
+        raise ValueError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
+    for name in ("moe_capacity_factor", "moe_eval_capacity_factor", "moe_gate_noise"):
+        value = safe_getattr(args, name, 0.0)
+        if value is None or not math.isfinite(float(value)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value!r}")
+    if safe_getattr(args, "moe_gate_noise", 0.0) < 0:
+        raise ValueError("--moe-gate-noise must be >= 0")
+    for side in ("encoder", "decoder"):
+        freq = moe_freq(args, side)
+        if not isinstance(freq, int) or freq < 0:
+            raise ValueError(f"--{side}-moe-freq / --moe-freq must be an integer >= 0, got {freq!r}")
+    dim = safe_getattr(args, "moe_expert_ffn_dim", None)
+    if dim is not None and dim < 1:
+        raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}")

@@ -1,0 +1,161 @@
+"""fairseq transformer layers whose feed-forward block is an MoE layer.
+
+The layer classes subclass fairseq's own, so attention, residuals, layer norms and every transformer
+flag behave exactly as in the dense model. Only the FFN changes: ``fc1`` becomes the MoE block (router
+and experts, each expert being ``fc1 -> activation -> activation dropout -> fc2`` with the model's
+``--activation-fn`` and ``--activation-dropout``), ``fc2`` becomes the identity, and fairseq's
+``dropout`` after the FFN is kept. Pad tokens are masked out of routing.
+"""
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from fairseq import utils
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from fairseq.utils import safe_getattr
+
+from ..distributed import expert_parallel_group
+from ..moe import MoELayer
+from .moe_config import moe_freq
+
+
+class MoEFeedForward(MoELayer):
+    """Stands in a fairseq layer's ``fc1`` slot; takes ``T x B x C`` input and the layer's
+    ``B x T`` padding mask, which the layer hands over just before its forward."""
+
+    padding_mask: Optional[torch.Tensor] = None
+
+    def forward(self, x):
+        mask = self.padding_mask
+        if mask is not None:
+            mask = mask[:, -x.shape[0]:].transpose(0, 1)  # cross-self-attention prepends source
+            if mask.shape != x.shape[:-1]:
+                mask = None
+        return super().forward(x, mask)
+
+
+def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int) -> MoEFeedForward:
+    activation_dropout = safe_getattr(args, "activation_dropout", 0.0) or safe_getattr(args, "relu_dropout", 0.0) or 0.0
+    return MoEFeedForward(
+        model_dim=model_dim,
+        hidden_dim=safe_getattr(args, "moe_expert_ffn_dim", None) or ffn_dim,
+        num_experts=args.moe_expert_count,
+        k=args.moe_top_k,
+        capacity_factor=args.moe_capacity_factor,
+        eval_capacity_factor=args.moe_eval_capacity_factor,
+        router_type=str(args.moe_router),
+        fp32_router=not safe_getattr(args, "moe_gating_no_fp32", False),
+        gate_noise=args.moe_gate_noise,
+        normalize_gates=args.moe_normalize_gate,
+        batch_prioritized=args.moe_batch_prioritized_routing,
+        activation=utils.get_activation_fn(safe_getattr(args, "activation_fn", "relu")),
+        activation_dropout=float(activation_dropout),
+        seed=layer_seed,
+        group=expert_parallel_group(),
+    )
+
+
+class _MoEFFNMixin:
+    """Build-time hooks shared by the encoder and decoder MoE layers."""
+
+    def _init_moe(self, moe_ffn: MoEFeedForward):
+        # fairseq's __init__ reads self.build_fc1/2 while constructing; stash the block first.
+        object.__setattr__(self, "_pending_moe_ffn", moe_ffn)
+
+    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
+        ffn = self.__dict__.pop("_pending_moe_ffn")
+        if q_noise:
+            raise ValueError("--quant-noise-pq is not supported on MoE layers: drop it or set --moe-freq 0")
+        return ffn
+
+    def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
+        return nn.Identity()
+
+    def _finish_moe(self):
+        # The experts apply the activation and its dropout inside; the layer must not repeat them.
+        self.activation_fn = _identity
+        self.activation_dropout_module = nn.Identity()
+
+
+def _identity(x):
+    return x
+
+
+class MoEEncoderLayer(_MoEFFNMixin, TransformerEncoderLayerBase):
+    def __init__(self, cfg, moe_ffn: MoEFeedForward, return_fc=False):
+        nn.Module.__init__(self)
+        self._init_moe(moe_ffn)
+        TransformerEncoderLayerBase.__init__(self, cfg, return_fc=return_fc)
+        self._finish_moe()
+
+    def forward(self, x, encoder_padding_mask, attn_mask=None):
+        self.fc1.padding_mask = encoder_padding_mask
+        try:
+            return super().forward(x, encoder_padding_mask, attn_mask)
+        finally:
+            self.fc1.padding_mask = None
+
+
+_DECODER_FORWARD = inspect.signature(TransformerDecoderLayerBase.forward)
+
+
+class MoEDecoderLayer(_MoEFFNMixin, TransformerDecoderLayerBase):
+    def __init__(self, cfg, moe_ffn: MoEFeedForward, no_encoder_attn=False):
+        nn.Module.__init__(self)
+        self._init_moe(moe_ffn)
+        TransformerDecoderLayerBase.__init__(self, cfg, no_encoder_attn=no_encoder_attn)
+        self._finish_moe()
+
+    def forward(self, *args, **kwargs):
+        bound = _DECODER_FORWARD.bind(self, *args, **kwargs)
+        self.fc1.padding_mask = bound.arguments.get("self_attn_padding_mask")
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.fc1.padding_mask = None
+
+
+def is_moe_layer(index: int, freq: int) -> bool:
+    return freq > 0 and (index + 1) % freq == 0
+
+
+def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, no_encoder_attn=False) -> int:
+    """Replace every ``freq``-th layer of a built encoder/decoder ``stack`` by its MoE version.
+
+    Returns how many layers were replaced. Layers are rebuilt (not converted) so the dense FFN
+    weights never exist for them.
+    """
+    freq = moe_freq(args, side)
+    ffn_dim = cfg.encoder.ffn_embed_dim if side == "encoder" else cfg.decoder.ffn_embed_dim
+    model_dim = cfg.encoder.embed_dim if side == "encoder" else cfg.decoder.embed_dim
+    replaced = 0
+    for i in range(len(stack.layers)):
+        if not is_moe_layer(i, freq):
+            continue
+        ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i)
+        if side == "encoder":
+            layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))
+        else:
+            layer = MoEDecoderLayer(cfg, ffn, no_encoder_attn=no_encoder_attn)
+        stack.layers[i] = wrap_for_checkpointing(layer, cfg)
+        replaced += 1
+    return replaced
+
+
+def wrap_for_checkpointing(layer: nn.Module, cfg) -> nn.Module:
+    if not safe_getattr(cfg, "checkpoint_activations", False):
+        return layer
+    # fairseq's own checkpoint_wrapper runs the first forward under no_grad, which would cut the
+    # balance loss off the graph; torch's non-reentrant checkpoint keeps it (see moe/cache.py).
+    # Like fairseq's wrapper, replace forward on the instance so parameter names do not change.
+    plain_forward = layer.forward
+
+    def checkpointed_forward(*args, **kwargs):
+        if not layer.training:
+            return plain_forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(plain_forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed_forward
+    return layer
