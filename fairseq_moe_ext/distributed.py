@@ -1,7 +1,29 @@
-"""Which workers share experts, and the expert-aware side of data-parallel training."""
+"""Expert-aware data parallelism: what is shared, what is not, and how gradients line up.
 
+Shared parameters (attention, embeddings, routers, ...) are replicated: identical on every worker,
+gradients averaged. Expert parameters (``p.expert = True``) are owned by one worker each: never
+broadcast, never averaged. Tokens reach their experts through the MoE layers' all-to-all, so an
+expert's gradient is already the sum over every worker's tokens. Three consequences, handled here:
+
+* fairseq multiplies every gradient by ``world_size / sample_size`` after the all-reduce (which
+  averaged the shared ones); expert gradients were never averaged, so they are first divided by
+  ``world_size``. The update then equals the single-process update.
+* The gradient norm used for clipping and logging is the global one: shared norm squared plus the
+  sum over workers of their expert norms squared. Every worker computes the same number, so
+  clipping never makes workers diverge and fairseq's consistency check holds.
+* Shared parameters must agree across workers before training starts; they are compared once and a
+  mismatch is an error (with ``legacy_ddp`` nothing would ever re-synchronise them).
+"""
+
+from typing import Iterable, List
+
+import torch
 import torch.distributed as dist
+from fairseq.distributed import ModuleProxyWrapper
 
+SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
+# Set once an MoE model is wrapped for multi-worker training (see the clip_grad_norm_ hook).
+EXPERT_PARALLEL_TRAINING = False
 _GROUP_CACHE = {}
 
 
@@ -19,3 +41,114 @@ def expert_parallel_group():
         _GROUP_CACHE.clear()
         _GROUP_CACHE[key] = dist.new_group(list(range(dist.get_world_size())))
     return _GROUP_CACHE[key]
+
+
+def is_expert(p) -> bool:
+    return getattr(p, "expert", False) is True
+
+
+def has_experts(module: torch.nn.Module) -> bool:
+    return any(is_expert(p) for p in module.parameters())
+
+
+def expert_parameter_names(module: torch.nn.Module) -> List[str]:
+    return [name for name, p in module.named_parameters() if is_expert(p)]
+
+
+def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """sqrt(shared norm^2 + sum over workers of expert norm^2), identical on every worker."""
+    shared_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    device = None
+    for p in params:
+        if p is None or p.grad is None:
+            continue
+        device = p.grad.device
+        sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double().cpu() ** 2
+        if is_expert(p):
+            expert_sq += sq
+        else:
+            shared_sq += sq
+    group = expert_parallel_group()
+    if group is not None:
+        expert_sq = expert_sq.to(_collective_device(group))
+        dist.all_reduce(expert_sq, group=group)
+        expert_sq = expert_sq.cpu()
+    total = (shared_sq + expert_sq).sqrt().float()
+    return total.to(device) if device is not None else total
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    total_norm = global_grad_norm(params)
+    if max_norm > 0:
+        clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
+        grads = [p.grad.detach() for p in params if p is not None and p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+    return total_norm
+
+
+def _collective_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def check_shared_parameters_agree(model: torch.nn.Module, group=None) -> None:
+    """Raise if any shared parameter differs across workers (bitwise fingerprints)."""
+    shared = [(n, p) for n, p in model.named_parameters() if not is_expert(p)]
+    if not shared:
+        return
+    fingerprints = torch.stack([_fingerprint(p) for _, p in shared]).to(_collective_device(group or dist.group.WORLD))
+    gathered = [torch.empty_like(fingerprints) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, fingerprints, group=group)
+    for rank, other in enumerate(gathered):
+        differs = (other != gathered[0]).any(dim=1).nonzero()
+        if len(differs):
+            name = shared[int(differs[0])][0]
+            raise RuntimeError(
+                f"shared parameter {name} differs between rank 0 and rank {rank} before training: every "
+                f"worker must build the model with the same --seed (expert weights are seeded per expert "
+                f"and may differ); check for rank-dependent initialisation"
+            )
+
+
+def _fingerprint(p: torch.Tensor) -> torch.Tensor:
+    bits = p.detach().float().contiguous().view(torch.int32).long().cpu().view(-1)
+    position = torch.arange(1, bits.numel() + 1, dtype=torch.long) % 1_000_003
+    return torch.stack([bits.sum(), (bits * position).sum(), torch.tensor(bits.numel())])
+
+
+class ExpertParallelModel(ModuleProxyWrapper):
+    """Wraps fairseq's data-parallel model so expert gradients get the matching scale.
+
+    Attribute access, ``state_dict`` and ``load_state_dict`` go to the fairseq model, as with
+    fairseq's own wrappers.
+    """
+
+    def __init__(self, module: torch.nn.Module, world_size: int):
+        super().__init__(module)
+        self.world_size = world_size
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
+
+    def all_reduce_grads(self):
+        inner = getattr(self.module, "module", None)
+        if inner is not None and hasattr(inner, "all_reduce_grads"):
+            inner.all_reduce_grads()  # legacy_ddp / no_c10d reduce here; c10d did it in backward
+        scale = 1.0 / self.world_size
+        grads = [p.grad for p in self.parameters() if is_expert(p) and p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+
+
+def unsupported_backend_error(backend: str) -> ValueError:
+    return ValueError(
+        f"--ddp-backend {backend} is not supported with MoE models (it would shard or average expert "
+        f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp)"
+    )
+

@@ -1,0 +1,135 @@
+"""Expert-parallel training through fairseq's own Trainer equals single-process training.
+
+Each gloo worker runs one real ``Trainer.train_step`` (fairseq's all-reduce, gradient scaling,
+clipping and optimizer step, with this plugin's hooks) on its share of a batch; a single process
+holding every expert runs the same step on the whole batch. Loss, gradient norm and every updated
+parameter (experts mapped by global id) must agree. SGD without momentum is used on purpose: Adam's
+first step is invariant to gradient scale and would hide a wrong expert-gradient factor.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fairseq_moe_ext
+from dist_utils import run_on_workers
+
+pytestmark = pytest.mark.slow
+
+VOCAB = [f"w{i}" for i in range(30)]
+
+
+def write_dictionaries(data_dir):
+    os.makedirs(data_dir, exist_ok=True)
+    for lang in ("src", "tgt"):
+        with open(os.path.join(data_dir, f"dict.{lang}.txt"), "w") as f:
+            f.writelines(f"{w} 1\n" for w in VOCAB)
+
+
+def sentence_pairs(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(n):
+        length = int(torch.randint(2, 9, (1,), generator=g))
+        src = torch.randint(len(VOCAB), (length,), generator=g)
+        pairs.append((src, src.flip(0)))
+    return pairs
+
+
+def training_args(data_dir, world_size, extra=()):
+    return [
+        data_dir, "--user-dir", fairseq_moe_ext.PACKAGE_DIR, "--task", "translation",
+        "--source-lang", "src", "--target-lang", "tgt",
+        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4", "--moe-top-k", "2",
+        "--dropout", "0", "--attention-dropout", "0",
+        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--moe-gate-loss-wt", "0.5", "--moe-z-loss-wt", "0.05",
+        "--optimizer", "sgd", "--momentum", "0", "--lr", "0.5", "--clip-norm", "0.7",
+        "--cpu", "--seed", "3", "--distributed-world-size", str(world_size),
+        "--distributed-backend", "gloo", *extra,
+    ]
+
+
+def build_trainer(argv):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    if dist.is_initialized():
+        cfg.distributed_training.distributed_rank = dist.get_rank()
+    torch.manual_seed(cfg.common.seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return task, Trainer(cfg, task, model, criterion)
+
+
+def collate(task, pairs):
+    from fairseq.data import LanguagePairDataset
+
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    to_ids = lambda d, t: torch.cat([t + d.nspecial, torch.tensor([d.eos()])])
+    src = [to_ids(src_dict, s) for s, _ in pairs]
+    tgt = [to_ids(tgt_dict, t) for _, t in pairs]
+    dataset = LanguagePairDataset(src, [len(s) for s in src], src_dict, tgt, [len(t) for t in tgt], tgt_dict)
+    return dataset.collater([dataset[i] for i in range(len(pairs))])
+
+
+def one_step(task, trainer, pairs):
+    from fairseq.logging import metrics
+
+    with metrics.aggregate(new_root=True) as agg:
+        trainer.train_step([collate(task, pairs)])
+    model = trainer.get_model()
+    return {  # meters' raw averages: the smoothed values are rounded for display
+        "loss": float(agg["loss"].avg),
+        "gate_loss": float(agg["moe_gate_loss"].avg),
+        "gnorm": float(agg["gnorm"].avg),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "expert_names": [n for n, p in model.named_parameters() if getattr(p, "expert", False)],
+    }
+
+
+def expert_parallel_worker(rank, world, data_dir, shares, backend):
+    task, trainer = build_trainer(training_args(data_dir, world, ["--ddp-backend", backend]))
+    pairs = sentence_pairs(sum(shares))
+    start = sum(shares[:rank])
+    return one_step(task, trainer, pairs[start : start + shares[rank]])
+
+
+@pytest.mark.parametrize(
+    "backend, shares",
+    [
+        ("legacy_ddp", [6, 6]),
+        ("legacy_ddp", [3, 9]),  # unequal token counts per worker
+        ("c10d", [5, 7]),
+        ("no_c10d", [8, 4]),
+    ],
+)
+def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp_path, backend, shares):
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    results = run_on_workers(expert_parallel_worker, 2, data_dir, shares, backend)
+
+    task, trainer = build_trainer(training_args(data_dir, 1))
+    reference = one_step(task, trainer, sentence_pairs(sum(shares)))
+
+    for r in results:
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert r["gate_loss"] == pytest.approx(reference["gate_loss"], rel=1e-5)
+        assert r["gnorm"] == pytest.approx(reference["gnorm"], rel=1e-5)
+        assert r["gnorm"] > 0.7, "the case should exercise clipping"
+    experts = set(reference["expert_names"])
+    assert experts and experts == set(results[0]["expert_names"])
+    for name, want in reference["params"].items():
+        if name in experts:
+            got = torch.cat([r["params"][name] for r in results])  # rank r holds global ids r*E/W..
+        else:
+            got = results[0]["params"][name]
+            assert torch.equal(got, results[1]["params"][name]), f"shared {name} differs across ranks"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
