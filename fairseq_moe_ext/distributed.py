@@ -15,6 +15,7 @@ expert's gradient is already the sum over every worker's tokens. Three consequen
   mismatch is an error (with ``legacy_ddp`` nothing would ever re-synchronise them).
 """
 
+from contextlib import contextmanager
 from typing import Iterable, List
 
 import torch
@@ -25,6 +26,19 @@ SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
 # Set once an MoE model is wrapped for multi-worker training (see the clip_grad_norm_ hook).
 EXPERT_PARALLEL_TRAINING = False
 _GROUP_CACHE = {}
+_LOCAL_EXPERTS = [0]  # > 0 while models are built for inference with every expert local
+
+
+@contextmanager
+def all_experts_local():
+    """Models built inside hold every expert, whatever the world size (generation, evaluation:
+    fairseq's generators run a different number of steps per worker, so no worker may wait for
+    another's experts)."""
+    _LOCAL_EXPERTS[0] += 1
+    try:
+        yield
+    finally:
+        _LOCAL_EXPERTS[0] -= 1
 
 
 def expert_parallel_group():
@@ -34,7 +48,7 @@ def expert_parallel_group():
     A dedicated group (same members as the default one) keeps the MoE all-to-alls in their own
     queue, separate from the gradient all-reduces that data-parallel wrappers issue asynchronously.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _LOCAL_EXPERTS[0] or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     key = id(dist.group.WORLD)  # a new default group (re-initialised job) needs a new MoE group
     if key not in _GROUP_CACHE:

@@ -15,13 +15,25 @@ Hooks:
      uses device 0 (the CPU) and the default nccl backend becomes gloo.
   3. models.DistributedFairseqModel (called by the trainer): for models with expert parameters,
      check the backend, verify shared parameters agree across workers, keep experts out of torch
-     DDP's broadcast and all-reduce (its documented ignore list; CPU modules get no device_ids),
-     and wrap the result so expert gradients are scaled to match the single-process update.
+     DDP's broadcast and all-reduce (its documented ignore list), and wrap the result so expert
+     gradients are scaled to match the single-process update. For any model, c10d/pytorch_ddp on
+     CPU gets no device_ids (fairseq passes [device_id], which torch refuses for CPU modules).
   4. utils.clip_grad_norm_ (called by every fairseq optimizer): with expert parameters present the
      norm is the global one (distributed.global_grad_norm); fairseq's own leaves experts out.
+  5. Trainer.checkpoint_suffix / should_save_checkpoint_on_current_rank / state_dict: in multi-worker
+     MoE training every worker saves, under a ``-rank-R-of-W`` suffix, and only rank 0 stores the
+     shared state. All of fairseq's naming, --save-interval*, --keep-* and best/last logic is kept.
+  6. checkpoint_utils.save_checkpoint: afterwards the workers' new files are described (size,
+     sha256) and rank 0 writes one manifest per complete set, last and atomically; manifests of
+     sets that --keep-* pruned are removed.
+  7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
+     complete set or a single file (falling back to the newest complete set with a warning),
+     merged, and sliced for this worker: resuming works at any world size dividing the experts.
+  8. checkpoint_utils.load_model_ensemble_and_task (generate, interactive, eval-lm, validate, hub):
+     ``--path dir/checkpoint_best.pt`` loads a set with no conversion step; models are built with
+     every expert local.
 """
 
-import argparse
 import collections
 import functools
 import logging
@@ -30,14 +42,13 @@ import pickle
 import re
 
 import torch
+from omegaconf import open_dict
 
 logger = logging.getLogger(__name__)
 
 CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
 
-# What fairseq 0.12 stores in a checkpoint besides tensors and builtins, found by loading real
-# checkpoints of translation and language-model runs (see tests/test_fairseq_integration.py).
-CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace, collections.OrderedDict, collections.defaultdict]
+from .checkpoint import CHECKPOINT_SAFE_GLOBALS  # noqa: E402
 
 _installed = False
 
@@ -57,13 +68,16 @@ def _refusal(path, error) -> UnsafeCheckpointError:
 
 
 def _wrap_load_checkpoint_to_cpu(original):
-    @functools.wraps(original)
-    def load_checkpoint_to_cpu(path, *args, **kwargs):
+    def load_one(path, arg_overrides=None, **kwargs):
         with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
             try:
-                return original(path, *args, **kwargs)
+                return original(path, arg_overrides, **kwargs)
             except pickle.UnpicklingError as error:
                 raise _refusal(path, error) from None
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
+        return _load_moe_checkpoint(load_one, path, arg_overrides, **kwargs)
 
     return load_checkpoint_to_cpu
 
@@ -90,24 +104,24 @@ def _wrap_distributed_model(original):
 
     @functools.wraps(original)
     def distributed_fairseq_model(args, model, process_group, device):
-        if not moe_dist.has_experts(model):
-            return original(args, model, process_group, device)
         backend = args.ddp_backend
-        if backend not in moe_dist.SUPPORTED_DDP_BACKENDS:
-            raise moe_dist.unsupported_backend_error(backend)
-        model = model.to(device)
-        moe_dist.check_shared_parameters_agree(model, process_group)
-        if backend in ("c10d", "pytorch_ddp"):
-            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, moe_dist.expert_parameter_names(model)
-            )
+        moe = moe_dist.has_experts(model)
+        if moe:
+            if backend not in moe_dist.SUPPORTED_DDP_BACKENDS:
+                raise moe_dist.unsupported_backend_error(backend)
+            model = model.to(device)
+            moe_dist.check_shared_parameters_agree(model, process_group)
+            if backend in ("c10d", "pytorch_ddp"):
+                torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    model, moe_dist.expert_parameter_names(model)
+                )
         if backend in ("c10d", "pytorch_ddp") and device.type == "cpu":
             from fairseq.distributed import ModuleProxyWrapper
 
             # fairseq passes device_ids=[device_id], which torch refuses for CPU modules.
             wrapped = ModuleProxyWrapper(
                 torch.nn.parallel.DistributedDataParallel(
-                    module=model,
+                    module=model.to(device),
                     broadcast_buffers=args.broadcast_buffers,
                     bucket_cap_mb=args.bucket_cap_mb,
                     process_group=process_group,
@@ -117,6 +131,8 @@ def _wrap_distributed_model(original):
             )
         else:
             wrapped = original(args, model, process_group, device)
+        if not moe:
+            return wrapped
         moe_dist.EXPERT_PARALLEL_TRAINING = True
         return moe_dist.ExpertParallelModel(wrapped, torch.distributed.get_world_size(process_group))
 
@@ -143,6 +159,193 @@ def _wrap_clip_grad_norm(original):
     return clip_grad_norm_
 
 
+# ---------------------------------------------------------------- per-rank checkpoints
+
+_SHARD_FOR = []  # (rank, world_size) while Trainer.load_checkpoint loads a set for one worker
+
+
+def _is_expert_parallel_trainer(trainer) -> bool:
+    from . import distributed as moe_dist
+
+    cached = trainer.__dict__.get("_moe_ext_expert_parallel")
+    if cached is None:
+        cached = trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
+        trainer.__dict__["_moe_ext_expert_parallel"] = cached
+    return cached
+
+
+def _wrap_checkpoint_suffix(original):
+    from .checkpoint import rank_suffix
+
+    def checkpoint_suffix(self):
+        suffix = original.fget(self)
+        if _is_expert_parallel_trainer(self):
+            suffix += rank_suffix(self.data_parallel_rank, self.data_parallel_world_size)
+        return suffix
+
+    return property(checkpoint_suffix)
+
+
+def _wrap_should_save(original):
+    def should_save_checkpoint_on_current_rank(self):
+        return _is_expert_parallel_trainer(self) or original.fget(self)
+
+    return property(should_save_checkpoint_on_current_rank)
+
+
+def _wrap_trainer_state_dict(original):
+    from . import checkpoint as moe_ckpt
+    from . import distributed as moe_dist
+
+    @functools.wraps(original)
+    def state_dict(self):
+        state = original(self)
+        if not moe_dist.has_experts(self._model):
+            return state
+        world = self.data_parallel_world_size
+        rank = self.data_parallel_rank if world > 1 else 0
+        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        state["moe"] = moe_ckpt.moe_metadata(
+            names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates()
+        )
+        if rank > 0:
+            moe_ckpt.strip_shared_state(state)
+        return state
+
+    return state_dict
+
+
+def _own_checkpoint_files(save_dir, suffix):
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return {}
+    ending = suffix + ".pt"
+    files = {}
+    for name in names:
+        if name.endswith(ending):
+            st = os.stat(os.path.join(save_dir, name))
+            files[name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return files
+
+
+def _wrap_save_checkpoint(original):
+    from . import checkpoint as moe_ckpt
+    from . import distributed as moe_dist
+
+    @functools.wraps(original)
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        if cfg.no_save or not moe_dist.has_experts(trainer._model):
+            return original(cfg, trainer, epoch_itr, val_loss)
+        suffix = trainer.checkpoint_suffix
+        before = _own_checkpoint_files(cfg.save_dir, suffix)
+        result = original(cfg, trainer, epoch_itr, val_loss)
+        after = _own_checkpoint_files(cfg.save_dir, suffix)
+        if not _is_expert_parallel_trainer(trainer):
+            for name, stamp in after.items():
+                if before.get(name) != stamp:
+                    moe_ckpt.remove_other_layouts(moe_ckpt.base_of(os.path.join(cfg.save_dir, name)), world_size=1)
+            return result
+        written = [
+            dict(moe_ckpt.describe_file(os.path.join(cfg.save_dir, n)), rank=trainer.data_parallel_rank)
+            for n, stamp in after.items() if before.get(n) != stamp
+        ]
+        removed = [n for n in before if n not in after]
+        reports = [None] * trainer.data_parallel_world_size
+        torch.distributed.all_gather_object(reports, (written, removed))
+        if trainer.data_parallel_rank == 0:
+            _write_manifests(cfg.save_dir, reports, trainer)
+        return result
+
+    return save_checkpoint
+
+
+def _write_manifests(save_dir, reports, trainer):
+    from . import checkpoint as moe_ckpt
+    from . import distributed as moe_dist
+
+    world = len(reports)
+    by_base = collections.defaultdict(list)
+    for written, _ in reports:
+        for entry in written:
+            by_base[moe_ckpt.base_of(os.path.join(save_dir, entry["name"]))].append(entry)
+    experts = {n: int(p.shape[0]) * world for n, p in trainer._model.named_parameters() if moe_dist.is_expert(p)}
+    for base, entries in by_base.items():
+        if sorted(e["rank"] for e in entries) == list(range(world)):
+            moe_ckpt.write_manifest(base, world, trainer.get_num_updates(), entries, experts)
+            moe_ckpt.remove_other_layouts(base, world)
+        else:
+            logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")
+    for _, removed in reports:
+        for name in removed:
+            manifest = moe_ckpt.manifest_path(moe_ckpt.base_of(os.path.join(save_dir, name)))
+            if os.path.exists(manifest):
+                os.remove(manifest)
+
+
+def _wrap_trainer_load_checkpoint(original):
+    from . import checkpoint as moe_ckpt
+    from . import distributed as moe_dist
+
+    @functools.wraps(original)
+    def load_checkpoint(self, filename, *args, **kwargs):
+        if not moe_dist.has_experts(self._model):
+            return original(self, filename, *args, **kwargs)
+        resolved = moe_ckpt.resolve(filename)
+        if resolved is None:
+            return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
+        world = self.data_parallel_world_size
+        rank = self.data_parallel_rank if world > 1 else 0
+        logger.info(f"loading {resolved.kind} {resolved.path} as worker {rank} of {world}")
+        _SHARD_FOR.append((rank, world))
+        try:
+            # Every worker builds its own slice, so nothing is broadcast from rank 0.
+            with open_dict(self.cfg.checkpoint):
+                previous = self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks
+                self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
+            try:
+                return original(self, resolved.path, *args, **kwargs)
+            finally:
+                with open_dict(self.cfg.checkpoint):
+                    self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = previous
+        finally:
+            _SHARD_FOR.pop()
+
+    return load_checkpoint
+
+
+def _load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
+    """A manifest path gives the merged set; inside Trainer.load_checkpoint, this worker's slice."""
+    from . import checkpoint as moe_ckpt
+
+    if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
+        full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, **kwargs))
+    else:
+        full = original_load(path, arg_overrides, **kwargs)
+        if "moe" not in full or not _SHARD_FOR:
+            return full
+    if _SHARD_FOR:
+        rank, world = _SHARD_FOR[-1]
+        return moe_ckpt.shard_state(full, rank, world)
+    return full
+
+
+def _wrap_load_model_ensemble_and_task(original):
+    from . import checkpoint as moe_ckpt
+    from . import distributed as moe_dist
+
+    @functools.wraps(original)
+    def load_model_ensemble_and_task(filenames, *args, **kwargs):
+        resolved = []
+        for name in filenames:
+            found = moe_ckpt.resolve(name) if not os.path.exists(name) else None
+            resolved.append(found.path if found is not None else name)
+        with moe_dist.all_experts_local():
+            return original(resolved, *args, **kwargs)
+
+    return load_model_ensemble_and_task
+
+
 def _patch(owner, name, wrapper):
     current = getattr(owner, name)
     if not getattr(current, "__wrapped_by_moe_ext__", False):
@@ -160,6 +363,7 @@ def install() -> None:
     import fairseq.distributed.utils as distributed_utils
     import fairseq.models
     from fairseq import checkpoint_utils, utils
+    from fairseq.trainer import Trainer
 
     if not fairseq.__version__.startswith(CHECKED_FAIRSEQ_VERSIONS):
         raise ImportError(
@@ -170,4 +374,14 @@ def install() -> None:
     _patch(distributed_utils, "_infer_torch_distributed_launch_init", _wrap_torchrun_init)
     _patch(fairseq.models, "DistributedFairseqModel", _wrap_distributed_model)
     _patch(utils, "clip_grad_norm_", _wrap_clip_grad_norm)
+    _patch(checkpoint_utils, "save_checkpoint", _wrap_save_checkpoint)
+    _patch(checkpoint_utils, "load_model_ensemble_and_task", _wrap_load_model_ensemble_and_task)
+    _patch(Trainer, "state_dict", _wrap_trainer_state_dict)
+    _patch(Trainer, "load_checkpoint", _wrap_trainer_load_checkpoint)
+    if not getattr(Trainer.checkpoint_suffix.fget, "__wrapped_by_moe_ext__", False):
+        Trainer.checkpoint_suffix = _wrap_checkpoint_suffix(Trainer.checkpoint_suffix)
+        Trainer.checkpoint_suffix.fget.__wrapped_by_moe_ext__ = True
+        Trainer.should_save_checkpoint_on_current_rank = _wrap_should_save(
+            Trainer.should_save_checkpoint_on_current_rank
+        )
     _installed = True

@@ -7,6 +7,7 @@ that MoE layers write to and MoE criterions read from.
 
 from dataclasses import dataclass
 
+import torch
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
@@ -43,7 +44,15 @@ def moe_layer_names(model):
 
 
 def base_seed(args) -> int:
-    return int(safe_getattr(args, "seed", 1) or 1) * 100_003
+    seed = safe_getattr(args, "seed", None)
+    if seed is None:
+        # Models registered with a dataclass (moe_transformer_lm, and any model under
+        # fairseq-hydra-train) get only their own config section, which has no seed. fairseq seeds
+        # torch with --seed / common.seed right before building the model, so read it back there;
+        # falling back to a constant made every --seed start from the same experts.
+        seed = torch.initial_seed()
+    # No `or 1`: --seed 0 is a seed of its own, not an alias of --seed 1.
+    return int(seed) * 100_003
 
 
 @register_model("moe_transformer")

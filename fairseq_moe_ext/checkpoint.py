@@ -1,0 +1,473 @@
+"""Per-rank checkpoint sets: layout, manifests, validation, merge and reshard, and a CLI.
+
+Layout, for a checkpoint that fairseq would name ``checkpoint_last.pt`` in a W-worker run:
+
+    checkpoint_last-rank-0-of-W.pt     shared parameters + optimizer state, and rank 0's experts
+    checkpoint_last-rank-r-of-W.pt     rank r's experts and their optimizer state only
+    checkpoint_last.set.json           the manifest, written last and atomically
+
+A single-process run writes fairseq's ordinary ``checkpoint_last.pt`` (all experts in one file).
+Both load anywhere: a set is merged into one full state (all experts, ids in rank order), and a
+full state is sliced for worker r of W' (experts ``r*E/W' ...``, optimizer state alike).
+
+Every file carries ``state["moe"]``: which model keys and which optimizer slots belong to experts.
+A set is used only if its manifest exists and every file has the recorded size and sha256 and the
+recorded update number; otherwise the newest complete set in the directory is used and the reason
+is logged. Nothing here imports fairseq, so the CLI works on any machine with torch.
+"""
+
+import argparse
+import collections
+import copy
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "fairseq-moe-ext checkpoint set v1"
+MANIFEST_SUFFIX = ".set.json"
+RANK_SUFFIX_RE = re.compile(r"-rank-(\d+)-of-(\d+)$")
+
+
+# What fairseq 0.12 stores in a checkpoint besides tensors and builtins (an argparse model's
+# ``cfg.model`` is a Namespace), found by listing the globals of real translation and LM checkpoints
+# with torch.serialization.get_unsafe_globals_in_checkpoint.
+CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace, collections.OrderedDict, collections.defaultdict]
+
+
+class CheckpointSetError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- naming
+
+def rank_suffix(rank: int, world_size: int) -> str:
+    return f"-rank-{rank}-of-{world_size}"
+
+
+def split_rank_suffix(path: str):
+    """``d/checkpoint_last-rank-1-of-4.pt`` -> (``d/checkpoint_last``, 1, 4); no suffix -> rank None."""
+    stem = path[:-3] if path.endswith(".pt") else path
+    match = RANK_SUFFIX_RE.search(stem)
+    if not match:
+        return stem, None, None
+    return stem[: match.start()], int(match.group(1)), int(match.group(2))
+
+
+def base_of(path: str) -> str:
+    """The checkpoint's name without rank suffix or extension: ``d/checkpoint_last``."""
+    if path.endswith(MANIFEST_SUFFIX):
+        return path[: -len(MANIFEST_SUFFIX)]
+    return split_rank_suffix(path)[0]
+
+
+def manifest_path(base: str) -> str:
+    return base + MANIFEST_SUFFIX
+
+
+def rank_file(base: str, rank: int, world_size: int) -> str:
+    return f"{base}{rank_suffix(rank, world_size)}.pt"
+
+
+# ---------------------------------------------------------------- metadata
+
+def moe_metadata(optimizer_param_names: List[str], expert_param_names: List[str],
+                 world_size: int, rank: int, num_updates: int) -> Dict:
+    """``expert_param_names`` double as model state keys (fairseq saves ``model.state_dict()``)."""
+    expert = set(expert_param_names)
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "num_updates": num_updates,
+        "expert_keys": list(expert_param_names),
+        "optimizer_param_names": list(optimizer_param_names),
+        "optimizer_expert_slots": [i for i, n in enumerate(optimizer_param_names) if n in expert],
+    }
+
+
+def strip_shared_state(state: Dict) -> Dict:
+    """Keep only what rank r > 0 must store: its experts and their optimizer state."""
+    meta = state["moe"]
+    expert_keys = set(meta["expert_keys"])
+    state["model"] = {k: v for k, v in state["model"].items() if k in expert_keys}
+    optimizer = state.get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        slots = set(meta["optimizer_expert_slots"])
+        optimizer["state"] = {i: s for i, s in optimizer["state"].items() if i in slots}
+    return state
+
+
+# ---------------------------------------------------------------- manifests
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_file(path: str) -> Dict:
+    return {"name": os.path.basename(path), "bytes": os.path.getsize(path), "sha256": file_digest(path)}
+
+
+def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dict], experts: Dict[str, int]) -> str:
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "name": os.path.basename(base),
+        "world_size": world_size,
+        "num_updates": num_updates,
+        "num_experts": experts,
+        "files": sorted(files, key=lambda f: f["rank"]),
+    }
+    path = manifest_path(base)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(path: str) -> Dict:
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointSetError(f"cannot read manifest {path}: {e}") from None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointSetError(f"{path} is not a fairseq-moe-ext manifest")
+    return manifest
+
+
+def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
+    """The manifest if every rank file is present and intact, else CheckpointSetError saying why."""
+    manifest = read_manifest(manifest_file)
+    directory = os.path.dirname(manifest_file)
+    world = manifest["world_size"]
+    ranks = sorted(f["rank"] for f in manifest["files"])
+    if ranks != list(range(world)):
+        raise CheckpointSetError(f"{manifest_file} lists ranks {ranks}, expected 0..{world - 1}")
+    for entry in manifest["files"]:
+        path = os.path.join(directory, entry["name"])
+        if not os.path.exists(path):
+            raise CheckpointSetError(f"rank {entry['rank']} file {path} is missing")
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointSetError(f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated or overwritten)")
+        if check_digests and file_digest(path) != entry["sha256"]:
+            raise CheckpointSetError(f"{path} does not match its sha256 in the manifest (corrupted or from another save)")
+    return manifest
+
+
+def complete_sets(directory: str) -> List[Dict]:
+    """Every complete set in ``directory``, newest (most updates) first."""
+    found = []
+    for path in glob.glob(os.path.join(directory, "*" + MANIFEST_SUFFIX)):
+        try:
+            manifest = validate_set(path)
+        except CheckpointSetError as e:
+            logger.warning(f"ignoring checkpoint set {path}: {e}")
+            continue
+        found.append(dict(manifest, path=path))
+    return sorted(found, key=lambda m: (m["num_updates"], os.path.getmtime(m["path"])), reverse=True)
+
+
+@dataclass
+class Resolved:
+    """What a checkpoint name refers to on disk."""
+
+    kind: str  # "set" or "file"
+    path: str  # manifest path or the single file
+    fallback_reason: Optional[str] = None
+
+
+def resolve(path: str, fallback: bool = True) -> Optional[Resolved]:
+    """Find what ``path`` (with or without rank suffix) names: a complete set, a single file, or
+    (``fallback``) the newest complete set in its directory when the named set is incomplete."""
+    base = base_of(path)
+    single = base + ".pt"
+    manifest = manifest_path(base)
+    rank_files = glob.glob(glob.escape(base) + "-rank-*-of-*.pt")
+    has_single = os.path.isfile(single) and not RANK_SUFFIX_RE.search(base)
+    if has_single and (os.path.exists(manifest) or rank_files):
+        raise CheckpointSetError(
+            f"{single} exists beside per-rank files of the same name ({os.path.basename(manifest)} / "
+            f"{len(rank_files)} rank files): two layouts for one checkpoint; move one of them away"
+        )
+    if has_single:
+        return Resolved("file", single)
+    if not os.path.exists(manifest) and not rank_files:
+        return None
+    try:
+        validate_set(manifest) if os.path.exists(manifest) else _raise_no_manifest(manifest, rank_files)
+        return Resolved("set", manifest)
+    except CheckpointSetError as problem:
+        if not fallback:
+            raise
+        candidates = complete_sets(os.path.dirname(manifest) or ".")
+        if not candidates:
+            raise CheckpointSetError(
+                f"checkpoint set {manifest} is unusable ({problem}) and no complete set exists in "
+                f"{os.path.dirname(manifest) or '.'}: restore the missing files or start afresh in a new --save-dir"
+            ) from None
+        chosen = candidates[0]["path"]
+        reason = f"checkpoint set {manifest} is unusable ({problem}); using the newest complete set {chosen}"
+        logger.warning(reason)
+        return Resolved("set", chosen, reason)
+
+
+def _raise_no_manifest(manifest, rank_files):
+    raise CheckpointSetError(
+        f"{len(rank_files)} rank files but no manifest {manifest}: the save did not finish"
+    )
+
+
+def remove_other_layouts(base: str, world_size: int) -> None:
+    """After ``base`` was saved by ``world_size`` workers, drop what an earlier run with another
+    world size left under the same name, so the directory never holds two layouts for one name."""
+    stale = [f for f in glob.glob(glob.escape(base) + "-rank-*-of-*.pt") if split_rank_suffix(f)[2] != world_size]
+    if world_size > 1 and os.path.isfile(base + ".pt"):
+        stale.append(base + ".pt")
+    if world_size == 1 and os.path.exists(manifest_path(base)):
+        stale.append(manifest_path(base))
+    for path in stale:
+        logger.info(f"removing {path}: superseded by the new {world_size}-worker save of {os.path.basename(base)}")
+        os.remove(path)
+
+
+# ---------------------------------------------------------------- merge and shard
+
+def _torch_load(path):
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_set(manifest_file: str, load_fn: Callable[[str], Dict] = _torch_load, check: bool = True) -> Dict:
+    """Merge a set into one full state (what a single process holding every expert would save)."""
+    manifest = validate_set(manifest_file, check_digests=check) if check else read_manifest(manifest_file)
+    directory = os.path.dirname(manifest_file)
+    states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
+    for f, state in zip(manifest["files"], states):
+        meta = state.get("moe") or {}
+        if meta.get("rank") != f["rank"] or meta.get("world_size") != manifest["world_size"]:
+            raise CheckpointSetError(f"{f['name']} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {f['rank']} of {manifest['world_size']}: a file from another run?")
+        if meta.get("num_updates") != manifest["num_updates"]:
+            raise CheckpointSetError(f"{f['name']} holds update {meta.get('num_updates')} but the set is update {manifest['num_updates']}: files from different saves")
+    return merge_states(states)
+
+
+def merge_states(states: List[Dict]) -> Dict:
+    """Rank states (rank order) -> full state: shared parts from rank 0, experts concatenated."""
+    full = copy.copy(states[0])
+    meta = full["moe"]
+    full["model"] = dict(states[0]["model"])
+    for key in meta["expert_keys"]:
+        full["model"][key] = torch.cat([s["model"][key] for s in states])
+    optimizer = states[0].get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        merged = dict(optimizer)
+        merged["state"] = dict(optimizer["state"])
+        for slot in meta["optimizer_expert_slots"]:
+            per_rank = [s["last_optimizer_state"]["state"].get(slot) for s in states]
+            if all(p is not None for p in per_rank):
+                merged["state"][slot] = _concat_slot(per_rank, states, meta, slot)
+        full["last_optimizer_state"] = merged
+    full["moe"] = dict(meta, world_size=1, rank=0)
+    return full
+
+
+def _concat_slot(per_rank, states, meta, slot):
+    name = meta["optimizer_param_names"][slot]
+    local_rows = states[0]["model"][name].shape[0] if name in states[0]["model"] else None
+    out = {}
+    for key, value in per_rank[0].items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == local_rows:
+            out[key] = torch.cat([p[key] for p in per_rank])
+        else:
+            out[key] = value
+    return out
+
+
+def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
+    """Full state -> what worker ``rank`` of ``world_size`` loads (its experts, shared parts)."""
+    meta = full["moe"]
+    state = copy.copy(full)
+    state["model"] = dict(full["model"])
+    rows = {}
+    for key in meta["expert_keys"]:
+        tensor = full["model"][key]
+        total = tensor.shape[0]
+        if total % world_size:
+            raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world size dividing {total}")
+        per = total // world_size
+        rows[key] = (total, per)
+        state["model"][key] = tensor[rank * per : (rank + 1) * per].clone()
+    optimizer = full.get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        sliced = dict(optimizer)
+        sliced["state"] = dict(optimizer["state"])
+        for slot in meta["optimizer_expert_slots"]:
+            entry = optimizer["state"].get(slot)
+            name = meta["optimizer_param_names"][slot]
+            if entry is None or name not in rows:
+                continue
+            total, per = rows[name]
+            sliced["state"][slot] = {
+                k: (v[rank * per : (rank + 1) * per].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == total else v)
+                for k, v in entry.items()
+            }
+        state["last_optimizer_state"] = sliced
+    state["moe"] = dict(meta, world_size=world_size, rank=rank)
+    return state
+
+
+def save_set(full: Dict, base: str, world_size: int) -> str:
+    """Write ``full`` as a W-file set (the format training writes) and return the manifest path."""
+    files = []
+    for rank in range(world_size):
+        state = shard_state(full, rank, world_size)
+        if rank > 0:
+            state = strip_shared_state(state)
+        path = rank_file(base, rank, world_size)
+        _atomic_torch_save(state, path)
+        files.append(dict(describe_file(path), rank=rank))
+    return write_manifest(base, world_size, full["moe"]["num_updates"], files, experts_per_key(full))
+
+
+def experts_per_key(full: Dict) -> Dict[str, int]:
+    return {k: int(full["model"][k].shape[0]) for k in full["moe"]["expert_keys"]}
+
+
+def _atomic_torch_save(obj, path):
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- inspection
+
+def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = _torch_load) -> List[str]:
+    """Human-readable report; each finding ends in a verdict line (OK / PROBLEM)."""
+    resolved = resolve(path, fallback=False)
+    if resolved is None:
+        raise CheckpointSetError(f"no checkpoint named {path}")
+    lines = []
+    if resolved.kind == "file":
+        state = load_fn(resolved.path)
+        meta = state.get("moe") or {}
+        lines.append(f"{resolved.path}: single file, update {_updates(state)}, {len(meta.get('expert_keys', []))} expert tensors")
+        lines.append("VERDICT OK: a single-process checkpoint holds every expert")
+        return lines
+    manifest = read_manifest(resolved.path)
+    directory = os.path.dirname(resolved.path)
+    lines.append(f"{resolved.path}: set of {manifest['world_size']} rank files, update {manifest['num_updates']}")
+    for f in manifest["files"]:
+        lines.append(f"  rank {f['rank']}: {f['name']} ({f['bytes']} bytes)")
+    try:
+        validate_set(resolved.path)
+        lines.append("VERDICT OK: every rank file is present and matches the manifest")
+    except CheckpointSetError as e:
+        lines.append(f"VERDICT PROBLEM: {e}")
+        return lines
+    states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
+    meta = states[0]["moe"]
+    experts = set(meta["expert_keys"])
+    for key, n in manifest["num_experts"].items():
+        lines.append(f"  {key}: {n} experts, {n // manifest['world_size']} per rank")
+    shared_in_other_ranks = [(r, k) for r, s in enumerate(states[1:], 1) for k in s["model"] if k not in experts]
+    for r, key in shared_in_other_ranks:
+        if not torch.equal(states[r]["model"][key], states[0]["model"][key]):
+            lines.append(f"VERDICT PROBLEM: shared parameter {key} differs between rank 0 and rank {r} (a bug: shared weights must agree)")
+    if not shared_in_other_ranks:
+        lines.append("VERDICT OK: shared parameters are stored once (rank 0)")
+    duplicates = []
+    for key in meta["expert_keys"]:
+        blocks = [(r, i, t) for r, s in enumerate(states) for i, t in enumerate(s["model"][key])]
+        for a in range(len(blocks)):
+            for b in range(a + 1, len(blocks)):
+                if torch.equal(blocks[a][2], blocks[b][2]):
+                    duplicates.append((key, blocks[a][:2], blocks[b][:2]))
+    for key, (ra, ia), (rb, ib) in duplicates:
+        lines.append(
+            f"VERDICT PROBLEM: {key}: expert {ia} of rank {ra} equals expert {ib} of rank {rb} (experts broadcast, "
+            f"all-reduced or seeded alike?)"
+        )
+    if not duplicates:
+        lines.append("VERDICT OK: every expert is distinct")
+    return lines
+
+
+def _updates(state):
+    history = state.get("optimizer_history") or [{}]
+    return history[-1].get("num_updates")
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fairseq_moe_ext.checkpoint",
+        description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("merge", help="write one ordinary single-file checkpoint holding every expert")
+    p.add_argument("checkpoint", help="e.g. save_dir/checkpoint_best.pt (rank suffix not needed)")
+    p.add_argument("output", help="the .pt file to write")
+    p = sub.add_parser("reshard", help="write the checkpoint as a set of W rank files")
+    p.add_argument("checkpoint")
+    p.add_argument("output", help="output name, e.g. new_dir/checkpoint_best.pt")
+    p.add_argument("--world-size", type=int, required=True)
+    p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
+    p.add_argument("checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            lines = inspect_checkpoint(args.checkpoint)
+            print("\n".join(lines))
+            return 1 if any(line.startswith("VERDICT PROBLEM") for line in lines) else 0
+        full = load_full(args.checkpoint)
+        if args.command == "merge":
+            _refuse_overwrite(args.output)
+            full["moe"] = dict(full["moe"], world_size=1, rank=0)
+            _atomic_torch_save(full, args.output)
+            print(f"wrote {args.output}")
+        else:
+            base = base_of(args.output)
+            _refuse_overwrite(manifest_path(base))
+            print(f"wrote {save_set(full, base, args.world_size)}")
+        return 0
+    except CheckpointSetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def load_full(path: str, load_fn: Callable[[str], Dict] = _torch_load) -> Dict:
+    resolved = resolve(path, fallback=False)
+    if resolved is None:
+        raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest {manifest_path(base_of(path))})")
+    if resolved.kind == "set":
+        return load_set(resolved.path, load_fn)
+    state = load_fn(resolved.path)
+    if "moe" not in state:
+        raise CheckpointSetError(f"{resolved.path} has no MoE metadata: was it saved by fairseq-moe-ext?")
+    return state
+
+
+def _refuse_overwrite(path):
+    if os.path.exists(path):
+        raise CheckpointSetError(f"{path} exists; choose another output name (nothing was overwritten)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
