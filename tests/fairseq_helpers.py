@@ -1,0 +1,150 @@
+"""Tiny deterministic corpora and a runner for fairseq's command-line tools, for the fairseq tests.
+
+Nothing is downloaded: the corpora are generated from a seeded RNG and are learnable in a few dozen
+updates, so "the loss falls" is a real check and not noise.
+"""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+import fairseq_moe_ext
+
+USER_DIR = fairseq_moe_ext.PACKAGE_DIR
+CONFIG_DIR = os.path.join(USER_DIR, "config")
+VOCAB = 40
+SPLITS = {"train": 600, "valid": 40, "test": 16}
+
+
+def source_sentence(rng: random.Random) -> List[int]:
+    return [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
+
+
+def translate(source: List[int]) -> str:
+    """The "language pair": reverse the sentence and map every token through a fixed permutation."""
+    return " ".join(f"t{(7 * i + 3) % VOCAB}" for i in reversed(source))
+
+
+def write_parallel_corpus(raw: Path, seed: int = 0) -> Path:
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, lines in SPLITS.items():
+        sources = [source_sentence(rng) for _ in range(lines)]
+        (raw / f"{split}.src").write_text("".join(" ".join(f"s{i}" for i in s) + "\n" for s in sources))
+        (raw / f"{split}.tgt").write_text("".join(translate(s) + "\n" for s in sources))
+    return raw
+
+
+def write_lm_corpus(raw: Path, seed: int = 0) -> Path:
+    """Arithmetic progressions modulo VOCAB: after two tokens every next token is predictable."""
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, lines in SPLITS.items():
+        text = []
+        for _ in range(lines):
+            start, step = rng.randrange(VOCAB), rng.choice([1, 2, 3])
+            text.append(" ".join(f"w{(start + step * i) % VOCAB}" for i in range(rng.randint(4, 16))))
+        (raw / f"{split}.txt").write_text("\n".join(text) + "\n")
+    return raw
+
+
+def preprocess_parallel(raw: Path, dest: Path) -> Path:
+    run_fairseq(
+        "preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        *(f"--{split}pref={raw / split}" for split in SPLITS),
+        f"--destdir={dest}", "--workers=1",
+    )
+    return dest
+
+
+def preprocess_lm(raw: Path, dest: Path) -> Path:
+    run_fairseq(
+        "preprocess", "--only-source",
+        *(f"--{split}pref={raw / split}.txt" for split in SPLITS),
+        f"--destdir={dest}", "--workers=1",
+    )
+    return dest
+
+
+def fairseq_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    # Two cores: one intra-op thread per run keeps runs from fighting each other and pytest.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def run_fairseq(
+    tool: str, *args: str, timeout: float = 150, input: Optional[str] = None, expect_failure: bool = False,
+    cwd: Optional[Path] = None,
+) -> str:
+    """Run ``fairseq_cli.<tool>`` with ``args`` in a fresh interpreter and return its combined output.
+
+    The test fails with the output's tail if the exit status is not the expected one (zero, or
+    non-zero when ``expect_failure``) or the run outlives ``timeout`` seconds.
+    """
+    command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    try:
+        done = subprocess.run(
+            command, input=input, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout, env=fairseq_env(), cwd=cwd,
+        )
+    except subprocess.TimeoutExpired as timed_out:
+        output = timed_out.stdout or ""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
+    failed = done.returncode != 0
+    if failed != expect_failure:
+        expected = "to fail" if expect_failure else "to succeed"
+        pytest.fail(
+            f"expected fairseq-{tool} {expected}, exit status {done.returncode}:\n"
+            f"$ {' '.join(command)}\n{tail(done.stdout)}",
+            pytrace=False,
+        )
+    return done.stdout
+
+
+def tail(output: str, lines: int = 40) -> str:
+    return "\n".join(output.splitlines()[-lines:])
+
+
+def train_args(data: Path, save_dir: Path, *extra: str, max_update: int = 40) -> List[str]:
+    """The flags every training run shares: CPU, json logs every few updates, no epoch checkpoints."""
+    return [
+        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1",
+        "--optimizer", "adam", "--lr", "3e-3", "--max-update", str(max_update),
+        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--num-workers", "0",
+        "--log-format", "json", "--log-interval", "5", *extra,
+    ]
+
+
+# fairseq's own log lines ("... | INFO | train_inner | {...}") and hydra's ("[...][train_inner][INFO] - {...}").
+_JSON_RECORD = re.compile(r"(?:\| |\[)(train_inner|train|valid)(?: \| |\]\[INFO\] - )(\{.*\})\s*$")
+
+
+def json_logs(output: str, tag: str = "train_inner") -> List[dict]:
+    """The ``--log-format json`` records of one kind (``train_inner``, ``train`` or ``valid``)."""
+    records = []
+    for line in output.splitlines():
+        match = _JSON_RECORD.search(line)
+        if match and match.group(1) == tag:
+            records.append(json.loads(match.group(2)))
+    return records
+
+
+def logged_losses(output: str) -> List[float]:
+    return [float(r["loss"]) for r in json_logs(output)]
+
+
+def assert_loss_falls(output: str, by: float = 0.85) -> None:
+    """The last logged training loss is at most ``by`` times the first: the model learns something."""
+    losses = logged_losses(output)
+    assert len(losses) >= 3, f"too few train_inner records to judge learning:\n{tail(output)}"
+    assert losses[-1] < by * losses[0], f"training loss did not fall: {losses}"
