@@ -338,7 +338,8 @@ def _wrap_load_model_ensemble_and_task(original):
     def load_model_ensemble_and_task(filenames, *args, **kwargs):
         resolved = []
         for name in filenames:
-            found = moe_ckpt.resolve(name) if not os.path.exists(name) else None
+            # No fallback here: generating from another checkpoint than the one named would mislead.
+            found = moe_ckpt.resolve(name, fallback=False) if not os.path.exists(name) else None
             resolved.append(found.path if found is not None else name)
         with moe_dist.all_experts_local():
             return original(resolved, *args, **kwargs)

@@ -5,6 +5,7 @@ Writes OUT_DIR/rank{R}.pt with the worker's final model state and the gradient n
 computed at every update (fairseq itself logs from rank 0 only).
 """
 
+import logging
 import os
 import sys
 
@@ -13,6 +14,11 @@ import torch
 
 def main():
     out_dir, argv = sys.argv[1], sys.argv[2:]
+    # fairseq-train's own log format, on stdout (an import may already have configured logging).
+    logging.basicConfig(
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stdout, force=True,
+    )
     from fairseq import trainer as trainer_module
     from fairseq_cli import train
 

@@ -1,0 +1,251 @@
+"""Multi-worker MoE training, checkpoint sets and generation through the real command-line tools.
+
+Workers are CPU processes launched with torchrun and talking over gloo, exactly as the README
+tells users to launch them.
+"""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import free_port
+from fairseq_helpers import (
+    USER_DIR,
+    fairseq_env,
+    json_logs,
+    preprocess_parallel,
+    run_fairseq,
+    tail,
+    write_parallel_corpus,
+)
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mw")
+    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
+
+
+def moe_args(data, save_dir, max_update, *extra):
+    return [
+        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
+        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4",
+        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--clip-norm", "1.0",
+        "--max-update", str(max_update), "--save-dir", str(save_dir),
+        "--log-format", "json", "--log-interval", "1", *extra,
+    ]
+
+
+def torchrun(workers, program, args, timeout=240, expect_failure=False):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers),
+        "--master_port", str(free_port()), str(program), *map(str, args),
+    ]
+    if workers > 1:
+        command += ["--distributed-world-size", str(workers)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, env=fairseq_env())
+    if (done.returncode != 0) != expect_failure:
+        pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout, 60)}", pytrace=False)
+    return done.stdout
+
+
+def losses_by_update(output):
+    return {int(r["num_updates"]): float(r["loss"]) for r in json_logs(output)}
+
+
+@pytest.mark.parametrize("backend", ["legacy_ddp", "c10d"])
+def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct(data, tmp_path, backend):
+    probe = tmp_path / "probe"
+    output = torchrun(2, TESTS / "fairseq_rank_probe.py",
+                      [probe, *moe_args(data, tmp_path / "ck", 12, "--ddp-backend", backend, "--no-save")])
+    ranks = [torch.load(probe / f"rank{r}.pt") for r in range(2)]
+    experts = set(ranks[0]["expert_keys"])
+    assert experts
+    for key, value in ranks[0]["model"].items():
+        if key in experts:
+            assert not torch.equal(value, ranks[1]["model"][key]), f"expert {key} is identical on both ranks"
+        else:
+            assert torch.equal(value, ranks[1]["model"][key]), f"shared {key} differs across ranks"
+    assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"] and len(ranks[0]["grad_norms"]) == 12
+    records = json_logs(output)
+    assert records and all("moe_gate_loss" in r for r in records)
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(data, tmp_path_factory):
+    """A 2-worker run saved at update 4 (mid-epoch) and the same run uninterrupted to update 8."""
+    root = tmp_path_factory.mktemp("sets")
+    uninterrupted = torchrun(2, BIN / "fairseq-train", moe_args(data, root / "full", 8))
+    torchrun(2, BIN / "fairseq-train", moe_args(data, root / "ck", 4))
+    snapshot = root / "at4"
+    shutil.copytree(root / "ck", snapshot)
+    return {"root": root, "save_dir": root / "ck", "at4": snapshot, "uninterrupted": uninterrupted}
+
+
+def test_every_worker_writes_its_rank_file_and_a_manifest_describes_the_set(two_worker_run):
+    save_dir = two_worker_run["at4"]
+    manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["num_updates"] == 4
+    assert [f["name"] for f in manifest["files"]] == ["checkpoint_last-rank-0-of-2.pt", "checkpoint_last-rank-1-of-2.pt"]
+    assert set(manifest["num_experts"].values()) == {4}
+    assert not (save_dir / "checkpoint_last.pt").exists()
+
+
+def test_a_set_stores_shared_state_once(two_worker_run, tmp_path):
+    save_dir = two_worker_run["at4"]
+    merged = tmp_path / "merged.pt"
+    subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", "merge", save_dir / "checkpoint_last.pt", merged],
+                   check=True, env=fairseq_env())
+    set_bytes = sum(os.path.getsize(p) for p in glob.glob(str(save_dir / "checkpoint_last-rank-*")))
+    assert set_bytes <= 1.05 * os.path.getsize(merged), (set_bytes, os.path.getsize(merged))
+
+
+def test_resuming_with_the_same_world_size_reproduces_the_uninterrupted_run(two_worker_run, data):
+    resumed = torchrun(2, BIN / "fairseq-train", moe_args(data, two_worker_run["save_dir"], 8))
+    assert "loading set" in resumed
+    want = losses_by_update(two_worker_run["uninterrupted"])
+    got = losses_by_update(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    assert all(got[u] == want[u] for u in got), (got, want)
+
+
+def generate(data, path, workers=1, extra=()):
+    args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
+            "--max-tokens", "2000", "--num-workers", "0", *extra]
+    output = torchrun(workers, BIN / "fairseq-generate", args) if workers > 1 else run_fairseq("generate", *args)
+    hypotheses = {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
+    return hypotheses, output
+
+
+def assert_same_generation(got, want):
+    assert got.keys() == want.keys() and len(want) > 10
+    for i, (score, text) in want.items():
+        assert got[i][1] == text, (i, got[i], want[i])
+        assert got[i][0] == pytest.approx(score, abs=1e-4), (i, got[i], want[i])
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_resuming_at_another_world_size_keeps_the_model_function(two_worker_run, data, tmp_path, workers):
+    save_dir = tmp_path / "ck"
+    shutil.copytree(two_worker_run["at4"], save_dir)
+    reference, _ = generate(data, two_worker_run["at4"] / "checkpoint_last.pt")
+    # One more update at a vanishing learning rate: the reshard is what is being checked.
+    output = torchrun(workers, BIN / "fairseq-train",
+                      moe_args(data, save_dir, 5, "--reset-lr-scheduler", "--lr", "1e-12"))
+    assert f"as worker 0 of {workers}" in output
+    if workers > 1:
+        manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+        assert manifest["world_size"] == workers and manifest["num_updates"] == 5
+        assert not glob.glob(str(save_dir / "checkpoint_last-rank-*-of-2.pt")), "stale 2-worker files left"
+    else:
+        assert (save_dir / "checkpoint_last.pt").exists() and not (save_dir / "checkpoint_last.set.json").exists()
+    resharded, _ = generate(data, save_dir / "checkpoint_last.pt")
+    assert_same_generation(resharded, reference)
+
+
+def test_generation_from_a_set_is_the_same_in_one_and_two_processes(two_worker_run, data):
+    path = two_worker_run["at4"] / "checkpoint_last.pt"
+    one, output = generate(data, path)
+    assert "BLEU" in output
+    two, _ = generate(data, path, workers=2)
+    assert_same_generation(two, one)
+
+
+def test_merge_and_reshard_round_trip_bit_exactly(two_worker_run, tmp_path):
+    cli = [sys.executable, "-m", "fairseq_moe_ext.checkpoint"]
+    source = two_worker_run["at4"] / "checkpoint_last.pt"
+    run = lambda *a: subprocess.run([*cli, *map(str, a)], check=True, env=fairseq_env(), capture_output=True)
+    run("merge", source, tmp_path / "merged.pt")
+    run("reshard", tmp_path / "merged.pt", tmp_path / "four" / "ck.pt", "--world-size", "4") if (tmp_path / "four").mkdir() is None else None
+    run("merge", tmp_path / "four" / "ck.pt", tmp_path / "again.pt")
+    first = torch.load(tmp_path / "merged.pt", weights_only=False)
+    second = torch.load(tmp_path / "again.pt", weights_only=False)
+    assert first["model"].keys() == second["model"].keys()
+    for key in first["model"]:
+        assert torch.equal(first["model"][key], second["model"][key]), key
+    for slot, entry in first["last_optimizer_state"]["state"].items():
+        for name, value in entry.items():
+            other = second["last_optimizer_state"]["state"][slot][name]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    refused = subprocess.run([*cli, "merge", source, tmp_path / "merged.pt"], env=fairseq_env(), capture_output=True, text=True)
+    assert refused.returncode == 2 and "exists; choose another output name" in refused.stderr
+
+
+def _rewrite_rank_file(save_dir, rank, edit):
+    from fairseq_moe_ext import checkpoint as moe_ckpt
+
+    path = save_dir / f"checkpoint_last-rank-{rank}-of-2.pt"
+    state = moe_ckpt._torch_load(str(path))
+    edit(state)
+    torch.save(state, path)
+    manifest_file = save_dir / "checkpoint_last.set.json"
+    manifest = json.loads(manifest_file.read_text())
+    for entry in manifest["files"]:
+        if entry["rank"] == rank:
+            entry.update(moe_ckpt.describe_file(str(path)))
+    manifest_file.write_text(json.dumps(manifest))
+
+
+def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_differ(two_worker_run, tmp_path):
+    cli = [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "inspect"]
+    healthy = subprocess.run([*cli, two_worker_run["at4"] / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True)
+    assert healthy.returncode == 0 and "VERDICT PROBLEM" not in healthy.stdout, healthy.stdout
+    assert "VERDICT OK: every expert is distinct" in healthy.stdout
+
+    save_dir = tmp_path / "doctored"
+    shutil.copytree(two_worker_run["at4"], save_dir)
+    rank0 = torch.load(save_dir / "checkpoint_last-rank-0-of-2.pt", weights_only=False)
+    key = "encoder.layers.1.fc1.experts.batched_fc1_w"
+    shared = "encoder.layers.0.fc1.weight"
+
+    def doctor(state):
+        state["model"][key][0] = rank0["model"][key][0]  # the reference thread's symptom
+        state["model"][shared] = rank0["model"][shared] + 1.0  # a shared tensor that disagrees
+
+    _rewrite_rank_file(save_dir, 1, doctor)
+    report = subprocess.run([*cli, save_dir / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True)
+    assert report.returncode == 1
+    assert f"VERDICT PROBLEM: {key}: expert 0 of rank 0 equals expert 0 of rank 1" in report.stdout
+    assert f"VERDICT PROBLEM: shared parameter {shared} differs between rank 0 and rank 1" in report.stdout
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_worker_run, data, tmp_path, damage):
+    save_dir = tmp_path / "ck"
+    shutil.copytree(two_worker_run["at4"], save_dir)
+    shutil.copy(save_dir / "checkpoint_last.set.json", save_dir / "keep.json")
+    # An older complete set under another name (as --save-interval-updates would leave).
+    for rank in range(2):
+        shutil.copy(save_dir / f"checkpoint_last-rank-{rank}-of-2.pt", save_dir / f"checkpoint_1_4-rank-{rank}-of-2.pt")
+    manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+    for entry in manifest["files"]:
+        entry["name"] = entry["name"].replace("checkpoint_last", "checkpoint_1_4")
+    (save_dir / "checkpoint_1_4.set.json").write_text(json.dumps(dict(manifest, name="checkpoint_1_4")))
+    (save_dir / "keep.json").unlink()
+    victim = save_dir / "checkpoint_last-rank-1-of-2.pt"
+    if damage == "delete":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[:1000])
+
+    refused = run_fairseq("generate", str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"),
+                          "--cpu", "--num-workers", "0", expect_failure=True)
+    assert "CheckpointSetError" in refused and ("is missing" in refused or "bytes, the manifest records" in refused)
+
+    output = torchrun(2, BIN / "fairseq-train", moe_args(data, save_dir, 5))
+    assert "is unusable" in output and "using the newest complete set" in output and "checkpoint_1_4.set.json" in output
+    assert "Loaded checkpoint" in output and "(epoch 1 @ 4 updates)" in output
