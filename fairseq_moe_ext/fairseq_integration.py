@@ -347,12 +347,64 @@ def _wrap_load_model_ensemble_and_task(original):
     return load_model_ensemble_and_task
 
 
+# ---------------------------------------------------------------- version pinning of the hooks
+
+ORIGINALS = {}  # "module.attribute" -> fairseq's own object, as found by install()
+
+# fairseq internals the plugin relies on without wrapping them: the MoE layers replace fc1/fc2 and
+# the activation inside these forwards, legacy DDP must keep skipping `expert` parameters, the
+# trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches.
+RELIED_ON = (
+    "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward",
+    "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward",
+    "fairseq.distributed.legacy_distributed_data_parallel.LegacyDistributedDataParallel.all_reduce_grads",
+    "fairseq.trainer.Trainer.train_step",
+    "fairseq.distributed.utils.infer_init_method",
+)
+
+
 def _patch(owner, name, wrapper):
     current = getattr(owner, name)
     if not getattr(current, "__wrapped_by_moe_ext__", False):
+        ORIGINALS[_qualified(owner, name)] = current
         patched = wrapper(current)
         patched.__wrapped_by_moe_ext__ = True
         setattr(owner, name, patched)
+
+
+def _qualified(owner, name: str) -> str:
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{name}"
+    return f"{owner.__name__}.{name}"
+
+
+def _resolve_qualified(qualified: str):
+    import importlib
+
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(qualified)
+
+
+def source_fingerprints():
+    """sha256 of the source of every hooked or relied-on fairseq function, by qualified name."""
+    import hashlib
+    import inspect
+
+    objects = dict(ORIGINALS)
+    objects.update({qualified: _resolve_qualified(qualified) for qualified in RELIED_ON})
+    fingerprints = {}
+    for name, obj in objects.items():
+        target = obj.fget if isinstance(obj, property) else obj
+        fingerprints[name] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
+    return fingerprints
 
 
 def install() -> None:
@@ -380,6 +432,10 @@ def install() -> None:
     _patch(Trainer, "state_dict", _wrap_trainer_state_dict)
     _patch(Trainer, "load_checkpoint", _wrap_trainer_load_checkpoint)
     if not getattr(Trainer.checkpoint_suffix.fget, "__wrapped_by_moe_ext__", False):
+        ORIGINALS["fairseq.trainer.Trainer.checkpoint_suffix"] = Trainer.checkpoint_suffix
+        ORIGINALS["fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank"] = (
+            Trainer.should_save_checkpoint_on_current_rank
+        )
         Trainer.checkpoint_suffix = _wrap_checkpoint_suffix(Trainer.checkpoint_suffix)
         Trainer.checkpoint_suffix.fget.__wrapped_by_moe_ext__ = True
         Trainer.should_save_checkpoint_on_current_rank = _wrap_should_save(

@@ -1,0 +1,103 @@
+"""The hooks into fairseq internals: pinned to the fairseq they were checked against, and each one
+doing its job in isolation."""
+
+import argparse
+import fractions
+
+import pytest
+import torch
+
+import fairseq_moe_ext  # noqa: F401  (installs the hooks)
+from fairseq_moe_ext import distributed as moe_dist
+from fairseq_moe_ext import fairseq_integration
+
+# sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3. If fairseq
+# changes one of them, re-read it, re-check the hook in fairseq_integration.py, then update here.
+CHECKED_SOURCES = {
+    "fairseq.checkpoint_utils.load_checkpoint_to_cpu": "96f7d33cde8e1582",
+    "fairseq.checkpoint_utils.load_model_ensemble_and_task": "13d16e9ecb8407a3",
+    "fairseq.checkpoint_utils.save_checkpoint": "61513534b9b33e6a",
+    "fairseq.distributed.legacy_distributed_data_parallel.LegacyDistributedDataParallel.all_reduce_grads": "e7a3d3e3f057d59a",
+    "fairseq.distributed.utils._infer_torch_distributed_launch_init": "eb06fc81bbbbaa13",
+    "fairseq.distributed.utils.infer_init_method": "340321c1d2a184da",
+    "fairseq.models.DistributedFairseqModel": "caa68bcad9ada051",
+    "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward": "ef2f541835fa38e6",
+    "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward": "e2def0f25e8b4141",
+    "fairseq.trainer.Trainer.checkpoint_suffix": "c6fdaf06fdd0efbd",
+    "fairseq.trainer.Trainer.load_checkpoint": "128800d64185aede",
+    "fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank": "d0e8464defa2cdde",
+    "fairseq.trainer.Trainer.state_dict": "926c314f7f5545b4",
+    "fairseq.trainer.Trainer.train_step": "8cbf0406b1fe5093",
+    "fairseq.utils.clip_grad_norm_": "0e9a45d266e19456",
+}
+
+
+def test_every_hooked_fairseq_function_is_the_version_the_hooks_were_checked_against():
+    found = fairseq_integration.source_fingerprints()
+    changed = {name: sha for name, sha in found.items() if CHECKED_SOURCES.get(name) != sha}
+    assert not changed, f"fairseq changed under these hooks, re-check them: {sorted(changed)}"
+    assert found.keys() == CHECKED_SOURCES.keys()
+
+
+def test_installing_twice_wraps_nothing_twice():
+    from fairseq import checkpoint_utils
+
+    before = checkpoint_utils.load_checkpoint_to_cpu
+    fairseq_integration._installed = False
+    fairseq_integration.install()
+    assert checkpoint_utils.load_checkpoint_to_cpu is before
+
+
+def test_torchrun_on_cpu_uses_gloo_and_device_zero(monkeypatch):
+    from fairseq.distributed import utils as distributed_utils
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    cfg = argparse.Namespace(distributed_backend="nccl")
+    distributed_utils._infer_torch_distributed_launch_init(cfg)
+    assert (cfg.distributed_world_size, cfg.distributed_rank, cfg.device_id) == (4, 3, 0)
+    assert cfg.distributed_backend == "gloo" and cfg.distributed_no_spawn and cfg.distributed_init_method == "env://"
+
+
+def test_a_checkpoint_with_a_disallowed_type_is_refused_in_one_line(tmp_path):
+    from fairseq import checkpoint_utils
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "cfg": None, "extra": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(fairseq_integration.UnsafeCheckpointError) as error:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    message = str(error.value)
+    assert "\n" not in message and "fractions.Fraction" in message and "refusing to load" in message
+
+
+def test_the_gradient_norm_of_an_moe_model_counts_its_experts():
+    from fairseq import utils
+
+    shared, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    expert.expert = True
+    shared.grad, expert.grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
+    norm = utils.clip_grad_norm_([shared, expert], max_norm=1.0)
+    assert norm.item() == pytest.approx(5.0)  # stock fairseq would report 3.0
+    torch.testing.assert_close(shared.grad, torch.tensor([0.6, 0.0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(expert.grad, torch.tensor([0.0, 0.8]), rtol=1e-5, atol=1e-6)
+
+
+def test_flattened_fp16_gradients_are_refused_in_multi_worker_training(monkeypatch):
+    from fairseq import utils
+
+    monkeypatch.setattr(moe_dist, "EXPERT_PARALLEL_TRAINING", True)
+    flat = torch.nn.Parameter(torch.zeros(4))
+    flat.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="--fp16-no-flatten-grads"):
+        utils.clip_grad_norm_([flat], max_norm=1.0)
+
+
+@pytest.mark.parametrize("backend", ["fully_sharded", "slowmo"])
+def test_backends_that_would_shard_or_average_experts_are_refused(backend):
+    from fairseq import models
+
+    layer = fairseq_moe_ext.moe.MoELayer(4, 8, 2)
+    args = argparse.Namespace(ddp_backend=backend)
+    with pytest.raises(ValueError, match=f"--ddp-backend {backend} is not supported with MoE models.*legacy_ddp"):
+        models.DistributedFairseqModel(args, layer, process_group=None, device=torch.device("cpu"))
