@@ -16,6 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .expert_ffn import expert_ffn
+from .grouped_mm import check_expert_matmul, default_expert_matmul, grouped_linear, select_expert_matmul
+
 
 def _gelu_accurate(x):
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
@@ -59,6 +62,7 @@ class BatchedExperts(nn.Module):
         activation_dropout: float = 0.0,
         bias: bool = True,
         seed: int = 0,
+        matmul: Optional[str] = None,
     ):
         super().__init__()
         for name, value in (("model_dim", model_dim), ("hidden_dim", hidden_dim), ("num_local_experts", num_local_experts)):
@@ -73,6 +77,8 @@ class BatchedExperts(nn.Module):
         self.activation = resolve_activation(activation)
         self.activation_dropout = activation_dropout
         self.seed = seed
+        # Which kernels run the expert matmuls (see grouped_mm.py); None: $FAIRSEQ_MOE_EXPERT_MATMUL or auto.
+        self.matmul = check_expert_matmul(matmul) if matmul is not None else default_expert_matmul()
         self.batched_fc1_w = nn.Parameter(torch.empty(num_local_experts, hidden_dim, model_dim))
         self.batched_fc2_w = nn.Parameter(torch.empty(num_local_experts, model_dim, hidden_dim))
         if bias:
@@ -103,20 +109,15 @@ class BatchedExperts(nn.Module):
         """``x`` holds tokens sorted by local expert; ``counts[i]`` rows belong to expert ``i``."""
         if len(counts) != self.num_local_experts:
             raise ValueError(f"expected {self.num_local_experts} token counts, got {len(counts)}")
-        # unbind, not per-expert indexing: indexing a stacked parameter allocates a full-size
-        # gradient for every expert in backward; unbind allocates one.
-        fc1_w = self.batched_fc1_w.unbind(0)
-        fc2_w = self.batched_fc2_w.unbind(0)
-        fc1_b = self.batched_fc1_b.unbind(0) if self.batched_fc1_b is not None else [None] * len(counts)
-        fc2_b = self.batched_fc2_b.unbind(0) if self.batched_fc2_b is not None else [None] * len(counts)
-        outputs = []
-        # Empty experts still run (on zero rows) so every expert weight receives a gradient, zero
-        # when unused, exactly as in a single process holding all experts.
-        for i, tokens in enumerate(x.split(counts)):
-            h = self.activation(F.linear(tokens, fc1_w[i], fc1_b[i]))
-            h = F.dropout(h, p=self.activation_dropout, training=self.training)
-            outputs.append(F.linear(h, fc2_w[i], fc2_b[i]))
-        return torch.cat(outputs) if outputs else x.new_zeros(0, self.model_dim)
+        dropout_p = self.activation_dropout if self.training else 0.0
+        w1, b1, w2, b2 = self.batched_fc1_w, self.batched_fc1_b, self.batched_fc2_w, self.batched_fc2_b
+        if select_expert_matmul(self.matmul, x, w1) == "grouped_mm":
+            h = self.activation(grouped_linear(x, counts, w1, b1))
+            h = F.dropout(h, p=dropout_p, training=dropout_p > 0)
+            return grouped_linear(h, counts, w2, b2)
+        # Every expert runs, also on zero rows, so every expert weight receives a gradient (zero
+        # when unused), exactly as in a single process holding all experts.
+        return expert_ffn(x, counts, w1, b1, w2, b2, self.activation, dropout_p)
 
     def extra_repr(self):
         return (

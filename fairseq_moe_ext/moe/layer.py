@@ -18,6 +18,7 @@ import torch.nn as nn
 from . import comm
 from .cache import MoEAux, MoEAuxCache
 from .capacity import check_capacity_factor, expert_capacity, slots_within_capacity
+from .dispatch import combine_slots, dispatch_slots, inverse_permutation, permute_rows
 from .experts import BatchedExperts
 from .losses import balance_loss, z_loss
 from .router import TopKRouter
@@ -132,24 +133,25 @@ class MoELayer(nn.Module):
         # Dispatch: token-major slots (token t, choice j) -> t * k + j, sorted by expert.
         slot_expert = expert_index.reshape(-1)
         if keep is None:
+            # Dropless: sorting is a permutation of all slots, so both directions are gathers.
             sorted_slots = torch.argsort(slot_expert, stable=True)
-            kept_expert = slot_expert
+            slot_row = inverse_permutation(sorted_slots)
+            expert_load = torch.bincount(slot_expert, minlength=num_experts)
+            dispatched = dispatch_slots(tokens, sorted_slots, slot_row, k)
+            expert_out = self._run_experts(dispatched, expert_load)
+            y = combine_slots(expert_out, routing.gates, sorted_slots, slot_row)
         else:
             kept = keep.reshape(-1).nonzero().squeeze(1)
             kept_expert = slot_expert.index_select(0, kept)
             sorted_slots = kept.index_select(0, torch.argsort(kept_expert, stable=True))
-        expert_load = torch.bincount(kept_expert, minlength=num_experts)
-        dispatched = tokens.index_select(0, sorted_slots // k)
-
-        expert_out = self._run_experts(dispatched, expert_load)
-
-        # Combine: put each slot's output back in its (token, choice) place, weight by its gate.
-        if keep is None:
-            slot_out = expert_out.index_select(0, torch.argsort(sorted_slots))
-        else:
+            expert_load = torch.bincount(kept_expert, minlength=num_experts)
+            dispatched = tokens.index_select(0, sorted_slots // k)
+            expert_out = self._run_experts(dispatched, expert_load)
+            # Combine: put each slot's output back in its (token, choice) place (dropped slots
+            # stay zero), weight by its gate.
             slot_out = expert_out.new_zeros(n * k, self.model_dim).index_copy(0, sorted_slots, expert_out)
-        gates = routing.gates.to(slot_out.dtype)
-        y = torch.bmm(gates.unsqueeze(1), slot_out.view(n, k, self.model_dim)).squeeze(1)
+            gates = routing.gates.to(slot_out.dtype)
+            y = torch.bmm(gates.unsqueeze(1), slot_out.view(n, k, self.model_dim)).squeeze(1)
 
         probs = routing.probs.detach()
         stats = {
@@ -187,8 +189,9 @@ class MoELayer(nn.Module):
             torch.arange(local, device=received.device).repeat(world), recv_counts.reshape(-1)
         )
         by_expert = torch.argsort(row_expert, stable=True)
-        out = self.experts(received.index_select(0, by_expert), recv_counts.sum(0).tolist())
-        out = out.index_select(0, torch.argsort(by_expert))
+        from_expert = inverse_permutation(by_expert)
+        out = self.experts(permute_rows(received, by_expert, from_expert), recv_counts.sum(0).tolist())
+        out = permute_rows(out, from_expert, by_expert)
         return comm.all_to_all(out, recv_splits, send_splits, self.group)
 
     def extra_repr(self):

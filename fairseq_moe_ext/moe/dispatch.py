@@ -1,0 +1,100 @@
+"""Moving token-slots into expert order and back, with backwards that gather instead of scatter.
+
+In dropless routing every one of the ``N * k`` slots is served, so sorting slots by expert is a
+permutation. Autograd's ``index_select`` backward is a scatter-add into a zero-filled tensor (slow
+and single-threaded on CPU); for a permutation the same gradient is a gather through the inverse
+permutation, which is what these functions do. Their gradients are exactly autograd's: each
+output gradient row is copied or summed into its source row, only the memory access pattern changes.
+
+Terms: slot ``s = t * k + j`` is token ``t``'s ``j``-th choice; ``sorted_slots[r]`` is the slot at
+row ``r`` of the expert-ordered layout; ``slot_row`` is its inverse (the row of each slot).
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[order]`` where ``order`` is a permutation and ``inverse`` its inverse."""
+    return _PermuteRows.apply(x, order, inverse)
+
+
+class _DispatchSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, sorted_slots, slot_row, k):
+        ctx.save_for_backward(slot_row)
+        ctx.k = k
+        return tokens.index_select(0, torch.div(sorted_slots, k, rounding_mode="floor"))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (slot_row,) = ctx.saved_tensors
+        k = ctx.k
+        per_slot = grad.index_select(0, slot_row)  # token-major: token t's k slots are adjacent
+        if k == 1:
+            return per_slot, None, None, None
+        per_slot = per_slot.view(-1, k, grad.shape[-1])
+        # An explicit sum over the k choices, in choice order: reducing the middle axis of a
+        # [N, k, d] tensor with sum(1) is several times slower on CPU.
+        total = per_slot[:, 0].clone()
+        for j in range(1, k):
+            total.add_(per_slot[:, j])
+        return total, None, None, None
+
+
+def dispatch_slots(tokens: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor, k: int) -> torch.Tensor:
+    """Row ``r`` of the result is the token of slot ``sorted_slots[r]``; every slot appears once."""
+    return _DispatchSlots.apply(tokens, sorted_slots, slot_row, k)
+
+
+class _CombineSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, gates, sorted_slots, slot_row):
+        n, k = gates.shape
+        slots = expert_out.index_select(0, slot_row).view(n, k, expert_out.shape[-1])
+        y = slots[:, 0] * gates[:, :1]
+        for j in range(1, k):
+            y.addcmul_(slots[:, j], gates[:, j : j + 1])
+        ctx.save_for_backward(expert_out, gates, sorted_slots, slot_row)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        expert_out, gates, sorted_slots, slot_row = ctx.saved_tensors
+        n, k = gates.shape
+        grad_y = grad_y.contiguous()
+        grad_out = grad_gates = None
+        if ctx.needs_input_grad[0]:
+            # Row r holds slot s = sorted_slots[r]: gradient gates[s] * grad_y[token of s].
+            grad_out = grad_y.index_select(0, torch.div(sorted_slots, k, rounding_mode="floor"))
+            grad_out.mul_(gates.reshape(-1).index_select(0, sorted_slots).unsqueeze(1))
+        if ctx.needs_input_grad[1]:
+            slots = expert_out.index_select(0, slot_row).view(n, k, expert_out.shape[-1])
+            grad_gates = torch.bmm(slots, grad_y.unsqueeze(2)).squeeze(2)
+        return grad_out, grad_gates, None, None
+
+
+def combine_slots(expert_out: torch.Tensor, gates: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor) -> torch.Tensor:
+    """``y[t] = sum_j gates[t, j] * expert_out[slot_row[t * k + j]]`` for ``[N, k]`` gates."""
+    return _CombineSlots.apply(expert_out, gates.to(expert_out.dtype), sorted_slots, slot_row)

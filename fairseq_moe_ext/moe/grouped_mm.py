@@ -1,0 +1,117 @@
+"""The expert matmuls as ``torch._grouped_mm`` calls: one kernel for all experts on recent GPUs.
+
+Which implementation runs the experts is chosen by ``select_expert_matmul``:
+
+* ``"loop"``: one BLAS call per expert (``expert_ffn.py``); the only path on CPU.
+* ``"grouped_mm"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM), used under ``"auto"`` only on
+  CUDA devices of compute capability 9.0 or newer, in bf16, with 16-byte aligned rows, which is
+  where the kernel exists and beats a loop of per-expert GEMMs launched from Python.
+* ``"auto"`` (default): ``grouped_mm`` where it applies, else ``loop``.
+
+``FAIRSEQ_MOE_EXPERT_MATMUL=loop|grouped_mm|auto`` sets the default without code changes (e.g. to
+rule the grouped kernel out when chasing a numerical difference on GPU).
+
+``torch._grouped_mm`` is a private op: this module touches it only through ``_GroupedLinear`` and
+checks for it by name, so a torch without it silently keeps the loop.
+"""
+
+import os
+from typing import List, Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+EXPERT_MATMULS = ("auto", "loop", "grouped_mm")
+ENV_VAR = "FAIRSEQ_MOE_EXPERT_MATMUL"
+
+
+def check_expert_matmul(name: str) -> str:
+    if name not in EXPERT_MATMULS:
+        raise ValueError(f"unknown expert matmul {name!r}: choose one of {', '.join(EXPERT_MATMULS)}")
+    return name
+
+
+def default_expert_matmul() -> str:
+    return check_expert_matmul(os.environ.get(ENV_VAR, "auto"))
+
+
+def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor, capability=None) -> bool:
+    """Whether ``"auto"`` picks ``torch._grouped_mm`` for ``x @ weight[i]^T``.
+
+    ``capability`` is the device's (major, minor); read from the device when None (tests pass it).
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type != "cuda" or weight.device.type != "cuda":
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    if capability is None:
+        capability = torch.cuda.get_device_capability(x.device)
+    if tuple(capability) < (9, 0):
+        return False
+    # The kernel reads rows with 16-byte loads: every leading dimension a multiple of 8 bf16.
+    return all(size % 8 == 0 for size in (x.shape[-1], weight.shape[-1], weight.shape[-2]))
+
+
+def select_expert_matmul(preference: str, x: torch.Tensor, weight: torch.Tensor, capability=None) -> str:
+    check_expert_matmul(preference)
+    if preference != "auto":
+        return preference
+    return "grouped_mm" if grouped_mm_applies(x, weight, capability) else "loop"
+
+
+def _offsets(counts: List[int], device) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of i] = x[rows of i] @ weight[i]^T + bias[i]``, weight ``[E, out, in]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts):
+        x = x.contiguous()
+        offsets = _offsets(counts, x.device)
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        row_expert = None
+        if bias is not None:
+            row_expert = torch.repeat_interleave(
+                torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device),
+                output_size=x.shape[0],
+            )
+            y = y + bias.index_select(0, row_expert)
+        ctx.save_for_backward(x, weight, offsets, row_expert)
+        ctx.counts, ctx.has_bias = counts, bias is not None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight, offsets, row_expert = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        if ctx.needs_input_grad[1]:
+            # Groups along the reduced dimension: one [out, in] block per expert.
+            grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)
+            # An expert without rows must get an exact zero, whatever the kernel leaves there.
+            empty = torch.tensor([c == 0 for c in ctx.counts], device=grad_w.device)
+            grad_w = grad_w.masked_fill(empty.view(-1, 1, 1), 0)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(weight.shape[:2], dtype=torch.float32, device=grad.device)
+            grad_b = grad_b.index_add_(0, row_expert, grad.float()).to(grad.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def grouped_linear(x: torch.Tensor, counts: List[int], weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"expert row counts add up to {sum(counts)}, but there are {x.shape[0]} rows")
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return _GroupedLinear.apply(x, weight, bias, list(counts))
+    return _GroupedLinear.apply(x, weight, bias, list(counts))
