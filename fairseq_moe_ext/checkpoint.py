@@ -246,6 +246,46 @@ def remove_other_layouts(base: str, world_size: int) -> None:
         os.remove(path)
 
 
+PREVIOUS = ".prev"
+
+
+def current_manifests(directory: str) -> List[str]:
+    return [p for p in glob.glob(os.path.join(glob.escape(directory), "*" + MANIFEST_SUFFIX))
+            if not base_of(p).endswith(PREVIOUS)]
+
+
+def link_previous_generation(manifest_file: str, rank: int, world_size: int, writes_manifest: bool) -> None:
+    """Keep set ``B`` loadable as ``B.prev`` while a new save overwrites ``B``'s files."""
+    try:
+        manifest = read_manifest(manifest_file)
+    except CheckpointSetError:
+        return
+    if manifest["world_size"] != world_size:
+        return
+    directory = os.path.dirname(manifest_file)
+    previous_base = base_of(manifest_file) + PREVIOUS
+    for entry in manifest["files"]:
+        if entry["rank"] != rank:
+            continue
+        source = os.path.join(directory, entry["name"])
+        target = rank_file(previous_base, rank, world_size)
+        if os.path.exists(source):
+            if os.path.exists(target):
+                os.remove(target)
+            os.link(source, target)
+    if writes_manifest:
+        files = [dict(e, name=os.path.basename(rank_file(previous_base, e["rank"], world_size))) for e in manifest["files"]]
+        write_manifest(previous_base, world_size, manifest["num_updates"], files, manifest["num_experts"])
+
+
+def remove_previous_generations(directory: str) -> None:
+    """Once a save is complete, the ``.prev`` generations it protected are no longer needed."""
+    for manifest in glob.glob(os.path.join(glob.escape(directory), "*" + PREVIOUS + MANIFEST_SUFFIX)):
+        os.remove(manifest)
+    for path in glob.glob(os.path.join(glob.escape(directory), "*" + PREVIOUS + "-rank-*-of-*.pt")):
+        os.remove(path)
+
+
 # ---------------------------------------------------------------- merge and shard
 
 def _torch_load(path):

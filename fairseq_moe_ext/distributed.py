@@ -57,6 +57,11 @@ def expert_parallel_group():
     return _GROUP_CACHE[key]
 
 
+def expert_parallel_world_size() -> int:
+    group = expert_parallel_group()
+    return 1 if group is None else dist.get_world_size(group)
+
+
 def is_expert(p) -> bool:
     return getattr(p, "expert", False) is True
 

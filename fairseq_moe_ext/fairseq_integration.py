@@ -23,9 +23,11 @@ Hooks:
   5. Trainer.checkpoint_suffix / should_save_checkpoint_on_current_rank / state_dict: in multi-worker
      MoE training every worker saves, under a ``-rank-R-of-W`` suffix, and only rank 0 stores the
      shared state. All of fairseq's naming, --save-interval*, --keep-* and best/last logic is kept.
-  6. checkpoint_utils.save_checkpoint: afterwards the workers' new files are described (size,
-     sha256) and rank 0 writes one manifest per complete set, last and atomically; manifests of
-     sets that --keep-* pruned are removed.
+  6. checkpoint_utils.save_checkpoint: before it, every complete set is hard-linked as
+     ``<name>.prev`` and fairseq's in-place copies become copy + rename, so a crash mid-save leaves
+     the previous set loadable; afterwards the workers' new files are described (size, sha256),
+     rank 0 writes one manifest per complete set, last and atomically, removes the manifests of
+     sets that --keep-* pruned, and drops the ``.prev`` generations.
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
      complete set or a single file (falling back to the newest complete set with a warning),
      merged, and sliced for this worker: resuming works at any world size dividing the experts.
@@ -35,6 +37,7 @@ Hooks:
 """
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -239,13 +242,15 @@ def _wrap_save_checkpoint(original):
             return original(cfg, trainer, epoch_itr, val_loss)
         suffix = trainer.checkpoint_suffix
         before = _own_checkpoint_files(cfg.save_dir, suffix)
-        result = original(cfg, trainer, epoch_itr, val_loss)
-        after = _own_checkpoint_files(cfg.save_dir, suffix)
         if not _is_expert_parallel_trainer(trainer):
-            for name, stamp in after.items():
+            result = original(cfg, trainer, epoch_itr, val_loss)
+            for name, stamp in _own_checkpoint_files(cfg.save_dir, suffix).items():
                 if before.get(name) != stamp:
                     moe_ckpt.remove_other_layouts(moe_ckpt.base_of(os.path.join(cfg.save_dir, name)), world_size=1)
             return result
+        with _previous_generation_kept(cfg.save_dir, suffix, trainer), _atomic_copies():
+            result = original(cfg, trainer, epoch_itr, val_loss)
+        after = _own_checkpoint_files(cfg.save_dir, suffix)
         written = [
             dict(moe_ckpt.describe_file(os.path.join(cfg.save_dir, n)), rank=trainer.data_parallel_rank)
             for n, stamp in after.items() if before.get(n) != stamp
@@ -255,9 +260,50 @@ def _wrap_save_checkpoint(original):
         torch.distributed.all_gather_object(reports, (written, removed))
         if trainer.data_parallel_rank == 0:
             _write_manifests(cfg.save_dir, reports, trainer)
+            moe_ckpt.remove_previous_generations(cfg.save_dir)
         return result
 
     return save_checkpoint
+
+
+@contextlib.contextmanager
+def _previous_generation_kept(save_dir, suffix, trainer):
+    """Hard-link this worker's files of every complete set to ``<name>.prev`` before fairseq
+    overwrites any of them, so a crash in the middle of the save leaves the previous complete set
+    loadable (its files are replaced atomically, so the links keep the old contents)."""
+    from . import checkpoint as moe_ckpt
+
+    rank, world = trainer.data_parallel_rank, trainer.data_parallel_world_size
+    for manifest in moe_ckpt.current_manifests(save_dir):
+        moe_ckpt.link_previous_generation(manifest, rank, world, writes_manifest=(rank == 0))
+    yield
+
+
+@contextlib.contextmanager
+def _atomic_copies():
+    """fairseq copies checkpoint N-1 times with PathManager.copy, which rewrites the destination in
+    place; copy to a temporary name and rename instead, so no reader ever sees a half-written file
+    and hard links made by _previous_generation_kept keep their contents."""
+    from fairseq import checkpoint_utils
+
+    inner = checkpoint_utils.PathManager
+
+    class AtomicCopyPathManager:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        @staticmethod
+        def copy(src, dst, overwrite=False):
+            tmp = dst + ".tmp"
+            ok = inner.copy(src, tmp, overwrite=True)
+            os.replace(tmp, dst)
+            return ok
+
+    checkpoint_utils.PathManager = AtomicCopyPathManager()
+    try:
+        yield
+    finally:
+        checkpoint_utils.PathManager = inner
 
 
 def _write_manifests(save_dir, reports, trainer):
@@ -297,7 +343,7 @@ def _wrap_trainer_load_checkpoint(original):
         world = self.data_parallel_world_size
         rank = self.data_parallel_rank if world > 1 else 0
         logger.info(f"loading {resolved.kind} {resolved.path} as worker {rank} of {world}")
-        _SHARD_FOR.append((rank, world))
+        _SHARD_FOR.append((rank, world, self._model))
         try:
             # Every worker builds its own slice, so nothing is broadcast from rank 0.
             with open_dict(self.cfg.checkpoint):
@@ -325,9 +371,31 @@ def _load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         if "moe" not in full or not _SHARD_FOR:
             return full
     if _SHARD_FOR:
-        rank, world = _SHARD_FOR[-1]
-        return moe_ckpt.shard_state(full, rank, world)
+        rank, world, model = _SHARD_FOR[-1]
+        state = moe_ckpt.shard_state(full, rank, world)
+        _check_resumable(path, state, model)
+        return state
     return full
+
+
+def _check_resumable(path, state, model) -> None:
+    """One line instead of torch's page of size mismatches when the run's flags changed."""
+    from . import distributed as moe_dist
+
+    params = dict(model.named_parameters())
+    for key, tensor in state["model"].items():
+        if key not in params or tuple(params[key].shape) == tuple(tensor.shape):
+            continue
+        if moe_dist.is_expert(params[key]) and tensor.shape[1:] == params[key].shape[1:]:
+            world = moe_dist.expert_parallel_world_size()
+            raise ValueError(
+                f"{path} holds {tensor.shape[0] * world} experts in {key.rsplit('.experts', 1)[0]}, this model "
+                f"{params[key].shape[0] * world}: resume with the checkpoint's --moe-expert-count, or use a new --save-dir"
+            )
+        raise ValueError(
+            f"{path} does not fit this model: {key} is {tuple(tensor.shape)} there and {tuple(params[key].shape)} "
+            f"here; resume with the architecture flags the checkpoint was trained with, or use a new --save-dir"
+        )
 
 
 def _wrap_load_model_ensemble_and_task(original):

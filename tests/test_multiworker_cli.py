@@ -49,9 +49,12 @@ def moe_args(data, save_dir, max_update, *extra):
     ]
 
 
-def torchrun(workers, program, args, timeout=240, expect_failure=False):
+def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None):
+    """``log_dir``: each worker's stdout goes to its own file there (lines of concurrent workers
+    would otherwise interleave mid-line in one pipe)."""
+    redirect = ["--log-dir", str(log_dir), "--redirects", "1"] if log_dir else []
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers),
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect,
         "--master_port", str(free_port()), str(program), *map(str, args),
     ]
     if workers > 1:
@@ -123,10 +126,14 @@ def test_resuming_with_the_same_world_size_reproduces_the_uninterrupted_run(two_
     assert all(got[u] == want[u] for u in got), (got, want)
 
 
-def generate(data, path, workers=1, extra=()):
+def generate(data, path, workers=1, extra=(), log_dir=None):
     args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
             "--max-tokens", "2000", "--num-workers", "0", *extra]
-    output = torchrun(workers, BIN / "fairseq-generate", args) if workers > 1 else run_fairseq("generate", *args)
+    if workers > 1:
+        torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir)
+        output = "\n".join(Path(p).read_text() for p in glob.glob(f"{log_dir}/**/stdout.log", recursive=True))
+    else:
+        output = run_fairseq("generate", *args)
     hypotheses = {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
     return hypotheses, output
 
@@ -157,11 +164,11 @@ def test_resuming_at_another_world_size_keeps_the_model_function(two_worker_run,
     assert_same_generation(resharded, reference)
 
 
-def test_generation_from_a_set_is_the_same_in_one_and_two_processes(two_worker_run, data):
+def test_generation_from_a_set_is_the_same_in_one_and_two_processes(two_worker_run, data, tmp_path):
     path = two_worker_run["at4"] / "checkpoint_last.pt"
     one, output = generate(data, path)
     assert "BLEU" in output
-    two, _ = generate(data, path, workers=2)
+    two, _ = generate(data, path, workers=2, log_dir=tmp_path / "logs")
     assert_same_generation(two, one)
 
 
@@ -249,3 +256,43 @@ def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_w
     output = torchrun(2, BIN / "fairseq-train", moe_args(data, save_dir, 5))
     assert "is unusable" in output and "using the newest complete set" in output and "checkpoint_1_4.set.json" in output
     assert "Loaded checkpoint" in output and "(epoch 1 @ 4 updates)" in output
+
+
+@pytest.fixture(scope="module")
+def reference_to_8(data, tmp_path_factory):
+    """Uninterrupted 2-worker run saving a set every 2 updates."""
+    root = tmp_path_factory.mktemp("ref8")
+    output = torchrun(2, BIN / "fairseq-train", moe_args(data, root / "ck", 8, "--save-interval-updates", "2"))
+    return losses_by_update(output)
+
+
+@pytest.mark.parametrize("crash_rank", [0, 1])
+@pytest.mark.parametrize("files_written", [0, 1, 2])
+def test_a_worker_dying_mid_save_loses_nothing_before_the_last_complete_save(
+    data, tmp_path, reference_to_8, crash_rank, files_written
+):
+    save_dir = tmp_path / "ck"
+    args = moe_args(data, save_dir, 8, "--save-interval-updates", "2")
+    env = dict(CRASH_RANK=str(crash_rank), CRASH_AT_UPDATE="6", CRASH_AFTER_FILES=str(files_written))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        torchrun(2, TESTS / "fairseq_crash_probe.py", args, expect_failure=True)
+    # The normal command again: the newest complete set is update 4 (whatever the crash left).
+    output = torchrun(2, BIN / "fairseq-train", args)
+    assert "(epoch 1 @ 4 updates)" in output, tail(output, 80)
+    resumed = losses_by_update(output)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[u] == reference_to_8[u] for u in resumed), (resumed, reference_to_8)
+    assert not glob.glob(str(save_dir / "*.prev*")), "the protected generation is cleaned up after a complete save"
+
+
+def test_the_hub_interface_loads_a_set_with_every_expert_local(two_worker_run, data):
+    from fairseq_moe_ext.models.moe_transformer import MoETransformerModel
+
+    hub = MoETransformerModel.from_pretrained(
+        str(two_worker_run["at4"]), checkpoint_file="checkpoint_last.pt", data_name_or_path=str(data)
+    )
+    experts = [p for n, p in hub.models[0].named_parameters() if n.endswith("experts.batched_fc1_w")]
+    assert experts and all(p.shape[0] == 4 for p in experts)
+    assert isinstance(hub.translate("s1 s2 s3 s4"), str)
