@@ -383,18 +383,21 @@ def _check_resumable(path, state, model) -> None:
     from . import distributed as moe_dist
 
     params = dict(model.named_parameters())
-    for key, tensor in state["model"].items():
-        if key not in params or tuple(params[key].shape) == tuple(tensor.shape):
-            continue
-        if moe_dist.is_expert(params[key]) and tensor.shape[1:] == params[key].shape[1:]:
-            world = moe_dist.expert_parallel_world_size()
+    mismatched = [k for k, t in state["model"].items() if k in params and tuple(params[k].shape) != tuple(t.shape)]
+    world = moe_dist.expert_parallel_world_size()
+    for key in mismatched:  # expert counts first: they also change every router's shape
+        tensor, param = state["model"][key], params[key]
+        if moe_dist.is_expert(param) and tensor.shape[1:] == param.shape[1:]:
             raise ValueError(
                 f"{path} holds {tensor.shape[0] * world} experts in {key.rsplit('.experts', 1)[0]}, this model "
-                f"{params[key].shape[0] * world}: resume with the checkpoint's --moe-expert-count, or use a new --save-dir"
+                f"{param.shape[0] * world}: resume with the checkpoint's --moe-expert-count, or use a new --save-dir"
             )
+    if mismatched:
+        key = mismatched[0]
         raise ValueError(
-            f"{path} does not fit this model: {key} is {tuple(tensor.shape)} there and {tuple(params[key].shape)} "
-            f"here; resume with the architecture flags the checkpoint was trained with, or use a new --save-dir"
+            f"{path} does not fit this model: {key} is {tuple(state['model'][key].shape)} there and "
+            f"{tuple(params[key].shape)} here; resume with the architecture flags the checkpoint was trained "
+            f"with, or use a new --save-dir"
         )
 
 
