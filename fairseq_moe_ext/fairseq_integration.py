@@ -34,6 +34,9 @@ Hooks:
   8. checkpoint_utils.load_model_ensemble_and_task (generate, interactive, eval-lm, validate, hub):
      ``--path dir/checkpoint_best.pt`` loads a set with no conversion step; models are built with
      every expert local.
+  9. Trainer._prepare_sample: records whether the batch about to run is fairseq's dummy batch, so
+     MoE layers route none of its tokens (models/moe_layers.DummyBatch) while still joining the
+     all-to-all.
 """
 
 import collections
@@ -418,6 +421,18 @@ def _wrap_load_model_ensemble_and_task(original):
     return load_model_ensemble_and_task
 
 
+def _wrap_prepare_sample(original):
+    from .models.moe_layers import DummyBatch
+
+    @functools.wraps(original)
+    def _prepare_sample(self, *args, **kwargs):
+        sample, is_dummy = original(self, *args, **kwargs)
+        DummyBatch.active = bool(is_dummy)
+        return sample, is_dummy
+
+    return _prepare_sample
+
+
 # ---------------------------------------------------------------- version pinning of the hooks
 
 ORIGINALS = {}  # "module.attribute" -> fairseq's own object, as found by install()
@@ -502,6 +517,7 @@ def install() -> None:
     _patch(checkpoint_utils, "load_model_ensemble_and_task", _wrap_load_model_ensemble_and_task)
     _patch(Trainer, "state_dict", _wrap_trainer_state_dict)
     _patch(Trainer, "load_checkpoint", _wrap_trainer_load_checkpoint)
+    _patch(Trainer, "_prepare_sample", _wrap_prepare_sample)
     if not getattr(Trainer.checkpoint_suffix.fget, "__wrapped_by_moe_ext__", False):
         ORIGINALS["fairseq.trainer.Trainer.checkpoint_suffix"] = Trainer.checkpoint_suffix
         ORIGINALS["fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank"] = (

@@ -168,3 +168,43 @@ def test_an_expert_count_that_does_not_divide_over_the_workers_is_an_error(tmp_p
     write_dictionaries(data_dir)
     messages = run_on_workers(uneven_experts_worker, 2, data_dir)
     assert all("3 experts cannot be split evenly over 2 workers" in m for m in messages), messages
+
+
+def uneven_batches_worker(rank, world, data_dir):
+    task, trainer = build_trainer(training_args(data_dir, world, ["--ddp-backend", "legacy_ddp"]))
+    pairs = sentence_pairs(12)
+    first = collate(task, pairs[6 * rank : 6 * rank + 6])
+    trainer.reset_dummy_batch(first)  # what fairseq's train loop does with the epoch's first batch
+    trainer.train_step([first])
+    # Second step: this worker's shard ran out (fairseq hands it an empty batch); rank 0 has one more.
+    second = collate(task, pairs[:5]) if rank == 0 else {}
+    return one_step_on(task, trainer, second)
+
+
+def one_step_on(task, trainer, sample):
+    from fairseq.logging import metrics
+
+    with metrics.aggregate(new_root=True) as agg:
+        trainer.train_step([sample])
+    return {
+        "loss": float(agg["loss"].avg),
+        "params": {n: p.detach().clone() for n, p in trainer.get_model().named_parameters()},
+        "expert_names": [n for n, p in trainer.get_model().named_parameters() if getattr(p, "expert", False)],
+    }
+
+
+def test_a_worker_whose_shard_ran_out_joins_the_all_to_all_with_a_dummy_batch(tmp_path):
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    results = run_on_workers(uneven_batches_worker, 2, data_dir)
+
+    task, trainer = build_trainer(training_args(data_dir, 1))
+    pairs = sentence_pairs(12)
+    trainer.train_step([collate(task, pairs)])
+    reference = one_step_on(task, trainer, collate(task, pairs[:5]))
+
+    assert results[0]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    experts = set(reference["expert_names"])
+    for name, want in reference["params"].items():
+        got = torch.cat([r["params"][name] for r in results]) if name in experts else results[1]["params"][name]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)

@@ -23,6 +23,7 @@ CHECKED_SOURCES = {
     "fairseq.models.DistributedFairseqModel": "caa68bcad9ada051",
     "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward": "ef2f541835fa38e6",
     "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward": "e2def0f25e8b4141",
+    "fairseq.trainer.Trainer._prepare_sample": "f997ae54f7c2fc5b",
     "fairseq.trainer.Trainer.checkpoint_suffix": "c6fdaf06fdd0efbd",
     "fairseq.trainer.Trainer.load_checkpoint": "128800d64185aede",
     "fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank": "d0e8464defa2cdde",
