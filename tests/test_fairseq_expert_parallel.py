@@ -135,13 +135,16 @@ def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def seeded_per_rank_worker(rank, world, data_dir):
+def error_of_worker(rank, world, data_dir, flag, value_by_rank, build_step):
+    """Build (and with ``build_step == "wrap"`` wrap for training) with ``flag`` set per rank;
+    return the error message each worker got."""
     argv = training_args(data_dir, world, ["--ddp-backend", "legacy_ddp"])
-    argv[argv.index("--seed") + 1] = str(10 + rank)  # a rank-dependent seed: shared weights differ
-    task, trainer = build_trainer(argv)
+    argv[argv.index(flag) + 1] = str(value_by_rank[rank])
     try:
-        trainer.model
-    except RuntimeError as error:
+        task, trainer = build_trainer(argv)
+        if build_step == "wrap":
+            trainer.model
+    except (RuntimeError, ValueError) as error:
         return str(error)
     return "no error"
 
@@ -149,24 +152,15 @@ def seeded_per_rank_worker(rank, world, data_dir):
 def test_shared_weights_that_differ_across_workers_at_start_are_an_error(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
-    messages = run_on_workers(seeded_per_rank_worker, 2, data_dir)
+    # A rank-dependent seed makes the shared weights differ.
+    messages = run_on_workers(error_of_worker, 2, data_dir, "--seed", [10, 11], "wrap")
     assert all("differs between rank 0 and rank 1 before training" in m and "--seed" in m for m in messages), messages
-
-
-def uneven_experts_worker(rank, world, data_dir):
-    argv = training_args(data_dir, world)
-    argv[argv.index("--moe-expert-count") + 1] = "3"
-    try:
-        build_trainer(argv)
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def test_an_expert_count_that_does_not_divide_over_the_workers_is_an_error(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
-    messages = run_on_workers(uneven_experts_worker, 2, data_dir)
+    messages = run_on_workers(error_of_worker, 2, data_dir, "--moe-expert-count", [3, 3], "build")
     assert all("3 experts cannot be split evenly over 2 workers" in m for m in messages), messages
 
 

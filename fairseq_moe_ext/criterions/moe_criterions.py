@@ -75,6 +75,15 @@ class MoELossMixin:
         self.moe_combine = str(moe_gate_loss_combine_method)
         self.moe_hide_expert_load = moe_hide_expert_load
 
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        loss = self.add_moe_losses(model, loss, sample_size, logging_output, reduce)
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True
+
     def add_moe_losses(self, model, loss, sample_size, logging_output, reduce=True):
         cache = find_moe_cache(model)
         if cache is None:
@@ -162,19 +171,10 @@ class MoELabelSmoothedCrossEntropyCriterion(MoELossMixin, LabelSmoothedCrossEntr
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self._init_moe_loss(moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load)
 
-    def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce)
-        loss = self.add_moe_losses(model, loss, sample_size, logging_output, reduce)
-        return loss, sample_size, logging_output
-
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
         cls.reduce_moe_metrics(logging_outputs)
-
-    @staticmethod
-    def logging_outputs_can_be_summed() -> bool:
-        return True
 
 
 @dataclass
@@ -189,16 +189,7 @@ class MoECrossEntropyCriterion(MoELossMixin, CrossEntropyCriterion):
         super().__init__(task, sentence_avg)
         self._init_moe_loss(moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load)
 
-    def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce)
-        loss = self.add_moe_losses(model, loss, sample_size, logging_output, reduce)
-        return loss, sample_size, logging_output
-
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:
         CrossEntropyCriterion.reduce_metrics(logging_outputs)
         MoELossMixin.reduce_moe_metrics(logging_outputs)
-
-    @staticmethod
-    def logging_outputs_can_be_summed() -> bool:
-        return True
