@@ -260,9 +260,10 @@ def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_w
 
 @pytest.fixture(scope="module")
 def reference_to_8(data, tmp_path_factory):
-    """Uninterrupted 2-worker run saving a set every 2 updates."""
+    """Uninterrupted 2-worker run saving a set every 2 updates, keeping the newest two."""
     root = tmp_path_factory.mktemp("ref8")
-    output = torchrun(2, BIN / "fairseq-train", moe_args(data, root / "ck", 8, "--save-interval-updates", "2"))
+    output = torchrun(2, BIN / "fairseq-train", moe_args(
+        data, root / "ck", 8, "--save-interval-updates", "2", "--keep-interval-updates", "2"))
     return {"losses": losses_by_update(output), "save_dir": root / "ck"}
 
 
@@ -312,3 +313,12 @@ def test_two_runs_with_the_same_seed_end_in_bit_identical_checkpoints(two_worker
         for name, value in entry.items():
             other = second["last_optimizer_state"]["state"][slot][name]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (slot, name)
+
+
+def test_keep_interval_updates_prunes_whole_sets(reference_to_8):
+    names = sorted(p.name for p in reference_to_8["save_dir"].iterdir())
+    kept = [n for n in names if n.startswith("checkpoint_1_")]
+    assert kept == [
+        "checkpoint_1_6-rank-0-of-2.pt", "checkpoint_1_6-rank-1-of-2.pt", "checkpoint_1_6.set.json",
+        "checkpoint_1_8-rank-0-of-2.pt", "checkpoint_1_8-rank-1-of-2.pt", "checkpoint_1_8.set.json",
+    ], names
