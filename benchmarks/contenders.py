@@ -1,0 +1,189 @@
+"""What benchmarks/moe_layer.py times: one training step (forward + backward) of each contender.
+
+Every contender owns its modules, a fixed input and a fixed upstream gradient, and ``step()``
+clears its gradients the way fairseq does (set to None) before running forward and backward, so
+every step allocates its gradients afresh, as in training.
+
+* ``moe``: our MoELayer, dropless (capacity factor 0), on N tokens.
+* ``floor``: the work the MoE layer cannot avoid: one dense FFN (d -> H -> d, ReLU) applied to the
+  k*N token copies in a single call. The experts do exactly these FLOPs; routing, dispatch and
+  combine are the overhead on top.
+* ``dense``: a transformer FFN with the MoE layer's active parameters per token: d -> k*H -> d on
+  N tokens. Same FLOPs as the floor, different GEMM shapes.
+* ``fairscale``: fairscale.nn.MOELayer with Top2Gate (GShard's einsum dispatch, capacity 2N/E) and
+  E experts of the same FFN, on N tokens (k=2 only: Top2Gate is top-2).
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+# fairscale is installed next to the venv, not into it: installing it into the venv changes what
+# fairseq imports (and warns about) in every run. See benchmarks/README_SECTION.md.
+FAIRSCALE_DIR = os.path.join(sys.prefix, "benchmark-deps")
+
+
+@dataclass
+class Shape:
+    d_model: int
+    hidden: int
+    experts: int
+    k: int
+    tokens: int
+
+
+class Contender:
+    name = "?"
+
+    def __init__(self, shape: Shape, device, dtype, seed: int = 0):
+        self.shape, self.device, self.dtype = shape, device, dtype
+        g = torch.Generator().manual_seed(seed)
+        n = self.input_tokens()
+        self.x = torch.randn(n, shape.d_model, generator=g).to(device, dtype).requires_grad_()
+        self.upstream = torch.randn(n, shape.d_model, generator=g).to(device, dtype)
+        self.module = self.build().to(device, dtype)
+
+    def input_tokens(self) -> int:
+        return self.shape.tokens
+
+    def build(self) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self) -> torch.Tensor:
+        return self.module(self.x)
+
+    def step(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+        self.x.grad = None
+        self.forward().backward(self.upstream)
+
+
+def ffn(d_model: int, hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d_model, hidden), nn.ReLU(), nn.Linear(hidden, d_model))
+
+
+class Floor(Contender):
+    name = "floor"
+
+    def input_tokens(self):
+        return self.shape.k * self.shape.tokens
+
+    def build(self):
+        return ffn(self.shape.d_model, self.shape.hidden)
+
+
+class DenseSameActiveParams(Contender):
+    name = "dense"
+
+    def build(self):
+        return ffn(self.shape.d_model, self.shape.k * self.shape.hidden)
+
+
+class OurMoE(Contender):
+    name = "moe"
+
+    def __init__(self, shape, device, dtype, seed=0, expert_matmul="auto", skew=None):
+        self.expert_matmul, self.skew = expert_matmul, skew
+        if expert_matmul != "auto":
+            self.name = f"moe[{expert_matmul}]"
+        if skew:
+            self.name = f"{self.name} skewed x{skew:g}"
+        super().__init__(shape, device, dtype, seed)
+        if skew:
+            self.make_skewed(skew)
+
+    def build(self):
+        from fairseq_moe_ext.moe import MoELayer
+
+        s = self.shape
+        layer = MoELayer(s.d_model, s.hidden, s.experts, k=s.k, capacity_factor=0.0)
+        layer.experts.matmul = self.expert_matmul
+        return layer
+
+    @torch.no_grad()
+    def make_skewed(self, factor: float) -> None:
+        """Expert 0 becomes the first choice of enough tokens to take ``factor`` times its fair
+        share (N*k/E slots): those tokens get a feature that only expert 0's router row reads."""
+        s = self.shape
+        fair_share = s.tokens * s.k / s.experts
+        chosen = min(s.tokens, round(factor * fair_share))
+        self.x[:, 0] = 0.0
+        self.x[:chosen, 0] = 1.0
+        weight = self.module.router.wg.weight
+        weight[:, 0] = 0.0
+        weight[0, 0] = 30.0
+
+    def busiest_expert_share(self) -> float:
+        """Load of the busiest expert over its fair share, as routed now."""
+        with torch.no_grad():
+            _, aux = self.module.forward_with_aux(self.x)
+        load = aux.stats["expert_slots"]
+        return float(load.max() / (load.sum() / len(load)))
+
+    def forward(self):
+        return self.module(self.x)
+
+
+class FairscaleMoE(Contender):
+    name = "fairscale"
+
+    def input_tokens(self):
+        return self.shape.tokens
+
+    def build(self):
+        from fairscale.nn import MOELayer, Top2Gate
+
+        s = self.shape
+        ensure_single_process_group(self.device)
+        experts = nn.ModuleList([ffn(s.d_model, s.hidden) for _ in range(s.experts)])
+        return MOELayer(Top2Gate(s.d_model, s.experts), experts)
+
+    def forward(self):
+        s = self.shape
+        # MOELayer wants [s, t, d_model] with s divisible by E; its gate sees all s*t tokens at
+        # once, so capacity is 2N/E whatever the split.
+        x = self.x.view(s.experts, s.tokens // s.experts, s.d_model)
+        return self.module(x).view(s.tokens, s.d_model)
+
+
+def import_fairscale():
+    """fairscale's MOELayer and Top2Gate, or the reason they cannot be used."""
+    if FAIRSCALE_DIR not in sys.path and os.path.isdir(FAIRSCALE_DIR):
+        sys.path.append(FAIRSCALE_DIR)
+    try:
+        from fairscale.nn import MOELayer, Top2Gate  # noqa: F401
+    except Exception as e:  # ImportError, or fairscale failing against this torch
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def ensure_single_process_group(device) -> None:
+    """MOELayer calls all_to_all on its group even alone; give it a group of one process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def fits_fairscale(shape: Shape):
+    """Why fairscale cannot run these shapes, or None."""
+    if shape.k != 2:
+        return f"Top2Gate is top-2 only, k={shape.k}"
+    if shape.tokens % shape.experts:
+        return f"Top2Gate needs tokens ({shape.tokens}) divisible by experts ({shape.experts})"
+    return None
+
+
+def build_contender(name: str, shape: Shape, device, dtype, **kw) -> Contender:
+    kinds = {"floor": Floor, "dense": DenseSameActiveParams, "moe": OurMoE, "fairscale": FairscaleMoE}
+    return kinds[name](shape, device, dtype, **kw)

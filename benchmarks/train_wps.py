@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""fairseq-train words per second: moe_transformer against a dense transformer with the same
+active parameters, on the same generated data with the same settings, in one process and with two
+workers (torchrun, gloo, legacy_ddp).
+
+    python benchmarks/train_wps.py            # about 3-4 minutes on 2 CPU cores
+    python benchmarks/train_wps.py --repeats 3 --max-update 80
+
+Same active parameters: every MoE layer has E experts of hidden H/k and routes each token to k of
+them, so a token meets k*(H/k) = H hidden units, exactly as in the dense model's FFN of hidden H;
+attention, embeddings and the dense layers are identical. The difference in speed is the cost of
+routing, dispatch and combine (and, with two workers, of the all-to-all exchange).
+
+wps is fairseq's own figure from ``--log-format json`` train_inner records (target tokens per
+second over all workers); the first record of each run is dropped as warm-up and the median of the
+rest is reported.
+"""
+
+import argparse
+import datetime
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent))
+
+from fairseq_helpers import USER_DIR, json_logs, source_sentence, tail, translate  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--embed-dim", type=int, default=256)
+    p.add_argument("--ffn-dim", type=int, default=1024, help="dense FFN hidden size H (default 1024)")
+    p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers each (default 2)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-freq", type=int, default=2, help="every n-th layer is MoE (default 2)")
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--max-update", type=int, default=40)
+    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--sentences", type=int, default=4000, help="training sentence pairs to generate")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default 1 2)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE runs this many times")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per fairseq-train run")
+    p.add_argument("--keep", help="keep data and logs in this folder instead of a temporary one")
+    return p.parse_args(argv)
+
+
+def write_corpus(raw: Path, train_lines: int, seed: int = 0) -> Path:
+    """The tests' toy language pair (reverse and map every token), at a size worth timing."""
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, lines in (("train", train_lines), ("valid", 40)):
+        sources = [source_sentence(rng) for _ in range(lines)]
+        (raw / f"{split}.src").write_text("".join(" ".join(f"s{i}" for i in s) + "\n" for s in sources))
+        (raw / f"{split}.tgt").write_text("".join(translate(s) + "\n" for s in sources))
+    return raw
+
+
+def run(command, env, timeout, log: Path) -> str:
+    done = subprocess.run([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env, timeout=timeout)
+    log.write_text(done.stdout)
+    if done.returncode != 0:
+        sys.exit(f"train_wps.py: exit {done.returncode}: {' '.join(map(str, command))}\n{tail(done.stdout)}")
+    return done.stdout
+
+
+def env_for(threads_per_worker: int):
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads_per_worker), MKL_NUM_THREADS=str(threads_per_worker),
+               PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def preprocess(raw: Path, dest: Path, work: Path):
+    run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
+         f"--trainpref={raw / 'train'}", f"--validpref={raw / 'valid'}", f"--destdir={dest}", "--workers=1"],
+        env_for(1), 300, work / "preprocess.log")
+    return dest
+
+
+def model_args(args, moe: bool):
+    dims = []
+    for side in ("encoder", "decoder"):
+        dims += [f"--{side}-embed-dim", args.embed_dim, f"--{side}-ffn-embed-dim", args.ffn_dim,
+                 f"--{side}-layers", args.layers, f"--{side}-attention-heads", 4]
+    if not moe:
+        return ["--arch", "transformer", *dims, "--criterion", "label_smoothed_cross_entropy"]
+    return ["--arch", "moe_transformer", *dims, "--criterion", "moe_label_smoothed_cross_entropy",
+            "--moe-expert-count", args.experts, "--moe-top-k", args.top_k, "--moe-freq", args.moe_freq,
+            "--moe-expert-ffn-dim", args.ffn_dim // args.top_k]
+
+
+def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int):
+    common = [data, "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
+              "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--dropout", "0.1",
+              "--max-tokens", args.max_tokens, "--max-update", args.max_update, "--disable-validation",
+              "--no-save", "--save-dir", save_dir, "--log-format", "json",
+              "--log-interval", args.log_interval, *model_args(args, moe)]
+    train = BIN / "fairseq-train"
+    if workers == 1:
+        return [train, *common]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", workers, "--master_port",
+            free_port(), train, *common, "--distributed-world-size", workers, "--ddp-backend", "legacy_ddp"]
+
+
+def free_port() -> int:
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measured_wps(output: str) -> float:
+    records = json_logs(output, "train_inner")
+    if len(records) < 2:
+        sys.exit(f"train_wps.py: fewer than 2 train_inner records; raise --max-update\n{tail(output)}")
+    return statistics.median(float(r["wps"]) for r in records[1:])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.ffn_dim % args.top_k:
+        sys.exit(f"train_wps.py: --ffn-dim {args.ffn_dim} must be divisible by --top-k {args.top_k}")
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="train_wps_"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"# fairseq-train wps, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
+          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}")
+    print(f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE in every "
+          f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
+          f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run")
+    data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
+    results = {}
+    for workers in args.workers:
+        env = env_for(max(1, args.threads // workers))
+        for rep in range(args.repeats):
+            for moe in (False, True):  # alternating, so drifts in machine load hit both alike
+                name = f"{'moe' if moe else 'dense'}-{workers}w-{rep}"
+                output = run(train_command(args, data, work / name, moe, workers), env, args.timeout,
+                             work / f"{name}.log")
+                results.setdefault((workers, moe), []).append(measured_wps(output))
+    print(f"\n{'workers':>8}{'dense wps':>12}{'moe wps':>12}{'moe/dense':>11}")
+    for workers in args.workers:
+        dense = statistics.median(results[(workers, False)])
+        moe = statistics.median(results[(workers, True)])
+        print(f"{workers:>8}{dense:>12.0f}{moe:>12.0f}{moe / dense:>11.3f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
