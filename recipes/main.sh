@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# The main job: a Mixture-of-Experts translation model trained end to end on this machine's CPUs.
+#
+#   bash recipes/main.sh                    # about 6 minutes on 2 cores (+ about 2 min for the venv on first use)
+#   EXPERTS=4 MAX_UPDATE=400 bash recipes/main.sh
+#   TINY=1 WORK=/tmp/w bash recipes/main.sh # the same pipeline in about a minute (what the tests run)
+#
+# Pipeline: an invented multi-domain corpus (eight source dialects that share their word forms but
+# give them different meanings, word orders and function words, translated into one target language;
+# recipes/make_dialects.py; each source sentence starts with its dialect's <2name> token), a
+# sentencepiece BPE model per side, fairseq-preprocess, `moe_transformer` trained on WORKERS CPU
+# workers (torchrun + gloo, expert parallel, per-rank checkpoint sets), fairseq-generate in ONE
+# process from the set, sacrebleu; the same for a dense `transformer` of the same shape (dense FFN
+# hidden size = expert hidden size); then plots of the expert load over training and of which experts
+# each dialect's tokens use, and a summary.
+#
+# Outputs (under WORK):
+#   summary.txt                BLEU MoE vs dense (overall and per dialect), parameters, balance
+#   plots/expert_load.png      every MoE layer's per-expert share of tokens over training
+#   plots/routing_by_domain.png  dialect x expert routing matrix per MoE layer (test set)
+#   moe/ dense/                train.log, ckpt/ (MoE: checkpoint_best-rank-R-of-W.pt + .set.json),
+#                              generate.out (fairseq-generate), hyp.txt, bleu.json
+#   data/                      raw/ (text + .domain labels), spm/, tok/, bin/ (fairseq-preprocess)
+# Re-running skips every step whose knobs did not change; remove WORK (or a subdirectory) to redo it.
+#
+# Knobs (environment variables; defaults in brackets):
+#   WORK [./work-dirs/main]   output directory
+#   TINY [0]                  1: tiny corpus and a few updates, to check the pipeline (defaults below change)
+#   WORKERS [2]               CPU worker processes for training (EXPERTS must be a multiple)
+#   THREADS [1]               intra-op threads per worker
+#   EXPERTS [8]  TOPK [2]     experts per MoE layer and experts per token
+#   MOE_FREQ [2]              every MOE_FREQ-th layer is MoE (2 layers per side: layer 1 of each)
+#   CAPACITY_FACTOR [1.25]    training capacity (0 = dropless); inference is always dropless
+#   GATE_LOSS_WT [0.01]       balance loss weight
+#   EMBED_DIM [64] FFN_DIM [128] LAYERS [2] HEADS [4]   model shape (FFN_DIM = expert and dense hidden size)
+#   MAX_UPDATE [800] MAX_TOKENS [2048] LR [3e-3] WARMUP [100] DROPOUT [0.1] SEED [1]
+#   DIALECTS [8]              source dialects (domains), 1..8
+#   TRAIN_PER_DOMAIN [2000] VALID_PER_DOMAIN [50] TEST_PER_DOMAIN [100]   sentence pairs per dialect
+#   SRC_VOCAB [320] TGT_VOCAB [320]   sentencepiece BPE vocabulary sizes
+#   DOMAIN_TAG [1]            prepend a <2dialect> token to every source sentence (0: the model must infer
+#                             the dialect from word order and particles alone)
+#   BEAM [5]                  beam size for fairseq-generate
+#   DENSE [1]                 0: skip the dense baseline
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${TINY:-0}" = 1 ]; then
+  : "${TRAIN_PER_DOMAIN:=40}" "${VALID_PER_DOMAIN:=4}" "${TEST_PER_DOMAIN:=4}"
+  : "${MAX_UPDATE:=12}" "${MAX_TOKENS:=600}" "${WARMUP:=4}" "${SRC_VOCAB:=200}" "${TGT_VOCAB:=100}" "${BEAM:=2}"
+fi
+: "${WORK:=./work-dirs/main}"
+: "${WORKERS:=2}" "${EXPERTS:=8}" "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}"
+: "${EMBED_DIM:=64}" "${FFN_DIM:=128}" "${LAYERS:=2}" "${HEADS:=4}"
+: "${MAX_UPDATE:=800}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}"
+: "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=2000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
+: "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
+
+STAGES=9
+echo "==> [1/$STAGES] environment"
+source recipes/lib/venv.sh
+source recipes/lib/common.sh
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+DATA=$WORK/data
+echo "    WORK=$WORK  workers=$WORKERS  experts=$EXPERTS  k=$TOPK  max_update=$MAX_UPDATE  seed=$SEED"
+
+stage 2 "corpus: $DIALECTS dialects -> 1 target language ($TRAIN_PER_DOMAIN/$VALID_PER_DOMAIN/$TEST_PER_DOMAIN pairs per dialect)"
+data_sig="dialects=$DIALECTS $TRAIN_PER_DOMAIN $VALID_PER_DOMAIN $TEST_PER_DOMAIN seed=$SEED"
+if needs_run "$DATA/raw/.done" "$data_sig"; then
+  python recipes/make_dialects.py "$DATA/raw" --dialects "$DIALECTS" --train "$TRAIN_PER_DOMAIN" \
+    --valid "$VALID_PER_DOMAIN" --test "$TEST_PER_DOMAIN" --seed "$SEED"
+  mark_done "$DATA/raw/.done" "$data_sig"
+fi
+
+stage 3 "sentencepiece BPE (source $SRC_VOCAB, target $TGT_VOCAB pieces), encode"
+spm_sig="$data_sig spm $SRC_VOCAB $TGT_VOCAB tag=$DOMAIN_TAG"
+if needs_run "$DATA/tok/.done" "$spm_sig"; then
+  mkdir -p "$DATA/spm" "$DATA/tok"
+  # One model per side: the dialects and the target share no words, so a joint vocabulary would
+  # only spend pieces on the other side's words.
+  python recipes/spm.py train --input "$DATA/raw/train.src" --prefix "$DATA/spm/src" --vocab-size "$SRC_VOCAB" --model-type bpe
+  python recipes/spm.py train --input "$DATA/raw/train.tgt" --prefix "$DATA/spm/tgt" --vocab-size "$TGT_VOCAB" --model-type bpe
+  for split in train valid test; do
+    for side in src tgt; do
+      python recipes/spm.py encode --model "$DATA/spm/$side.model" < "$DATA/raw/$split.$side" > "$DATA/tok/$split.$side"
+    done
+    if [ "$DOMAIN_TAG" = 1 ]; then
+      # The tag is a token of its own, added after sentencepiece so that it is never split.
+      sed 's/.*/<2&>/' "$DATA/raw/$split.domain" | paste -d ' ' - "$DATA/tok/$split.src" > "$DATA/tok/$split.src.tagged"
+      mv "$DATA/tok/$split.src.tagged" "$DATA/tok/$split.src"
+    fi
+  done
+  head -n 2 "$DATA/tok/train.src" "$DATA/tok/train.tgt"
+  mark_done "$DATA/tok/.done" "$spm_sig"
+fi
+
+stage 4 "fairseq-preprocess"
+if needs_run "$DATA/bin/.done" "$spm_sig"; then
+  rm -rf "$DATA/bin"
+  fairseq_tool preprocess --source-lang src --target-lang tgt \
+    --trainpref "$DATA/tok/train" --validpref "$DATA/tok/valid" --testpref "$DATA/tok/test" \
+    --destdir "$DATA/bin" --workers 2 2>&1 | tee "$WORK/data/preprocess.log" | grep -E "Dictionary|sents"
+  mark_done "$DATA/bin/.done" "$spm_sig"
+fi
+
+# Flags both models share: same shape, data, optimiser, schedule, batch and seed.
+common_args=(
+  "$DATA/bin" --user-dir "$USER_DIR" --cpu --ddp-backend legacy_ddp --seed "$SEED"
+  --encoder-embed-dim "$EMBED_DIM" --encoder-ffn-embed-dim "$FFN_DIM" --encoder-layers "$LAYERS"
+  --encoder-attention-heads "$HEADS" --decoder-embed-dim "$EMBED_DIM" --decoder-ffn-embed-dim "$FFN_DIM"
+  --decoder-layers "$LAYERS" --decoder-attention-heads "$HEADS" --dropout "$DROPOUT"
+  --label-smoothing 0.1 --optimizer adam --adam-betas "(0.9, 0.98)" --lr "$LR"
+  --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --clip-norm 1.0
+  --max-tokens "$MAX_TOKENS" --max-update "$MAX_UPDATE" --no-epoch-checkpoints --num-workers 0
+  --log-format json --log-interval "$(( MAX_UPDATE >= 200 ? 25 : 2 ))"
+)
+moe_args=(
+  --arch moe_transformer --moe-expert-count "$EXPERTS" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
+  --moe-capacity-factor "$CAPACITY_FACTOR" --moe-eval-capacity-factor 0
+  --criterion moe_label_smoothed_cross_entropy --moe-gate-loss-wt "$GATE_LOSS_WT"
+)
+dense_args=(--arch transformer --criterion label_smoothed_cross_entropy)
+
+# train_and_evaluate NAME STAGE ARGS...: train on WORKERS workers, then generate in one process.
+train_and_evaluate() {
+  local name=$1 number=$2; shift 2
+  local dir=$WORK/$name
+  local sig="$spm_sig workers=$WORKERS ${common_args[*]} $*"
+  stage "$number" "$name: fairseq-train on $WORKERS CPU workers, then fairseq-generate (1 process) + sacrebleu"
+  if needs_run "$dir/.trained" "$sig"; then
+    rm -rf "$dir"
+    train_workers "$WORKERS" "$dir/train.log" "${common_args[@]}" "$@" --save-dir "$dir/ckpt"
+    mark_done "$dir/.trained" "$sig"
+  fi
+  ls "$dir/ckpt" | sed 's/^/    /'
+  # The rank-less name loads the whole per-rank set into this one process: no conversion step.
+  fairseq_tool generate "$DATA/bin" --user-dir "$USER_DIR" --path "$dir/ckpt/checkpoint_best.pt" --cpu \
+    --gen-subset test --beam "$BEAM" --batch-size 128 --remove-bpe sentencepiece --num-workers 0 \
+    > "$dir/generate.out" 2> "$dir/generate.log"
+  grep -E "^(S|T|H)-(0|1|2|3)\s" "$dir/generate.out" | head -n 12 | sed 's/^/    /'
+  tail -n 1 "$dir/generate.out" | sed 's/^/    fairseq-generate: /'
+  python recipes/score_translations.py "$dir/generate.out" --ref "$DATA/raw/test.tgt" \
+    --domains "$DATA/raw/test.domain" --hyp-out "$dir/hyp.txt" --json-out "$dir/bleu.json" --name "$name"
+}
+
+train_and_evaluate moe 5 "${moe_args[@]}"
+if [ "$DENSE" = 1 ]; then
+  train_and_evaluate dense 6 "${dense_args[@]}"
+else
+  stage 6 "dense baseline skipped (DENSE=0)"
+fi
+
+stage 7 "routing by domain: which experts each dialect's tokens use (test set, merged set in one process)"
+python recipes/routing_by_domain.py --data "$DATA/bin" --path "$WORK/moe/ckpt/checkpoint_best.pt" \
+  --domains "$DATA/raw/test.domain" --subset test --png "$WORK/plots/routing_by_domain.png" \
+  --json-out "$WORK/routing.json" --title "routing by dialect (E=$EXPERTS, k=$TOPK, test set)" 2>&1 \
+  | grep -v "^INFO:"
+
+stage 8 "plot expert load over training"
+python recipes/plot_expert_load.py "$WORK/moe/train.log" --png "$WORK/plots/expert_load.png" \
+  --title "expert load during training (E=$EXPERTS, k=$TOPK, capacity factor $CAPACITY_FACTOR, $WORKERS workers)"
+
+stage 9 "summary"
+runs=(--run MoE "$WORK/moe")
+[ "$DENSE" = 1 ] && runs+=(--run dense "$WORK/dense")
+python recipes/summarize_translation.py "${runs[@]}" --routing "$WORK/routing.json" \
+  --title "main job: $DIALECTS dialects -> 1 target; moe_transformer E=$EXPERTS k=$TOPK vs dense transformer; $WORKERS CPU workers" \
+  --out "$WORK/summary.txt" --json-out "$WORK/summary.json" 2>&1 | grep -v "^INFO:"
+echo
+echo "    plots: $WORK/plots/expert_load.png  $WORK/plots/routing_by_domain.png"
+echo "    summary: $WORK/summary.txt"
+finish

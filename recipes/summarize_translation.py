@@ -1,0 +1,114 @@
+"""The main job's summary: MoE vs dense, side by side, from what the earlier stages wrote.
+
+Each run directory holds ``train.log`` (fairseq-train, ``--log-format json``), ``bleu.json``
+(score_translations.py) and ``ckpt/checkpoint_best.pt`` (a per-rank set or a single file; fairseq's
+loader, as patched by the plugin, merges a set given by its manifest). Parameters are counted from the checkpoint; a
+token's *active* parameters count k of the E experts in each MoE layer.
+
+  python recipes/summarize_translation.py --run MoE work/moe --run dense work/dense \
+      --routing work/routing.json --out work/summary.txt
+"""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from fairseq import checkpoint_utils
+from fairseq_moe_ext import checkpoint as moe_checkpoint
+
+RECORD = re.compile(r"\| (train_inner|valid) \| (\{.*\})\s*$")
+
+
+def records(log_file: Path, kind: str) -> list:
+    found = []
+    for line in log_file.read_text(errors="replace").splitlines():
+        match = RECORD.search(line)
+        if match and match.group(1) == kind:
+            found.append(json.loads(match.group(2)))
+    return found
+
+
+def parameter_counts(checkpoint: Path):
+    """(total, active per token, experts E, top-k) from a checkpoint's model state."""
+    # fairseq's loader takes a set by its manifest (and merges it); resolve() finds the manifest
+    # or the single file that the rank-less name stands for.
+    state = checkpoint_utils.load_checkpoint_to_cpu(moe_checkpoint.resolve(str(checkpoint)).path)
+    model_cfg = state["cfg"]["model"]
+    tensors = {k: v for k, v in state["model"].items() if not k.endswith((".version", "_float_tensor"))}
+    total = sum(v.numel() for v in tensors.values())
+    expert_keys = set(state.get("moe", {}).get("expert_keys", []))
+    experts = getattr(model_cfg, "moe_expert_count", None) if expert_keys else None
+    k = getattr(model_cfg, "moe_top_k", None) if expert_keys else None
+    expert_total = sum(tensors[key].numel() for key in expert_keys)
+    active = total - expert_total + (expert_total * k // experts if experts else 0)
+    return total, active, experts, k
+
+
+def describe(name: str, directory: Path) -> dict:
+    train = records(directory / "train.log", "train_inner")
+    valid = records(directory / "train.log", "valid")
+    bleu = json.loads((directory / "bleu.json").read_text())
+    total, active, experts, k = parameter_counts(directory / "ckpt" / "checkpoint_best.pt")
+    best = min(valid, key=lambda r: float(r["valid_loss"])) if valid else {}
+    last = train[-1] if train else {}
+    return {
+        "name": name, "bleu": bleu, "total": total, "active": active, "experts": experts, "k": k,
+        "updates": last.get("num_updates", "?"), "wall": last.get("wall", "?"),
+        "valid_nll": best.get("valid_nll_loss", best.get("valid_loss", "?")), "valid_ppl": best.get("valid_ppl", "?"),
+        "last": last,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", nargs=2, action="append", metavar=("NAME", "DIR"), required=True)
+    parser.add_argument("--routing", type=Path, help="routing_by_domain.py's JSON output")
+    parser.add_argument("--title", default="main job")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args(argv)
+
+    runs = [describe(name, Path(directory)) for name, directory in args.run]
+    width = 16
+    lines = [args.title, ""]
+
+    def row(label, values):
+        lines.append(f"{label:<30}" + "".join(f"{str(v):>{width}}" for v in values))
+
+    row("", [r["name"] for r in runs])
+    row("test BLEU (sacrebleu)", [f"{r['bleu']['bleu']:.2f}" for r in runs])
+    for domain in runs[0]["bleu"].get("by_domain", {}):
+        row(f"  {domain}", [f"{r['bleu'].get('by_domain', {}).get(domain, float('nan')):.2f}" for r in runs])
+    row("best valid nll loss (base 2)", [r["valid_nll"] for r in runs])
+    row("best valid ppl", [r["valid_ppl"] for r in runs])
+    row("parameters, total", [f"{r['total']:,}" for r in runs])
+    row("parameters, active per token", [f"{r['active']:,}" for r in runs])
+    row("experts per MoE layer, top-k", [f"{r['experts']}, k={r['k']}" if r["experts"] else "-" for r in runs])
+    row("updates", [r["updates"] for r in runs])
+    row("training wall time (s)", [r["wall"] for r in runs])
+
+    moe = next((r for r in runs if r["experts"]), None)
+    if moe:
+        last = moe["last"]
+        lines += ["", f"{moe['name']} routing over the last log interval of training:"]
+        lines.append(f"  balance loss {last.get('moe_gate_loss', '?')} (1.0 = perfectly balanced, E = collapsed onto one expert)")
+        lines.append(f"  imbalance {last.get('moe_imbalance', '?')} (busiest expert's share x E; 1.0 = balanced)")
+        lines.append(f"  dropped fraction {last.get('moe_dropped_frac', '?')} (token-slots over capacity; the residual carries them)")
+        lines.append(f"  router entropy {last.get('moe_router_entropy', '?')} nats per token")
+    if args.routing and args.routing.exists():
+        routing = json.loads(args.routing.read_text())
+        lines += ["", "routing by domain on the test set (I = mutual information of domain and first-choice expert):"]
+        for layer, data in routing["layers"].items():
+            favourite = [f"{d}->e{max(range(len(s)), key=s.__getitem__)}" for d, s in zip(routing["domains"], data["share"])]
+            lines.append(f"  {layer}: I = {data['mi_fraction']:.0%} of H(domain); most used: {', '.join(favourite)}")
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    if args.json_out:
+        args.json_out.write_text(json.dumps({r["name"]: {k: v for k, v in r.items() if k != "last"} for r in runs},
+                                            indent=1) + "\n")
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
