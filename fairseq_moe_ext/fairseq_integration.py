@@ -367,6 +367,9 @@ def _load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     """A manifest path gives the merged set; inside Trainer.load_checkpoint, this worker's slice."""
     from . import checkpoint as moe_ckpt
 
+    if not os.path.exists(path):
+        resolved = moe_ckpt.resolve(path, fallback=False)  # a set named without its rank suffix
+        path = resolved.path if resolved is not None else path
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
         full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, **kwargs))
     else:

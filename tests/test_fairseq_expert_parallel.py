@@ -213,3 +213,18 @@ def test_a_worker_whose_shard_ran_out_joins_the_all_to_all_with_a_dummy_batch(tm
     for name, want in reference["params"].items():
         got = torch.cat([r["params"][name] for r in results]) if name in experts else results[1]["params"][name]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def eval_bleu_worker(rank, world, data_dir):
+    try:
+        build_trainer(training_args(data_dir, world, ["--eval-bleu"]))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_eval_bleu_is_refused_in_expert_parallel_training_instead_of_hanging(tmp_path):
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    messages = run_on_workers(eval_bleu_worker, 2, data_dir)
+    assert all("--eval-bleu generates during validation" in m for m in messages), messages

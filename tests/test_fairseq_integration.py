@@ -102,3 +102,16 @@ def test_backends_that_would_shard_or_average_experts_are_refused(backend):
     args = argparse.Namespace(ddp_backend=backend)
     with pytest.raises(ValueError, match=f"--ddp-backend {backend} is not supported with MoE models.*legacy_ddp"):
         models.DistributedFairseqModel(args, layer, process_group=None, device=torch.device("cpu"))
+
+
+def test_eval_bleu_counters_stored_as_numpy_arrays_load_with_weights_only(tmp_path):
+    import numpy as np
+
+    from fairseq_moe_ext.checkpoint import CHECKPOINT_SAFE_GLOBALS
+
+    path = tmp_path / "bleu.pt"
+    counts = np.array([12, 7, 3, 1], dtype=np.int64)
+    torch.save({"metrics": {"_bleu_counts": counts, "ratio": np.float64(0.5)}}, path)
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
+        state = torch.load(path, weights_only=True)
+    assert (state["metrics"]["_bleu_counts"] == counts).all() and state["metrics"]["ratio"] == 0.5

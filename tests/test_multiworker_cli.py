@@ -340,3 +340,10 @@ def test_eval_lm_scores_a_language_model_set_in_one_process(tmp_path):
                          "--cpu", "--tokens-per-sample", "32", "--max-tokens", "1024", "--num-workers", "0")
     perplexity = float(re.search(r"Perplexity: ([\d.]+)", output).group(1))
     assert perplexity < 20, output[-2000:]  # 40-token vocabulary: a model that learned nothing sits near 40
+
+
+def test_fairseq_loads_a_set_by_its_plain_name(two_worker_run):
+    from fairseq import checkpoint_utils
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(two_worker_run["at4"] / "checkpoint_last.pt"))
+    assert state["moe"]["world_size"] == 1 and state["model"]["encoder.layers.1.fc1.experts.batched_fc1_w"].shape[0] == 4

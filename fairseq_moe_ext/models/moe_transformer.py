@@ -22,6 +22,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.utils import safe_getattr
 
+from ..distributed import expert_parallel_group
 from ..moe import MoEAuxCache, MoELayer
 from .moe_config import MoEConfig, MoEEncoderDecoderConfig, check_moe_args
 from .moe_layers import install_moe_layers
@@ -67,6 +68,12 @@ class MoETransformerModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         check_moe_args(args)
+        if safe_getattr(args, "eval_bleu", False) and expert_parallel_group() is not None:
+            raise ValueError(
+                "--eval-bleu generates during validation, where each worker runs a different number of "
+                "decoder steps that expert-parallel MoE layers cannot follow: drop --eval-bleu and score "
+                "checkpoints with fairseq-generate"
+            )
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         seed = base_seed(args)
