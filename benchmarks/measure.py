@@ -72,7 +72,8 @@ def cpu_model() -> str:
 def machine_summary(device) -> str:
     lines = [
         f"torch {torch.__version__}, python {platform.python_version()}, {torch.get_num_threads()} threads, "
-        f"cpu: {cpu_model()} ({os.cpu_count()} logical cpus), load average {load_average()}",
+        f"cpu: {cpu_model()} ({os.cpu_count()} logical cpus), load average {load_average()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
     ]
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(torch.device(device))

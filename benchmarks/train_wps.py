@@ -137,7 +137,8 @@ def main(argv=None):
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="train_wps_"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"# fairseq-train wps, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}")
+          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, logs in {work}")
     print(f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE in every "
           f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
           f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run")

@@ -1,7 +1,9 @@
 """The MoE layer: route, dispatch to experts (possibly on other workers), combine.
 
-Dispatch sorts token-slots by expert and gathers them once; combine scatters them back once. Cost
-is linear in the number of tokens (no dense ``tokens x experts x capacity`` one-hot einsum).
+Dispatch sorts token-slots by expert and gathers them once; combine brings them back once. Cost
+is linear in the number of tokens (no dense ``tokens x experts x capacity`` one-hot einsum). In
+dropless routing the sort is a permutation, and dispatch and combine are gathers both ways
+(``dispatch.py``); the experts run as one autograd node (``expert_ffn.py``).
 
 With an expert-parallel ``group`` of W workers each worker holds ``E / W`` experts (global ids
 ``rank * E/W ...``). Slots travel to their expert's worker and back with one all-to-all each way,
