@@ -16,6 +16,7 @@ expert's gradient is already the sum over every worker's tokens. Three consequen
 """
 
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Iterable, List
 
 import torch
@@ -27,6 +28,13 @@ SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
 EXPERT_PARALLEL_TRAINING = False
 _GROUP_CACHE = {}
 _LOCAL_EXPERTS = [0]  # > 0 while models are built for inference with every expert local
+_COMM_TIMEOUT_S = [1800.0]
+
+
+def set_comm_timeout(seconds: float) -> None:
+    """How long an MoE collective waits for a stalled peer before failing (``--moe-comm-timeout``).
+    Applies to expert-parallel groups created afterwards."""
+    _COMM_TIMEOUT_S[0] = float(seconds)
 
 
 @contextmanager
@@ -50,10 +58,13 @@ def expert_parallel_group():
     """
     if _LOCAL_EXPERTS[0] or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    key = id(dist.group.WORLD)  # a new default group (re-initialised job) needs a new MoE group
+    # A new default group (re-initialised job) or another timeout needs a new MoE group.
+    key = (id(dist.group.WORLD), _COMM_TIMEOUT_S[0])
     if key not in _GROUP_CACHE:
         _GROUP_CACHE.clear()
-        _GROUP_CACHE[key] = dist.new_group(list(range(dist.get_world_size())))
+        _GROUP_CACHE[key] = dist.new_group(
+            list(range(dist.get_world_size())), timeout=timedelta(seconds=_COMM_TIMEOUT_S[0])
+        )
     return _GROUP_CACHE[key]
 
 

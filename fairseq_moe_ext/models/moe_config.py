@@ -1,8 +1,11 @@
 """The ``--moe-*`` model options, named after fairseq's ``moe`` branch where it had them."""
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.utils import safe_getattr
@@ -66,6 +69,18 @@ class MoEConfig(FairseqDataclass):
     moe_normalize_gate: bool = field(
         default=False, metadata={"help": "renormalise each token's k gate values to sum to 1"}
     )
+    moe_comm_timeout: float = field(
+        default=1800.0,
+        metadata={"help": "seconds a worker waits for its peers in an MoE all-to-all before it fails with "
+                  "an error naming the stalled collective (default 1800, torch's process-group default); "
+                  "a peer that died fails it at once"},
+    )
+    moe_deterministic: bool = field(
+        default=False,
+        metadata={"help": "bit-reproducible training on GPU: torch.use_deterministic_algorithms(True) and "
+                  "deterministic cuBLAS for the whole run, at some speed cost (the MoE layer itself never "
+                  "accumulates with atomics; CPU runs are reproducible without this flag)"},
+    )
 
 
 @dataclass
@@ -100,6 +115,24 @@ def check_moe_args(args) -> None:
         freq = moe_freq(args, side)
         if not isinstance(freq, int) or freq < 0:
             raise ValueError(f"--{side}-moe-freq / --moe-freq must be an integer >= 0, got {freq!r}")
+    timeout = safe_getattr(args, "moe_comm_timeout", 1800.0)
+    if timeout is None or not math.isfinite(float(timeout)) or timeout <= 0:
+        raise ValueError(f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}")
     dim = safe_getattr(args, "moe_expert_ffn_dim", None)
     if dim is not None and dim < 1:
         raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}")
+
+
+def apply_runtime_options(args) -> None:
+    """Process-wide settings the MoE flags ask for; called when a model is built, before any
+    expert-parallel group exists."""
+    from ..distributed import set_comm_timeout
+
+    set_comm_timeout(float(safe_getattr(args, "moe_comm_timeout", 1800.0)))
+    if safe_getattr(args, "moe_deterministic", False):
+        # cuBLAS picks reduction orders per workspace unless told otherwise; the variable must be
+        # set before its first use, which is after model construction.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

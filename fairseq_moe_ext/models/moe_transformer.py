@@ -24,7 +24,7 @@ from fairseq.utils import safe_getattr
 
 from ..distributed import expert_parallel_group
 from ..moe import MoEAuxCache, MoELayer
-from .moe_config import MoEConfig, MoEEncoderDecoderConfig, check_moe_args
+from .moe_config import MoEConfig, MoEEncoderDecoderConfig, apply_runtime_options, check_moe_args
 from .moe_layers import install_moe_layers
 
 # Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.
@@ -68,6 +68,7 @@ class MoETransformerModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         check_moe_args(args)
+        apply_runtime_options(args)
         if safe_getattr(args, "eval_bleu", False) and expert_parallel_group() is not None:
             raise ValueError(
                 "--eval-bleu generates during validation, where each worker runs a different number of "
@@ -102,6 +103,8 @@ def moe_architecture(args):
     args.moe_expert_ffn_dim = safe_getattr(args, "moe_expert_ffn_dim", None)
     args.moe_batch_prioritized_routing = safe_getattr(args, "moe_batch_prioritized_routing", False)
     args.moe_normalize_gate = safe_getattr(args, "moe_normalize_gate", False)
+    args.moe_comm_timeout = safe_getattr(args, "moe_comm_timeout", 1800.0)
+    args.moe_deterministic = safe_getattr(args, "moe_deterministic", False)
 
 
 @register_model_architecture("moe_transformer", "moe_transformer")
@@ -146,6 +149,7 @@ class MoETransformerLanguageModel(TransformerLanguageModel):
     @classmethod
     def build_model(cls, args, task):
         check_moe_args(args)
+        apply_runtime_options(args)
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         install_moe_layers(model.decoder, cfg, args, "decoder", base_seed(args) + DECODER_SEED_OFFSET,
