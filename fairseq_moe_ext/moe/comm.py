@@ -8,10 +8,32 @@ layer issues the same fixed sequence on every forward (also on fairseq's dummy b
 rank has no tokens at all) and autograd replays the mirror sequence in backward.
 """
 
+from contextlib import contextmanager
 from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
+
+
+class MoECommunicationError(RuntimeError):
+    """A collective of an MoE layer failed: a peer worker died or stalled past the group's timeout."""
+
+
+@contextmanager
+def _collective(what: str, group):
+    # Backends report a dead or stalled peer with transport details only ("Connection closed by
+    # peer", "Timed out waiting 1800000ms for recv"); say what that means for the job.
+    try:
+        yield
+    except MoECommunicationError:
+        raise
+    except RuntimeError as error:
+        detail = " ".join(str(error).split())[:300]
+        raise MoECommunicationError(
+            f"MoE {what} across {dist.get_world_size(group)} workers failed ({detail}): a peer worker died "
+            f"or stalled past the process group's timeout; restart the job with the same command to resume "
+            f"from the newest complete checkpoint set (--moe-comm-timeout sets the timeout)"
+        ) from error
 
 
 def group_size(group) -> int:
@@ -33,24 +55,24 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    with _collective("all-reduce of routing statistics", group):
+        dist.all_reduce(x, group=group)
+    return x
 
 
 def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
     if group is None:
         return x
     if not x.requires_grad:
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
+        return _all_reduce(x.clone(), group)
     return _AllReduceSum.apply(x, group)
 
 
@@ -72,13 +94,25 @@ class _AllToAll(torch.autograd.Function):
 
 def _all_to_all(x, send_splits: List[int], recv_splits: List[int], group) -> torch.Tensor:
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    with _collective("all-to-all of token rows", group):
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
 
 def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group=None) -> torch.Tensor:
     if group is None:
         return x
+    world = dist.get_world_size(group)
+    if len(send_splits) != world or len(recv_splits) != world:
+        raise ValueError(
+            f"all_to_all got {len(send_splits)} send and {len(recv_splits)} receive splits for a group of "
+            f"{world} workers: pass one split per worker of the group the layer was built with"
+        )
+    if sum(send_splits) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all send splits sum to {sum(send_splits)} rows but the input has {x.shape[0]}: "
+            f"the splits must partition the input's rows"
+        )
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
 
 
@@ -88,7 +122,8 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     if group is None:
         return counts
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    with _collective("all-to-all of expert loads", group):
+        dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
 
 
@@ -100,10 +135,29 @@ def all_gather_rows(x: torch.Tensor, group=None) -> Tuple[torch.Tensor, List[int
     world = dist.get_world_size(group)
     n = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
     sizes = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
+    with _collective("all-gather of routing decisions", group):
+        dist.all_gather(sizes, n, group=group)
     sizes = [int(s.item()) for s in sizes]
     padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    with _collective("all-gather of routing decisions", group):
+        dist.all_gather(gathered, padded, group=group)
     return torch.cat([g[:s] for g, s in zip(gathered, sizes)]), sizes
+
+
+def check_same_on_every_rank(values: List[int], names: List[str], what: str, group=None) -> None:
+    """Raise on every rank if ``values`` differ between ranks (one collective; for set-up checks)."""
+    if group is None:
+        return
+    mine = torch.tensor(values, dtype=torch.long)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with _collective(f"check of {what}", group):
+        dist.all_gather(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if not torch.equal(theirs, mine):
+            diff = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(names, values, theirs.tolist()) if a != b)
+            raise ValueError(
+                f"{what} differs between this worker (rank {group_rank(group)}) and rank {rank}: {diff}; "
+                f"build every worker's model with the same flags and world size"
+            )

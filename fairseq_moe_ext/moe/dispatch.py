@@ -2,8 +2,10 @@
 
 In dropless routing every one of the ``N * k`` slots is served, so sorting slots by expert is a
 permutation. Autograd's ``index_select`` backward is a scatter-add into a zero-filled tensor (slow
-and single-threaded on CPU); for a permutation the same gradient is a gather through the inverse
-permutation, which is what these functions do. Their gradients are exactly autograd's: each
+and single-threaded on CPU, and run-to-run nondeterministic on CUDA, where it adds with atomics);
+for a permutation the same gradient is a gather through the inverse permutation, which is what
+these functions do. With capacity, dropped slots read a zero row instead, so no path of the layer
+accumulates with atomics. Their gradients are exactly autograd's: each
 output gradient row is copied or summed into its source row, only the memory access pattern changes.
 
 Terms: slot ``s = t * k + j`` is token ``t``'s ``j``-th choice; ``sorted_slots[r]`` is the slot at
@@ -18,6 +20,33 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     return inverse
+
+
+def served_slot_rows(sorted_slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``slot_row`` when only ``sorted_slots`` are served: dropped slots get the row past the end."""
+    slot_row = torch.full((num_slots,), sorted_slots.numel(), dtype=sorted_slots.dtype, device=sorted_slots.device)
+    slot_row[sorted_slots] = torch.arange(sorted_slots.numel(), device=sorted_slots.device)
+    return slot_row
+
+
+class _GatherUniqueRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:])).index_copy_(0, index, grad), None
+
+
+def gather_unique_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for an ``index`` without repeats: the backward copies rows back instead of
+    accumulating them (autograd's ``index_add``, which uses atomics on CUDA)."""
+    return _GatherUniqueRows.apply(x, index)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -43,6 +72,7 @@ class _DispatchSlots(torch.autograd.Function):
     def forward(ctx, tokens, sorted_slots, slot_row, k):
         ctx.save_for_backward(slot_row)
         ctx.k = k
+        ctx.dropped = sorted_slots.numel() < slot_row.numel()
         return tokens.index_select(0, torch.div(sorted_slots, k, rounding_mode="floor"))
 
     @staticmethod
@@ -50,6 +80,8 @@ class _DispatchSlots(torch.autograd.Function):
     def backward(ctx, grad):
         (slot_row,) = ctx.saved_tensors
         k = ctx.k
+        if ctx.dropped:  # dropped slots read the zero row appended after the served ones
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[-1])])
         per_slot = grad.index_select(0, slot_row)  # token-major: token t's k slots are adjacent
         if k == 1:
             return per_slot, None, None, None
@@ -63,7 +95,9 @@ class _DispatchSlots(torch.autograd.Function):
 
 
 def dispatch_slots(tokens: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor, k: int) -> torch.Tensor:
-    """Row ``r`` of the result is the token of slot ``sorted_slots[r]``; every slot appears once."""
+    """Row ``r`` of the result is the token of slot ``sorted_slots[r]``. ``slot_row`` gives every
+    one of the ``N * k`` slots its row; slots that were dropped (capacity) point to row
+    ``len(sorted_slots)``, one past the last (see ``served_slot_rows``)."""
     return _DispatchSlots.apply(tokens, sorted_slots, slot_row, k)
 
 

@@ -20,7 +20,14 @@ import torch.nn as nn
 from . import comm
 from .cache import MoEAux, MoEAuxCache
 from .capacity import check_capacity_factor, expert_capacity, slots_within_capacity
-from .dispatch import combine_slots, dispatch_slots, inverse_permutation, permute_rows
+from .dispatch import (
+    combine_slots,
+    dispatch_slots,
+    gather_unique_rows,
+    inverse_permutation,
+    permute_rows,
+    served_slot_rows,
+)
 from .experts import BatchedExperts
 from .losses import balance_loss, z_loss
 from .router import TopKRouter
@@ -67,6 +74,7 @@ class MoELayer(nn.Module):
         self.num_local_experts = num_experts // world
         self.cache = cache
         self.name = name
+        self._group_checked = False
         self.router = TopKRouter(
             model_dim, num_experts, k, router_type=router_type, fp32=fp32_router,
             gate_noise=gate_noise, normalize_gates=normalize_gates,
@@ -105,13 +113,21 @@ class MoELayer(nn.Module):
                 f"shape {tuple(x.shape[:-1])}: pass a boolean mask, True at pad tokens"
             )
         real = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)
-        y_real, aux = self.route_tokens(flat.index_select(0, real))
+        y_real, aux = self.route_tokens(gather_unique_rows(flat, real))
         y = y_real.new_zeros(flat.shape).index_copy(0, real, y_real)
         return y.view_as(x), aux
 
     def route_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, MoEAux]:
         """The MoE function on ``[N, model_dim]`` real tokens."""
         n, k, num_experts, group = tokens.shape[0], self.k, self.num_experts, self.group
+        if group is not None and not self._group_checked:
+            # Workers built with different flags would exchange rows of different shapes (at best a
+            # transport error, at worst a hang): compare once, before the first exchange.
+            comm.check_same_on_every_rank(
+                [num_experts, self.num_local_experts, self.world_size, self.model_dim, k],
+                ["experts", "local experts", "world size", "model dim", "top-k"], f"MoE layer {self.name}", group,
+            )
+            self._group_checked = True
         routing = self.router(tokens)
         expert_index = routing.expert_index
 
@@ -147,7 +163,7 @@ class MoELayer(nn.Module):
             kept_expert = slot_expert.index_select(0, kept)
             sorted_slots = kept.index_select(0, torch.argsort(kept_expert, stable=True))
             expert_load = torch.bincount(kept_expert, minlength=num_experts)
-            dispatched = tokens.index_select(0, sorted_slots // k)
+            dispatched = dispatch_slots(tokens, sorted_slots, served_slot_rows(sorted_slots, n * k), k)
             expert_out = self._run_experts(dispatched, expert_load)
             # Combine: put each slot's output back in its (token, choice) place (dropped slots
             # stay zero), weight by its gate.

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 ROUTER_TYPES = ("top", "cosine")
 
@@ -30,6 +31,27 @@ class Routing:
     expert_index: torch.Tensor  # [N, k] chosen experts, best first
     gates: torch.Tensor  # [N, k] weight of each chosen expert in the combined output
     priority_score: Optional[torch.Tensor]  # [N] lower is served first; None = batch order
+
+
+class _TakeChosen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs, expert_index):
+        ctx.save_for_backward(expert_index)
+        ctx.num_experts = probs.shape[1]
+        return probs.gather(1, expert_index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (expert_index,) = ctx.saved_tensors
+        shape = (grad.shape[0], ctx.num_experts)
+        return grad.new_zeros(shape).scatter_(1, expert_index, grad), None
+
+
+def take_chosen(probs: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+    """``probs.gather(1, expert_index)`` for a token's distinct choices: the backward writes each
+    gradient to its own place instead of autograd's ``scatter_add`` (atomic adds on CUDA)."""
+    return _TakeChosen.apply(probs, expert_index)
 
 
 class TopKRouter(nn.Module):
@@ -112,7 +134,7 @@ class TopKRouter(nn.Module):
                 noise = torch.randn_like(logits) * (self.gate_noise / self.num_experts)
                 selection_scores = logits.detach() + noise
             expert_index = torch.topk(selection_scores, self.k, dim=-1, sorted=True).indices
-            gates = probs.gather(1, expert_index)
+            gates = take_chosen(probs, expert_index)
             if self.normalize_gates:
                 gates = gates / gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
         # Batch-prioritised routing (Riquelme et al.): when an expert is over capacity, the tokens
