@@ -1,50 +1,119 @@
-"""fairseq-train that dies (os._exit, like SIGKILL: no cleanup) on one worker in the middle of a save.
+"""fairseq-train in which one worker is SIGKILLed at a chosen point (no cleanup, like a lost node).
 
-Usage (under torchrun): CRASH_RANK=r CRASH_AT_UPDATE=u CRASH_AFTER_FILES=n python tests/fairseq_crash_probe.py <fairseq-train args>
-Worker r exits right after writing its n-th checkpoint file (n=0: before writing any) of the save at
-update u. The other workers are then stopped by torchrun, as in a real crash.
+Usage (under torchrun): CRASH_PLAN=RANK:UPDATE:PHASE[:N] python tests/fairseq_crash_probe.py <fairseq-train args>
+
+The kill happens on worker RANK while it produces update UPDATE (or saves it), at PHASE:
+  all_to_all:N  at the N-th MoE all-to-all of the step (0-based; forward and backward both count),
+                so the peers are left waiting inside an exchange
+  optimizer     inside the optimizer step, after gradients were all-reduced
+  save:N        in the save after that update, once this worker wrote N checkpoint files (N=0:
+                before any; a large N: after its files, before the save returns)
+  external      never from inside: with CRASH_PID_DIR set, every worker writes its pid there (and,
+                before each step, the number of updates done) so that the test can SIGKILL it
+                from outside at a time of its choosing
+Without CRASH_PLAN it is plain fairseq-train. The other workers are then stopped by torchrun, as
+in a real crash.
 """
 
 import os
+import signal
 import sys
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():
     from fairseq import checkpoint_utils
+    from fairseq.optim.fairseq_optimizer import FairseqOptimizer
+    from fairseq.trainer import Trainer
     from fairseq_cli import train
 
-    rank = int(os.environ["RANK"])
-    crash_rank = int(os.environ["CRASH_RANK"])
-    crash_update = int(os.environ["CRASH_AT_UPDATE"])
-    crash_after = int(os.environ["CRASH_AFTER_FILES"])
-    original_save = checkpoint_utils.save_checkpoint
+    from fairseq_moe_ext.moe import comm
 
-    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-        if rank != crash_rank or trainer.get_num_updates() != crash_update:
-            return original_save(cfg, trainer, epoch_itr, val_loss)
-        written = [0]
-        real_save, real_replace = checkpoint_utils.torch_persistent_save, os.replace
+    rank = int(os.environ.get("RANK", 0))
+    report_dir = os.environ.get("CRASH_PID_DIR")
+    if report_dir:
+        with open(os.path.join(report_dir, f"pid-rank-{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    plan = os.environ.get("CRASH_PLAN", "").split(":")
+    mine = len(plan) >= 3 and int(plan[0]) == rank
+    update, phase, n = (int(plan[1]), plan[2], int(plan[3]) if len(plan) > 3 else 0) if mine else (-1, "", 0)
+    step = {"trainer": None}
 
-        def count_then_maybe_die():
-            if written[0] >= crash_after:
-                os._exit(9)
-            written[0] += 1
+    def producing_the_update():
+        trainer = step["trainer"]
+        return trainer is not None and trainer.get_num_updates() == update - 1
 
-        def torch_persistent_save(*args, **kwargs):
-            count_then_maybe_die()
-            return real_save(*args, **kwargs)
+    original_train_step = Trainer.train_step
 
-        def replace(src, dst):
-            if dst.endswith(".pt"):
+    def train_step(self, *args, **kwargs):
+        step["trainer"], step["collectives"] = self, 0
+        if report_dir:  # the updates done so far, for a test that kills from outside
+            with open(os.path.join(report_dir, f"updates-rank-{rank}"), "w") as f:
+                f.write(str(self.get_num_updates()))
+        return original_train_step(self, *args, **kwargs)
+
+    Trainer.train_step = train_step
+    if not mine:
+        return run_fairseq_train(train)
+
+    if phase == "all_to_all":
+        real_all_to_all = comm._all_to_all
+
+        def all_to_all(*args):
+            if producing_the_update():
+                if step["collectives"] == n:
+                    die()
+                step["collectives"] += 1
+            return real_all_to_all(*args)
+
+        comm._all_to_all = all_to_all
+    elif phase == "optimizer":
+        real_step = FairseqOptimizer.step
+
+        def optimizer_step(self, *args, **kwargs):
+            if producing_the_update():
+                die()
+            return real_step(self, *args, **kwargs)
+
+        FairseqOptimizer.step = optimizer_step
+    elif phase == "save":
+        original_save = checkpoint_utils.save_checkpoint
+
+        def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+            if trainer.get_num_updates() != update:
+                return original_save(cfg, trainer, epoch_itr, val_loss)
+            written = [0]
+            real_save, real_replace = checkpoint_utils.torch_persistent_save, os.replace
+
+            def count_then_maybe_die():
+                if written[0] >= n:
+                    die()
+                written[0] += 1
+
+            def torch_persistent_save(*args, **kwargs):
                 count_then_maybe_die()
-            return real_replace(src, dst)
+                return real_save(*args, **kwargs)
 
-        checkpoint_utils.torch_persistent_save = torch_persistent_save
-        os.replace = replace
-        original_save(cfg, trainer, epoch_itr, val_loss)
-        os._exit(9)  # the save wrote fewer files than asked: die before its manifest anyway
+            def replace(src, dst):
+                if dst.endswith(".pt"):
+                    count_then_maybe_die()
+                return real_replace(src, dst)
 
-    checkpoint_utils.save_checkpoint = save_checkpoint
+            checkpoint_utils.torch_persistent_save = torch_persistent_save
+            os.replace = replace
+            original_save(cfg, trainer, epoch_itr, val_loss)
+            die()  # the save wrote fewer files than N: die before it returns anyway
+
+        checkpoint_utils.save_checkpoint = save_checkpoint
+    elif phase != "external":
+        raise SystemExit(f"unknown CRASH_PLAN phase {phase!r}")
+    run_fairseq_train(train)
+
+
+def run_fairseq_train(train):
     sys.argv = ["fairseq-train"] + sys.argv[1:]
     train.cli_main()
 

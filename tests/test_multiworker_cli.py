@@ -267,28 +267,6 @@ def reference_to_8(data, tmp_path_factory):
     return {"losses": losses_by_update(output), "save_dir": root / "ck"}
 
 
-@pytest.mark.parametrize("crash_rank", [0, 1])
-@pytest.mark.parametrize("files_written", [0, 1, 2])
-def test_a_worker_dying_mid_save_loses_nothing_before_the_last_complete_save(
-    data, tmp_path, reference_to_8, crash_rank, files_written
-):
-    save_dir = tmp_path / "ck"
-    args = moe_args(data, save_dir, 8, "--save-interval-updates", "2")
-    env = dict(CRASH_RANK=str(crash_rank), CRASH_AT_UPDATE="6", CRASH_AFTER_FILES=str(files_written))
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        torchrun(2, TESTS / "fairseq_crash_probe.py", args, expect_failure=True)
-    # The normal command again: the newest complete set is update 4 (whatever the crash left).
-    output = torchrun(2, BIN / "fairseq-train", args)
-    assert "(epoch 1 @ 4 updates)" in output, tail(output, 80)
-    resumed = losses_by_update(output)
-    assert sorted(resumed) == [5, 6, 7, 8]
-    want = reference_to_8["losses"]
-    assert all(resumed[u] == want[u] for u in resumed), (resumed, want)
-    assert not glob.glob(str(save_dir / "*.prev*")), "the protected generation is cleaned up after a complete save"
-
-
 def test_the_hub_interface_loads_a_set_with_every_expert_local(two_worker_run, data):
     from fairseq_moe_ext.models.moe_transformer import MoETransformerModel
 
