@@ -62,7 +62,9 @@ def mt_run(mt_data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lm_run(lm_data, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("lm_checkpoints")
-    return save_dir, run_fairseq("train", *train_args(lm_data, save_dir, *LANGUAGE_MODEL, max_update=40))
+    # Trained in deterministic mode: every op of fairseq's training loop must accept it.
+    return save_dir, run_fairseq("train", *train_args(lm_data, save_dir, *LANGUAGE_MODEL, "--moe-deterministic",
+                                                      max_update=40))
 
 
 def expert_loads(record):
@@ -120,6 +122,7 @@ def test_moe_language_model_training_lowers_the_loss_and_logs_expert_load(lm_run
     last = json_logs(output)[-1]
     assert "moe_gate_loss" in last
     assert sorted(expert_loads(last)) == ["dec1"]
+    assert "--moe-deterministic: torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8" in output
 
 
 def test_eval_lm_reports_the_perplexity_of_a_trained_moe_language_model(lm_data, lm_run):

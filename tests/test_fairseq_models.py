@@ -5,6 +5,7 @@ converted to its config, torch seeded with --seed, then ``task.build_model(cfg.m
 directories hold dictionaries only; batches are collated from random tokens.
 """
 
+import os
 from collections import namedtuple
 
 import pytest
@@ -310,3 +311,16 @@ def test_the_moe_criterion_collects_every_moe_layer_of_the_forward_pass(data):
     layers = sorted(key[len("moe_stat_"):-len("_num_tokens")] for key in log if key.endswith("_num_tokens"))
     assert layers == ["dec0", "dec1", "enc0", "enc1"]
     assert len(built.model.moe_cache) == 0, "collected records must not linger into the next pass"
+
+
+def test_moe_deterministic_turns_on_torchs_deterministic_algorithms_for_the_run(data, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        translation(data)
+        assert not torch.are_deterministic_algorithms_enabled(), "off unless asked for"
+        translation(data, "--moe-deterministic")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
