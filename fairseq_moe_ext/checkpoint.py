@@ -19,13 +19,16 @@ is logged. Nothing here imports fairseq, so the CLI works on any machine with to
 import argparse
 import collections
 import copy
+import functools
 import glob
 import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -54,8 +57,25 @@ def _numpy_array_globals():
 CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, *_numpy_array_globals()]
 
 
-class CheckpointSetError(RuntimeError):
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the file and the fix."""
+
+
+class CheckpointSetError(CheckpointError):
     pass
+
+
+class DamagedCheckpointError(CheckpointError):
+    pass
+
+
+class UnsafeCheckpointError(CheckpointError):
+    pass
+
+
+def load_another(what: str = "it") -> str:
+    """The fix for a checkpoint that cannot be loaded, whichever tool tried."""
+    return f"restore {what} from a backup, or point --path / --restore-file at another checkpoint"
 
 
 # ---------------------------------------------------------------- naming
@@ -174,9 +194,14 @@ def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
             raise CheckpointSetError(f"rank {entry['rank']} file {path} is missing")
         size = os.path.getsize(path)
         if size != entry["bytes"]:
-            raise CheckpointSetError(f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated or overwritten)")
+            raise CheckpointSetError(
+                f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated, or replaced by "
+                f"another run's file)"
+            )
         if check_digests and file_digest(path) != entry["sha256"]:
-            raise CheckpointSetError(f"{path} does not match its sha256 in the manifest (corrupted or from another save)")
+            raise CheckpointSetError(
+                f"{path} does not match its sha256 in the manifest (corrupted, or replaced by another run's file)"
+            )
     return manifest
 
 
@@ -204,7 +229,8 @@ class Resolved:
 
 def resolve(path: str, fallback: bool = True) -> Optional[Resolved]:
     """Find what ``path`` (with or without rank suffix) names: a complete set, a single file, or
-    (``fallback``) the newest complete set in its directory when the named set is incomplete."""
+    (``fallback``) the newest complete set in its directory when the named set is incomplete.
+    Without ``fallback`` (a name given by the user) a rank file must be one of its set's files."""
     base = base_of(path)
     single = base + ".pt"
     manifest = manifest_path(base)
@@ -220,21 +246,38 @@ def resolve(path: str, fallback: bool = True) -> Optional[Resolved]:
     if not os.path.exists(manifest) and not rank_files:
         return None
     try:
-        validate_set(manifest) if os.path.exists(manifest) else _raise_no_manifest(manifest, rank_files)
-        return Resolved("set", manifest)
+        found = validate_set(manifest) if os.path.exists(manifest) else _raise_no_manifest(manifest, rank_files)
     except CheckpointSetError as problem:
         if not fallback:
-            raise
+            raise CheckpointSetError(
+                f"checkpoint set {manifest} cannot be loaded: {problem}; {load_another('the set')}"
+            ) from None
         candidates = complete_sets(os.path.dirname(manifest) or ".")
         if not candidates:
             raise CheckpointSetError(
                 f"checkpoint set {manifest} is unusable ({problem}) and no complete set exists in "
-                f"{os.path.dirname(manifest) or '.'}: restore the missing files or start afresh in a new --save-dir"
+                f"{os.path.dirname(manifest) or '.'}: restore the set's files from a backup, or start afresh in a "
+                f"new --save-dir"
             ) from None
         chosen = candidates[0]["path"]
         reason = f"checkpoint set {manifest} is unusable ({problem}); using the newest complete set {chosen}"
         logger.warning(reason)
         return Resolved("set", chosen, reason)
+    if not fallback:
+        # A name the user gave (--path, the checkpoint tool). fairseq-train's own name carries this
+        # run's rank suffix and stands for the set whatever its world size: resuming reshards it.
+        _check_named_rank_file(path, found, manifest)
+    return Resolved("set", manifest)
+
+
+def _check_named_rank_file(path, manifest, manifest_file):
+    """A rank file named directly stands for its whole set, but only if that set lists it."""
+    _, rank, world = split_rank_suffix(path)
+    if rank is not None and world != manifest["world_size"]:
+        raise CheckpointSetError(
+            f"{path} is not part of the checkpoint set {manifest_file} (a {manifest['world_size']}-worker set; "
+            f"the file is left from a {world}-worker save): pass the set's plain name {base_of(path)}.pt"
+        )
 
 
 def _raise_no_manifest(manifest, rank_files):
@@ -298,14 +341,82 @@ def remove_previous_generations(directory: str) -> None:
 
 # ---------------------------------------------------------------- merge and shard
 
-def _torch_load(path):
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+PICKLE_MAGIC = b"\x80"  # the legacy format: a pickle
+
+
+def check_file_intact(path: str) -> None:
+    """Raise DamagedCheckpointError unless ``path`` is a whole torch checkpoint.
+
+    torch.save writes a zip archive with a CRC-32 per member, but torch.load checks none of them:
+    a file corrupted on disk or in transfer loads with wrong weights, and a truncated one fails deep
+    inside torch's zip reader. Reading every member through ``zipfile`` verifies them (one read of
+    the file; a set's rank files are verified by the sha256s of their manifest instead).
+    """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(ZIP_MAGIC))
+    except OSError:
+        return  # not ours to report: the loader names a missing file in its own words
+    if magic != ZIP_MAGIC:
+        if not magic.startswith(PICKLE_MAGIC):
+            raise DamagedCheckpointError(
+                f"{path} is not a torch checkpoint ({'empty' if not magic else 'unknown format'}): it was "
+                f"truncated, overwritten or never finished; {load_another()}"
+            )
+        return  # a legacy (pre-zip) file: torch.load judges it
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                if member.CRC == 0:
+                    continue  # written with torch's CRC-32 switched off: nothing to compare with
+                with archive.open(member) as data:
+                    while data.read(1 << 24):
+                        pass
+    except (zipfile.BadZipFile, EOFError, ValueError) as error:
+        raise DamagedCheckpointError(
+            f"{path} is damaged or incomplete ({error}): it was truncated or corrupted after it was "
+            f"written; {load_another()}"
+        ) from None
+
+
+def unloadable_error(path: str, error: BaseException) -> Optional[CheckpointError]:
+    """torch.load's error as one line: a refused type (weights_only) or a file cut short or garbled
+    (legacy format; zip files are checked before loading). None for anything else."""
+    text = str(error)
+    refused = re.search(r"GLOBAL ([\w.]+)", text)
+    if isinstance(error, pickle.UnpicklingError) and refused:
+        return UnsafeCheckpointError(
+            f"refusing to load {path}: it pickles {refused.group(1)}, which is not among the types fairseq "
+            f"checkpoints store; if you trust the file, add the type to "
+            f"fairseq_moe_ext.checkpoint.CHECKPOINT_SAFE_GLOBALS"
+        )
+    if isinstance(error, (EOFError, pickle.UnpicklingError)) or "corrupt" in text or "EOF" in text:
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        return DamagedCheckpointError(f"{path} is damaged or incomplete ({first}); {load_another()}")
+    return None
+
+
+def _torch_load(path, verify: bool = True):
+    """torch.load with fairseq's extra types allowed; ``verify=False`` for files whose sha256 was
+    just checked against a manifest."""
+    if verify:
+        check_file_intact(path)
     with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
+            one_line = unloadable_error(path, error)
+            if one_line is None:
+                raise
+            raise one_line from None
 
 
-def load_set(manifest_file: str, load_fn: Callable[[str], Dict] = _torch_load, check: bool = True) -> Dict:
+def load_set(manifest_file: str, load_fn: Optional[Callable[[str], Dict]] = None, check: bool = True) -> Dict:
     """Merge a set into one full state (what a single process holding every expert would save)."""
     manifest = validate_set(manifest_file, check_digests=check) if check else read_manifest(manifest_file)
+    if load_fn is None:
+        load_fn = functools.partial(_torch_load, verify=not check)
     directory = os.path.dirname(manifest_file)
     states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
     for f, state in zip(manifest["files"], states):
@@ -384,6 +495,14 @@ def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
 
 def save_set(full: Dict, base: str, world_size: int) -> str:
     """Write ``full`` as a W-file set (the format training writes) and return the manifest path."""
+    if world_size < 1:
+        raise CheckpointSetError(f"a set needs a positive number of workers, got {world_size}")
+    for key, total in experts_per_key(full).items():  # before the first file is written
+        if total % world_size:
+            raise CheckpointSetError(
+                f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world "
+                f"size dividing {total}"
+            )
     files = []
     for rank in range(world_size):
         state = shard_state(full, rank, world_size)
@@ -430,7 +549,8 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = _torch_load) 
     except CheckpointSetError as e:
         lines.append(f"VERDICT PROBLEM: {e}")
         return lines
-    states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
+    load_rank_file = load_fn if load_fn is not _torch_load else functools.partial(_torch_load, verify=False)
+    states = [load_rank_file(os.path.join(directory, f["name"])) for f in manifest["files"]]
     meta = states[0]["moe"]
     experts = set(meta["expert_keys"])
     for key, n in manifest["num_experts"].items():
@@ -486,37 +606,43 @@ def main(argv=None) -> int:
             lines = inspect_checkpoint(args.checkpoint)
             print("\n".join(lines))
             return 1 if any(line.startswith("VERDICT PROBLEM") for line in lines) else 0
+        # Everything that can be checked before loading is checked before loading.
+        _refuse_overwrite(args.output)
+        if args.command == "reshard" and args.world_size < 1:
+            raise CheckpointSetError(f"--world-size must be a positive number of workers, got {args.world_size}")
         full = load_full(args.checkpoint)
         if args.command == "merge":
-            _refuse_overwrite(args.output)
             full["moe"] = dict(full["moe"], world_size=1, rank=0)
             _atomic_torch_save(full, args.output)
             print(f"wrote {args.output}")
         else:
-            base = base_of(args.output)
-            _refuse_overwrite(manifest_path(base))
-            print(f"wrote {save_set(full, base, args.world_size)}")
+            print(f"wrote {save_set(full, base_of(args.output), args.world_size)}")
         return 0
-    except CheckpointSetError as e:
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def load_full(path: str, load_fn: Callable[[str], Dict] = _torch_load) -> Dict:
+def load_full(path: str, load_fn: Optional[Callable[[str], Dict]] = None) -> Dict:
     resolved = resolve(path, fallback=False)
     if resolved is None:
         raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest {manifest_path(base_of(path))})")
     if resolved.kind == "set":
         return load_set(resolved.path, load_fn)
-    state = load_fn(resolved.path)
+    state = (load_fn or _torch_load)(resolved.path)
     if "moe" not in state:
         raise CheckpointSetError(f"{resolved.path} has no MoE metadata: was it saved by fairseq-moe-ext?")
     return state
 
 
-def _refuse_overwrite(path):
-    if os.path.exists(path):
-        raise CheckpointSetError(f"{path} exists; choose another output name (nothing was overwritten)")
+def _refuse_overwrite(output):
+    """An output name is taken if any layout of it exists: the file itself, a single file, a set's
+    manifest or any rank file (writing beside them would leave two layouts for one name)."""
+    base = base_of(output)
+    taken = [p for p in (output, base + ".pt", manifest_path(base)) if os.path.exists(p)]
+    taken += sorted(glob.glob(glob.escape(base) + "-rank-*-of-*.pt"))
+    if taken:
+        raise CheckpointSetError(f"{taken[0]} exists; choose another output name (nothing was overwritten)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Hooks:
   1. checkpoint_utils.load_checkpoint_to_cpu: torch >= 2.6 unpickles with ``weights_only=True``;
      fairseq checkpoints hold a few plain Python types beyond tensors. We allow exactly those (see
      ``CHECKPOINT_SAFE_GLOBALS``) for the duration of fairseq's load, keep the check on, and turn
-     torch's multi-line refusal into one line naming the offending type.
+     torch's multi-line refusal into one line naming the offending type. A single file is first
+     checked whole (torch.load verifies none of the CRC-32s torch.save writes): a truncated or
+     corrupted file is refused in one line instead of loading wrong weights or failing in miniz.
   2. distributed.utils._infer_torch_distributed_launch_init: under torchrun it computes
      ``rank % torch.cuda.device_count()`` (ZeroDivisionError on CPU). Without CUDA every worker
      uses device 0 (the CPU) and the default nccl backend becomes gloo.
@@ -31,21 +33,28 @@ Hooks:
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
      complete set or a single file (falling back to the newest complete set with a warning),
      merged, and sliced for this worker: resuming works at any world size dividing the experts.
+     fairseq-train calls Trainer.load_checkpoint before reading any batch, so it first refuses an
+     MoE criterion on a model without MoE layers and workers that torchrun started but fairseq runs
+     as separate 1-worker jobs (raised later, inside train_step, fairseq would write crash.pt).
   8. checkpoint_utils.load_model_ensemble_and_task (generate, interactive, eval-lm, validate, hub):
      ``--path dir/checkpoint_best.pt`` loads a set with no conversion step; models are built with
      every expert local.
   9. Trainer._prepare_sample: records whether the batch about to run is fairseq's dummy batch, so
      MoE layers route none of its tokens (models/moe_layers.DummyBatch) while still joining the
      all-to-all.
+ 10. argparse.ArgumentParser.error: fairseq adds a model's and a criterion's options only for the
+     --arch and --criterion given, so an MoE option beside a dense architecture is "unrecognized";
+     the message then also says which architectures (or criterions) the option belongs to.
 """
 
+import argparse
 import collections
 import contextlib
 import functools
 import logging
 import os
 import pickle
-import re
+import sys
 
 import torch
 from omegaconf import open_dict
@@ -54,32 +63,26 @@ logger = logging.getLogger(__name__)
 
 CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
 
-from .checkpoint import CHECKPOINT_SAFE_GLOBALS  # noqa: E402
+from .checkpoint import CHECKPOINT_SAFE_GLOBALS, UnsafeCheckpointError  # noqa: E402,F401
 
 _installed = False
 
 
-class UnsafeCheckpointError(RuntimeError):
-    pass
-
-
-def _refusal(path, error) -> UnsafeCheckpointError:
-    match = re.search(r"GLOBAL ([\w.]+)", str(error))
-    what = match.group(1) if match else str(error).splitlines()[0]
-    return UnsafeCheckpointError(
-        f"refusing to load {path}: it pickles {what}, which is not among the types fairseq checkpoints "
-        f"store; if you trust the file, add the type to fairseq_moe_ext.fairseq_integration."
-        f"CHECKPOINT_SAFE_GLOBALS"
-    )
-
-
 def _wrap_load_checkpoint_to_cpu(original):
-    def load_one(path, arg_overrides=None, **kwargs):
+    from . import checkpoint as moe_ckpt
+
+    def load_one(path, arg_overrides=None, verified=False, **kwargs):
+        """fairseq's load of one file; ``verified``: its sha256 was just checked against a manifest."""
+        if not verified:
+            moe_ckpt.check_file_intact(path)
         with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
             try:
                 return original(path, arg_overrides, **kwargs)
-            except pickle.UnpicklingError as error:
-                raise _refusal(path, error) from None
+            except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
+                one_line = moe_ckpt.unloadable_error(path, error)
+                if one_line is None:
+                    raise
+                raise one_line from None
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
@@ -338,6 +341,7 @@ def _wrap_trainer_load_checkpoint(original):
 
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
+        _check_training_setup(self)  # fairseq-train calls this first, before any batch is read
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
         resolved = moe_ckpt.resolve(filename)
@@ -346,7 +350,7 @@ def _wrap_trainer_load_checkpoint(original):
         world = self.data_parallel_world_size
         rank = self.data_parallel_rank if world > 1 else 0
         logger.info(f"loading {resolved.kind} {resolved.path} as worker {rank} of {world}")
-        _SHARD_FOR.append((rank, world, self._model))
+        _SHARD_FOR.append((rank, world, self._model, self.cfg.model))
         try:
             # Every worker builds its own slice, so nothing is broadcast from rank 0.
             with open_dict(self.cfg.checkpoint):
@@ -367,24 +371,53 @@ def _load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     """A manifest path gives the merged set; inside Trainer.load_checkpoint, this worker's slice."""
     from . import checkpoint as moe_ckpt
 
-    if not os.path.exists(path):
-        resolved = moe_ckpt.resolve(path, fallback=False)  # a set named without its rank suffix
+    if not os.path.exists(path) or _names_a_rank_file(path):
+        # A set named without its rank suffix, or by one of its rank files (which alone holds only
+        # one worker's experts): the whole set.
+        resolved = moe_ckpt.resolve(path, fallback=False)
         path = resolved.path if resolved is not None else path
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
-        full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, **kwargs))
+        full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
     else:
         full = original_load(path, arg_overrides, **kwargs)
         if "moe" not in full or not _SHARD_FOR:
             return full
     if _SHARD_FOR:
-        rank, world, model = _SHARD_FOR[-1]
+        rank, world, model, model_cfg = _SHARD_FOR[-1]
         state = moe_ckpt.shard_state(full, rank, world)
-        _check_resumable(path, state, model)
+        _check_resumable(path, state, model, model_cfg)
         return state
     return full
 
 
-def _check_resumable(path, state, model) -> None:
+def _names_a_rank_file(path) -> bool:
+    from . import checkpoint as moe_ckpt
+
+    return moe_ckpt.split_rank_suffix(path)[1] is not None
+
+
+def _flag(cfg, name):
+    if cfg is None:
+        return None
+    return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+
+
+def _layout_flags(cfg):
+    """The flags that decide which parameters an MoE model has (beyond their shapes):
+    {what: (flag as the user would pass it, value)}."""
+    from .models.moe_config import moe_freq
+
+    flags = {"router": ("--moe-router", _flag(cfg, "moe_router"))}
+    for side in ("encoder", "decoder"):
+        side_freq = _flag(cfg, f"{side}_moe_freq")
+        given = argparse.Namespace(moe_freq=_flag(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})
+        freq = moe_freq(given, side)
+        flags[f"{side} freq"] = (f"--{side}-moe-freq" if side_freq is not None else "--moe-freq", freq)
+        flags[f"{side} layers"] = (f"--{side}-layers", _flag(cfg, f"{side}_layers"))
+    return flags
+
+
+def _check_resumable(path, state, model, model_cfg=None) -> None:
     """One line instead of torch's page of size mismatches when the run's flags changed."""
     from . import distributed as moe_dist
 
@@ -405,6 +438,19 @@ def _check_resumable(path, state, model) -> None:
             f"{tuple(params[key].shape)} here; resume with the architecture flags the checkpoint was trained "
             f"with, or use a new --save-dir"
         )
+    if set(state["model"]) == set(model.state_dict()):
+        return
+    # Other parameters (not other shapes): name the flag that differs, if one of ours does. Without
+    # such a flag, fairseq's own error (after its upgrades of old key names) stands.
+    saved = _layout_flags(_flag(state.get("cfg"), "model"))
+    current = _layout_flags(model_cfg)
+    for what, (flag, value) in saved.items():
+        this_flag, this_value = current[what]
+        if value is not None and this_value is not None and str(value) != str(this_value):
+            raise ValueError(
+                f"{path} was trained with {flag} {value} and this run has {this_flag} {this_value}, which gives "
+                f"the model other parameters: resume with {this_flag} {value}, or use a new --save-dir"
+            )
 
 
 def _wrap_load_model_ensemble_and_task(original):
@@ -416,12 +462,39 @@ def _wrap_load_model_ensemble_and_task(original):
         resolved = []
         for name in filenames:
             # No fallback here: generating from another checkpoint than the one named would mislead.
-            found = moe_ckpt.resolve(name, fallback=False) if not os.path.exists(name) else None
+            # A rank file stands for its whole set (alone it holds one worker's experts).
+            named_set = not os.path.exists(name) or _names_a_rank_file(name)
+            found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
         with moe_dist.all_experts_local():
             return original(resolved, *args, **kwargs)
 
     return load_model_ensemble_and_task
+
+
+def _check_training_setup(trainer) -> None:
+    """Configuration errors that would otherwise surface inside Trainer.train_step, where fairseq
+    answers an error by writing crash.pt (and the batch-prefetching thread may still be running)."""
+    from . import distributed as moe_dist
+    from .criterions.moe_criterions import MoELossMixin, find_moe_cache
+
+    model_cfg = trainer.cfg.model
+    arch = _flag(model_cfg, "arch") or _flag(model_cfg, "_name")
+    # The unwrapped model and criterion: touching trainer.model would build the DDP wrapper here.
+    if isinstance(trainer._criterion, MoELossMixin) and find_moe_cache(trainer._model) is None:
+        criterion = _flag(trainer.cfg.criterion, "_name")
+        raise ValueError(
+            f"MoE criterions need an MoE model: --criterion {criterion} collects MoE balance losses, but "
+            f"--arch {arch} has no MoE layers; use --arch moe_transformer* / moe_transformer_lm*, or a non-MoE "
+            f"criterion such as cross_entropy"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and not torch.distributed.is_initialized() and moe_dist.has_experts(trainer._model):
+        raise ValueError(
+            f"the launcher started {launched} workers (WORLD_SIZE={launched}) but fairseq runs each of them as "
+            f"a 1-worker job, so every worker would train its own copy of every expert and write the same "
+            f"checkpoint files: add --distributed-world-size {launched}"
+        )
 
 
 def _wrap_prepare_sample(original):
@@ -434,6 +507,64 @@ def _wrap_prepare_sample(original):
         return sample, is_dummy
 
     return _prepare_sample
+
+
+def _wrap_argparse_error(original):
+    @functools.wraps(original)
+    def error(self, message):
+        return original(self, _explain_unrecognized_moe_option(message) or message)
+
+    return error
+
+
+def _explain_unrecognized_moe_option(message: str):
+    """fairseq adds a model's and a criterion's options to its parser only for the --arch and
+    --criterion given, so an MoE option next to a dense one is merely "unrecognized"; say whose it is."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return None
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from .criterions.moe_criterions import MoELossConfig
+    from .models.moe_config import MoEConfig, MoEEncoderDecoderConfig
+    from .models.moe_transformer import MoETransformerLanguageModel, MoETransformerModel
+
+    def options(config):
+        return {"--" + name.replace("_", "-") for name in config.__dataclass_fields__ if name != "_name"}
+
+    def archs(*models):
+        return ", ".join(sorted(a for a, m in ARCH_MODEL_REGISTRY.items() if m in models))
+
+    owners = {}
+    for option in options(MoEEncoderDecoderConfig) - options(MoEConfig):
+        owners[option] = ("--arch", "the MoE translation architectures", archs(MoETransformerModel))
+    for option in options(MoEConfig):
+        owners[option] = ("--arch", "the MoE architectures", archs(MoETransformerModel, MoETransformerLanguageModel))
+    for option in options(MoELossConfig):
+        owners[option] = ("--criterion", "the MoE criterions", "moe_label_smoothed_cross_entropy, moe_cross_entropy")
+    for word in message[len(prefix):].split():
+        option = word.split("=", 1)[0]
+        if option in owners:
+            kind, whose, names = owners[option]
+            given = _given_option(kind)
+            return (
+                f"{message}: {option} is an option of {whose} only ({kind} {names})"
+                + (f", not of {kind} {given}" if given else "")
+                + f"; pass one of them as {kind}, or drop {option}"
+            )
+    return None
+
+
+def _given_option(name: str):
+    """The value of ``--arch`` / ``--criterion`` on this process's command line, if any."""
+    argv = sys.argv[1:]
+    spellings = (name, "-a") if name == "--arch" else (name,)
+    for i, word in enumerate(argv):
+        if word in spellings and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 # ---------------------------------------------------------------- version pinning of the hooks
@@ -521,6 +652,7 @@ def install() -> None:
     _patch(Trainer, "state_dict", _wrap_trainer_state_dict)
     _patch(Trainer, "load_checkpoint", _wrap_trainer_load_checkpoint)
     _patch(Trainer, "_prepare_sample", _wrap_prepare_sample)
+    _patch(argparse.ArgumentParser, "error", _wrap_argparse_error)
     if not getattr(Trainer.checkpoint_suffix.fget, "__wrapped_by_moe_ext__", False):
         ORIGINALS["fairseq.trainer.Trainer.checkpoint_suffix"] = Trainer.checkpoint_suffix
         ORIGINALS["fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank"] = (

@@ -11,9 +11,11 @@ import fairseq_moe_ext  # noqa: F401  (installs the hooks)
 from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext import fairseq_integration
 
-# sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3. If fairseq
-# changes one of them, re-read it, re-check the hook in fairseq_integration.py, then update here.
+# sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3 (and the one
+# argparse method hooked, from Python 3.11). If one of them changes, re-read it, re-check the hook in
+# fairseq_integration.py, then update here.
 CHECKED_SOURCES = {
+    "argparse.ArgumentParser.error": "6e52beacb0a82831",
     "fairseq.checkpoint_utils.load_checkpoint_to_cpu": "96f7d33cde8e1582",
     "fairseq.checkpoint_utils.load_model_ensemble_and_task": "13d16e9ecb8407a3",
     "fairseq.checkpoint_utils.save_checkpoint": "61513534b9b33e6a",

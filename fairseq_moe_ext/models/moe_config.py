@@ -99,28 +99,62 @@ def check_moe_args(args) -> None:
     """Fail before anything is built, with one line that names the flag and the fix."""
     experts = safe_getattr(args, "moe_expert_count", 8)
     if not isinstance(experts, int) or experts < 1:
-        raise ValueError(f"--moe-expert-count must be a positive integer, got {experts!r}")
+        raise ValueError(f"--moe-expert-count must be a positive integer, got {experts!r}: use 1 or more experts")
     k = safe_getattr(args, "moe_top_k", 2)
     if not isinstance(k, int) or k < 1:
-        raise ValueError(f"--moe-top-k must be >= 1, got {k!r}")
+        raise ValueError(f"--moe-top-k must be >= 1, got {k!r}: use 1 <= --moe-top-k <= {experts}")
     if k > experts:
         raise ValueError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
-    for name in ("moe_capacity_factor", "moe_eval_capacity_factor", "moe_gate_noise"):
+    for name in ("moe_capacity_factor", "moe_eval_capacity_factor"):
         value = safe_getattr(args, name, 0.0)
         if value is None or not math.isfinite(float(value)):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value!r}")
-    if safe_getattr(args, "moe_gate_noise", 0.0) < 0:
-        raise ValueError("--moe-gate-noise must be >= 0")
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be a finite number, got {value!r}: use 0 for dropless routing, "
+                f"> 0 for a fixed capacity, < 0 for a bounded dropless one"
+            )
+    noise = safe_getattr(args, "moe_gate_noise", 0.0)
+    noise_fix = "use 0 (no noise) or a standard deviation > 0"
+    if noise is None or not math.isfinite(float(noise)):
+        raise ValueError(f"--moe-gate-noise must be a finite number, got {noise!r}: {noise_fix}")
+    if noise < 0:
+        raise ValueError(f"--moe-gate-noise must be >= 0, got {noise!r}: {noise_fix}")
     for side in ("encoder", "decoder"):
         freq = moe_freq(args, side)
         if not isinstance(freq, int) or freq < 0:
-            raise ValueError(f"--{side}-moe-freq / --moe-freq must be an integer >= 0, got {freq!r}")
+            raise ValueError(
+                f"--{side}-moe-freq / --moe-freq must be an integer >= 0, got {freq!r}: use N for an MoE layer "
+                f"every N layers, or 0 for none"
+            )
     timeout = safe_getattr(args, "moe_comm_timeout", 1800.0)
     if timeout is None or not math.isfinite(float(timeout)) or timeout <= 0:
-        raise ValueError(f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}")
+        raise ValueError(
+            f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}: use e.g. 1800 (the default)"
+        )
     dim = safe_getattr(args, "moe_expert_ffn_dim", None)
     if dim is not None and dim < 1:
-        raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}")
+        raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}: drop it to use the layer's ffn dim")
+
+
+def check_moe_world_size(args) -> None:
+    """Experts are split evenly over the workers that train them (none when every expert is local)."""
+    from ..distributed import expert_parallel_world_size
+
+    experts, world = safe_getattr(args, "moe_expert_count", 8), expert_parallel_world_size()
+    if experts % world:
+        raise ValueError(
+            f"--moe-expert-count {experts} cannot be split evenly over {world} workers: use a multiple of "
+            f"{world} (e.g. {world * -(-experts // world)}), or a number of workers that divides {experts}"
+        )
+
+
+def check_ddp_backend(args) -> None:
+    """fairseq builds fully_sharded models differently before any MoE code runs, so the backend is
+    checked while the command line is parsed (the architecture functions see every flag)."""
+    from ..distributed import SUPPORTED_DDP_BACKENDS, unsupported_backend_error
+
+    backend = safe_getattr(args, "ddp_backend", None)
+    if backend is not None and str(backend) not in SUPPORTED_DDP_BACKENDS:
+        raise unsupported_backend_error(str(backend))
 
 
 def apply_runtime_options(args) -> None:

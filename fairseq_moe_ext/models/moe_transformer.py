@@ -24,7 +24,14 @@ from fairseq.utils import safe_getattr
 
 from ..distributed import expert_parallel_group
 from ..moe import MoEAuxCache, MoELayer
-from .moe_config import MoEConfig, MoEEncoderDecoderConfig, apply_runtime_options, check_moe_args
+from .moe_config import (
+    MoEConfig,
+    MoEEncoderDecoderConfig,
+    apply_runtime_options,
+    check_ddp_backend,
+    check_moe_args,
+    check_moe_world_size,
+)
 from .moe_layers import install_moe_layers
 
 # Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.
@@ -69,6 +76,7 @@ class MoETransformerModel(TransformerModel):
     def build_model(cls, args, task):
         check_moe_args(args)
         apply_runtime_options(args)
+        check_moe_world_size(args)  # after apply_runtime_options: it creates the expert group
         if safe_getattr(args, "eval_bleu", False) and expert_parallel_group() is not None:
             raise ValueError(
                 "--eval-bleu generates during validation, where each worker runs a different number of "
@@ -105,6 +113,10 @@ def moe_architecture(args):
     args.moe_normalize_gate = safe_getattr(args, "moe_normalize_gate", False)
     args.moe_comm_timeout = safe_getattr(args, "moe_comm_timeout", 1800.0)
     args.moe_deterministic = safe_getattr(args, "moe_deterministic", False)
+    # fairseq applies the architecture while it parses the command line: bad flags fail here,
+    # before any data is read or any directory is created.
+    check_moe_args(args)
+    check_ddp_backend(args)
 
 
 @register_model_architecture("moe_transformer", "moe_transformer")
@@ -150,6 +162,7 @@ class MoETransformerLanguageModel(TransformerLanguageModel):
     def build_model(cls, args, task):
         check_moe_args(args)
         apply_runtime_options(args)
+        check_moe_world_size(args)  # after apply_runtime_options: it creates the expert group
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         install_moe_layers(model.decoder, cfg, args, "decoder", base_seed(args) + DECODER_SEED_OFFSET,
