@@ -609,7 +609,10 @@ def main(argv=None) -> int:
         # Everything that can be checked before loading is checked before loading.
         _refuse_overwrite(args.output)
         if args.command == "reshard" and args.world_size < 1:
-            raise CheckpointSetError(f"--world-size must be a positive number of workers, got {args.world_size}")
+            raise CheckpointSetError(
+                f"--world-size must be a positive number of workers, got {args.world_size}: use the number of "
+                f"workers that will resume from the set"
+            )
         full = load_full(args.checkpoint)
         if args.command == "merge":
             full["moe"] = dict(full["moe"], world_size=1, rank=0)

@@ -111,6 +111,34 @@ def run_fairseq(
     return done.stdout
 
 
+def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True):
+    """Run ``program args`` on ``workers`` CPU workers under torchrun (gloo) and return the output.
+
+    ``--distributed-world-size workers`` is appended unless ``world_size_flag`` is False (fairseq
+    otherwise runs each worker as a job of its own). ``log_dir``: each worker's stdout goes to its
+    own file there (lines of concurrent workers would otherwise interleave mid-line in one pipe).
+    """
+    from dist_utils import free_port
+
+    redirect = ["--log-dir", str(log_dir), "--redirects", "1"] if log_dir else []
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect,
+        "--master_port", str(free_port()), str(program), *map(str, args),
+    ]
+    if workers > 1 and world_size_flag:
+        command += ["--distributed-world-size", str(workers)]
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout, env=fairseq_env())
+    except subprocess.TimeoutExpired as timed_out:
+        output = timed_out.stdout or ""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        pytest.fail(f"torchrun {program} ran past {timeout}s\n{tail(output, 60)}", pytrace=False)
+    if (done.returncode != 0) != expect_failure:
+        pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout, 60)}", pytrace=False)
+    return done.stdout
+
+
 def tail(output: str, lines: int = 40) -> str:
     return "\n".join(output.splitlines()[-lines:])
 
