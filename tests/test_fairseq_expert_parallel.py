@@ -172,7 +172,7 @@ def test_an_expert_count_that_does_not_divide_over_the_workers_is_an_error(tmp_p
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     messages = run_on_workers(error_of_worker, 2, data_dir, "--moe-expert-count", [3, 3], "build")
-    assert all("3 experts cannot be split evenly over 2 workers" in m for m in messages), messages
+    assert all("--moe-expert-count 3 cannot be split evenly over 2 workers: use a multiple of 2" in m for m in messages), messages
 
 
 def uneven_batches_worker(rank, world, data_dir):

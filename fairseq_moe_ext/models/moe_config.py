@@ -1,5 +1,6 @@
 """The ``--moe-*`` model options, named after fairseq's ``moe`` branch where it had them."""
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.utils import safe_getattr
 
 from ..moe.router import ROUTER_TYPES
+
+logger = logging.getLogger(__name__)
 
 MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
 
@@ -170,3 +173,5 @@ def apply_runtime_options(args) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+        logger.info("--moe-deterministic: torch.use_deterministic_algorithms(True), "
+                    f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}")
