@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port
 from fairseq_helpers import (
     USER_DIR,
     fairseq_env,
@@ -24,6 +23,7 @@ from fairseq_helpers import (
     preprocess_parallel,
     run_fairseq,
     tail,
+    torchrun,
     write_parallel_corpus,
 )
 
@@ -47,23 +47,6 @@ def moe_args(data, save_dir, max_update, *extra):
         "--max-update", str(max_update), "--save-dir", str(save_dir),
         "--log-format", "json", "--log-interval", "1", *extra,
     ]
-
-
-def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None):
-    """``log_dir``: each worker's stdout goes to its own file there (lines of concurrent workers
-    would otherwise interleave mid-line in one pipe)."""
-    redirect = ["--log-dir", str(log_dir), "--redirects", "1"] if log_dir else []
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect,
-        "--master_port", str(free_port()), str(program), *map(str, args),
-    ]
-    if workers > 1:
-        command += ["--distributed-world-size", str(workers)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, env=fairseq_env())
-    if (done.returncode != 0) != expect_failure:
-        pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout, 60)}", pytrace=False)
-    return done.stdout
 
 
 def losses_by_update(output):
