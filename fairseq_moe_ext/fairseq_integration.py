@@ -19,7 +19,9 @@ Hooks:
      check the backend, verify shared parameters agree across workers, keep experts out of torch
      DDP's broadcast and all-reduce (its documented ignore list), and wrap the result so expert
      gradients are scaled to match the single-process update. For any model, c10d/pytorch_ddp on
-     CPU gets no device_ids (fairseq passes [device_id], which torch refuses for CPU modules).
+     CPU gets no device_ids (fairseq passes [device_id], which torch refuses for CPU modules),
+     and keeps fairseq's --heartbeat-timeout watchdog (DistributedTimeoutWrapper) that fairseq's
+     own branch would have added.
   4. utils.clip_grad_norm_ (called by every fairseq optimizer): with expert parameters present the
      norm is the global one (distributed.global_grad_norm); fairseq's own leaves experts out.
   5. Trainer.checkpoint_suffix / should_save_checkpoint_on_current_rank / state_dict: in multi-worker
@@ -29,7 +31,9 @@ Hooks:
      ``<name>.prev`` and fairseq's in-place copies become copy + rename, so a crash mid-save leaves
      the previous set loadable; afterwards the workers' new files are described (size, sha256),
      rank 0 writes one manifest per complete set, last and atomically, removes the manifests of
-     sets that --keep-* pruned, and drops the ``.prev`` generations.
+     sets that --keep-* pruned, and drops the ``.prev`` generations. fairseq's pruning
+     (``os.remove`` in save_checkpoint) is deferred until after that, behind a barrier, so no
+     manifest ever lists a deleted file.
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
      complete set or a single file (falling back to the newest complete set with a warning),
      merged, and sliced for this worker: resuming works at any world size dividing the experts.
@@ -138,6 +142,10 @@ def _wrap_distributed_model(original):
                     gradient_as_bucket_view=args.gradient_as_bucket_view,
                 )
             )
+            if getattr(args, "heartbeat_timeout", -1) > 0:  # fairseq's own branch adds its watchdog too
+                from fairseq.distributed import DistributedTimeoutWrapper
+
+                wrapped = DistributedTimeoutWrapper(wrapped, timeout=args.heartbeat_timeout)
         else:
             wrapped = original(args, model, process_group, device)
         if not moe:
@@ -254,19 +262,26 @@ def _wrap_save_checkpoint(original):
                 if before.get(name) != stamp:
                     moe_ckpt.remove_other_layouts(moe_ckpt.base_of(os.path.join(cfg.save_dir, name)), world_size=1)
             return result
-        with _previous_generation_kept(cfg.save_dir, suffix, trainer), _atomic_copies():
+        with _previous_generation_kept(cfg.save_dir, suffix, trainer), _atomic_copies(), _removals_deferred() as pruned:
             result = original(cfg, trainer, epoch_itr, val_loss)
         after = _own_checkpoint_files(cfg.save_dir, suffix)
         written = [
             dict(moe_ckpt.describe_file(os.path.join(cfg.save_dir, n)), rank=trainer.data_parallel_rank)
             for n, stamp in after.items() if before.get(n) != stamp
         ]
-        removed = [n for n in before if n not in after]
+        removed = [os.path.basename(p) for p in pruned]
         reports = [None] * trainer.data_parallel_world_size
         torch.distributed.all_gather_object(reports, (written, removed))
         if trainer.data_parallel_rank == 0:
             _write_manifests(cfg.save_dir, reports, trainer)
             moe_ckpt.remove_previous_generations(cfg.save_dir)
+        # No worker deletes a file of a pruned set before rank 0 has dropped the manifest listing it:
+        # a crash in between leaves unlisted files (pruned again by the next save), never a manifest
+        # that lists missing files, which no later save would ever clean up.
+        torch.distributed.barrier()
+        for path in pruned:
+            if os.path.lexists(path):
+                os.remove(path)
         return result
 
     return save_checkpoint
@@ -274,14 +289,24 @@ def _wrap_save_checkpoint(original):
 
 @contextlib.contextmanager
 def _previous_generation_kept(save_dir, suffix, trainer):
-    """Hard-link this worker's files of every complete set to ``<name>.prev`` before fairseq
-    overwrites any of them, so a crash in the middle of the save leaves the previous complete set
-    loadable (its files are replaced atomically, so the links keep the old contents)."""
+    """Hard-link every worker's files of every complete set to ``<name>.prev``, and write the
+    ``.prev`` manifests, before fairseq overwrites any of them, so a crash in the middle of the save
+    leaves the previous complete set loadable. The barriers make it hold across workers: without
+    them one worker could overwrite its file before another had linked its own, and a kill then
+    would leave neither generation complete."""
     from . import checkpoint as moe_ckpt
 
     rank, world = trainer.data_parallel_rank, trainer.data_parallel_world_size
-    for manifest in moe_ckpt.current_manifests(save_dir):
-        moe_ckpt.link_previous_generation(manifest, rank, world, writes_manifest=(rank == 0))
+    manifests = [moe_ckpt.sets_to_protect(save_dir) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(manifests, src=0)  # one decision for every worker
+    manifests = manifests[0]
+    for manifest in manifests:
+        moe_ckpt.link_previous_generation(manifest, rank, world)
+    torch.distributed.barrier()
+    if rank == 0:
+        for manifest in manifests:
+            moe_ckpt.write_previous_manifest(manifest, world)
+    torch.distributed.barrier()
     yield
 
 
@@ -310,6 +335,30 @@ def _atomic_copies():
         yield
     finally:
         checkpoint_utils.PathManager = inner
+
+
+@contextlib.contextmanager
+def _removals_deferred():
+    """fairseq prunes old checkpoints (--keep-interval-updates, --keep-last-epochs,
+    --keep-best-checkpoints) with ``os.remove`` inside save_checkpoint, each worker on its own
+    schedule; collect those paths instead, so the caller removes them after the manifests."""
+    from fairseq import checkpoint_utils
+
+    real_os, pruned = checkpoint_utils.os, []
+
+    class RemovalDeferringOs:
+        def __getattr__(self, name):
+            return getattr(real_os, name)
+
+        @staticmethod
+        def remove(path):
+            pruned.append(path)
+
+    checkpoint_utils.os = RemovalDeferringOs()
+    try:
+        yield pruned
+    finally:
+        checkpoint_utils.os = real_os
 
 
 def _write_manifests(save_dir, reports, trainer):

@@ -8,11 +8,18 @@ The kill happens on worker RANK while it produces update UPDATE (or saves it), a
   optimizer     inside the optimizer step, after gradients were all-reduced
   save:N        in the save after that update, once this worker wrote N checkpoint files (N=0:
                 before any; a large N: after its files, before the save returns)
+  stall:N       not a kill: the worker sleeps N seconds before the step, alive but stuck
   external      never from inside: with CRASH_PID_DIR set, every worker writes its pid there (and,
                 before each step, the number of updates done) so that the test can SIGKILL it
                 from outside at a time of its choosing
 Without CRASH_PLAN it is plain fairseq-train. The other workers are then stopped by torchrun, as
 in a real crash.
+
+With CRASH_PID_DIR set, every worker also watches its own checkpoint file operations and appends to
+``order-violations-rank-R`` there each one that opens a window in which a kill would lose a set:
+removing a file that a manifest still lists (the set would list a missing file for good), or
+replacing a file of a set whose ``.prev`` generation is not complete on disk (neither generation
+would be complete).
 """
 
 import os
@@ -37,6 +44,7 @@ def main():
     if report_dir:
         with open(os.path.join(report_dir, f"pid-rank-{rank}"), "w") as f:
             f.write(str(os.getpid()))
+        watch_checkpoint_file_order(os.path.join(report_dir, f"order-violations-rank-{rank}"))
     plan = os.environ.get("CRASH_PLAN", "").split(":")
     mine = len(plan) >= 3 and int(plan[0]) == rank
     update, phase, n = (int(plan[1]), plan[2], int(plan[3]) if len(plan) > 3 else 0) if mine else (-1, "", 0)
@@ -98,7 +106,7 @@ def main():
                 return real_save(*args, **kwargs)
 
             def replace(src, dst):
-                if dst.endswith(".pt"):
+                if dst.endswith(".pt") and ".prev-rank-" not in dst:  # .prev links are not the save's files
                     count_then_maybe_die()
                 return real_replace(src, dst)
 
@@ -108,9 +116,78 @@ def main():
             die()  # the save wrote fewer files than N: die before it returns anyway
 
         checkpoint_utils.save_checkpoint = save_checkpoint
+    elif phase == "stall":
+        import time
+
+        stalling_train_step = Trainer.train_step
+
+        def stalled_train_step(self, *args, **kwargs):
+            if self.get_num_updates() == update - 1:
+                time.sleep(n)
+            return stalling_train_step(self, *args, **kwargs)
+
+        Trainer.train_step = stalled_train_step
     elif phase != "external":
         raise SystemExit(f"unknown CRASH_PLAN phase {phase!r}")
     run_fairseq_train(train)
+
+
+def watch_checkpoint_file_order(violations_file):
+    import glob
+    import json
+
+    def manifests_listing(path):
+        directory, name = os.path.split(os.fspath(path))
+        for manifest in glob.glob(os.path.join(glob.escape(directory or "."), "*.set.json")):
+            try:
+                with open(manifest) as f:
+                    files = json.load(f)["files"]
+            except (OSError, ValueError):
+                continue
+            if name in {entry["name"] for entry in files}:
+                yield manifest
+
+    def complete_on_disk(manifest):
+        try:
+            with open(manifest) as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError):
+            return False
+        directory = os.path.dirname(manifest)
+        return all(os.path.isfile(os.path.join(directory, e["name"]))
+                   and os.path.getsize(os.path.join(directory, e["name"])) == e["bytes"] for e in files)
+
+    def report(message):
+        with open(violations_file, "a") as f:
+            f.write(message + "\n")
+
+    real_remove, real_replace, real_rename = os.remove, os.replace, os.rename
+
+    def remove(path, *args, **kwargs):
+        if os.fspath(path).endswith(".pt"):
+            for manifest in manifests_listing(path):
+                report(f"removed {os.path.basename(path)} while {os.path.basename(manifest)} listed it")
+        return real_remove(path, *args, **kwargs)
+
+    def check_overwrite(dst):
+        if os.fspath(dst).endswith(".pt") and ".prev-rank-" not in os.fspath(dst):
+            for manifest in manifests_listing(dst):
+                if manifest.endswith(".prev.set.json"):
+                    continue
+                previous = manifest[: -len(".set.json")] + ".prev.set.json"
+                if not complete_on_disk(previous):
+                    report(f"replaced {os.path.basename(dst)} of {os.path.basename(manifest)} with no complete "
+                           f"{os.path.basename(previous)} on disk")
+
+    def replace(src, dst, *args, **kwargs):
+        check_overwrite(dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    def rename(src, dst, *args, **kwargs):
+        check_overwrite(dst)
+        return real_rename(src, dst, *args, **kwargs)
+
+    os.remove, os.replace, os.rename = remove, replace, rename
 
 
 def run_fairseq_train(train):

@@ -56,15 +56,27 @@ class Job:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                    "--log-dir", str(workdir / "logs"), "--redirects", "3", "--master_port", str(free_port()),
                    str(PROBE), *map(str, args)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                        start_new_session=True)
 
     def wait(self, timeout=300) -> int:
-        self.launcher_output = self.process.communicate(timeout=timeout)[0]
+        """The launcher's exit code; past ``timeout`` the whole job is killed and the test fails."""
+        try:
+            self.launcher_output = self.process.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.communicate()
+            pytest.fail(f"the job was still running after {timeout} s:\n{tail(self.output(0), 30)}", pytrace=False)
         return self.process.returncode
 
     def output(self, rank: int) -> str:
         files = sorted(self.workdir.glob(f"logs/*/attempt_0/{rank}/std*.log"))
         return "".join(f.read_text(errors="replace") for f in files)
+
+    def order_violations(self) -> str:
+        """What the probe's watcher saw: a checkpoint file removed while a manifest listed it, or
+        overwritten with no complete previous generation on disk."""
+        return "".join(f.read_text() for f in sorted(self.workdir.glob("order-violations-rank-*")))
 
     def losses(self):
         """``{update: loss}`` from rank 0's complete json log lines (a killed worker's last line
@@ -155,6 +167,9 @@ def uninterrupted(data, tmp_path_factory):
     losses = job.losses()
     assert sorted(losses) == list(range(1, LAST_UPDATE + 1)), "all updates within one epoch, each logged"
     assert "begin training epoch 2" not in job.output(0), "the chain must stay within the first epoch"
+    interval_sets = sorted(p.name for p in (root / "ck").glob("checkpoint_1_*.set.json"))
+    assert len(interval_sets) == 2, f"--keep-interval-updates 2 pruned the older sets: {interval_sets}"
+    assert not job.order_violations(), job.order_violations()
     return {"losses": losses, "save_dir": root / "ck"}
 
 
@@ -179,6 +194,7 @@ def test_twenty_seeded_sigkills_during_training_and_saving_never_lose_a_complete
         assert not losses or min(losses) == resumed_from + 1, f"{what}: resumed from {resumed_from}, logged {sorted(losses)}"
         wrong = {u: (loss, want[u]) for u, loss in losses.items() if loss != want[u]}
         assert not wrong, f"{what}: losses differ from the uninterrupted run {wrong}"
+        assert not job.order_violations(), f"{what}: {job.order_violations()}"
 
         if phase is None:
             assert code == 0, tail(log + job.launcher_output, 60)
@@ -233,3 +249,16 @@ def test_without_a_launcher_watching_a_dead_worker_makes_the_other_exit_within_s
     last_error = [line for line in output.splitlines() if "Error: " in line][-1]
     assert "MoECommunicationError: MoE " in last_error and "a peer worker died or stalled" in last_error, last_error
     assert "restart the job with the same command" in last_error
+
+
+@pytest.mark.parametrize("backend", ["c10d", "legacy_ddp"])
+def test_heartbeat_timeout_ends_a_job_whose_worker_stalls_on_either_ddp_backend(data, tmp_path, backend):
+    """fairseq's --heartbeat-timeout watchdog guards CPU c10d too (the plugin builds that DDP itself)."""
+    args = train_args(data, tmp_path / "ck")
+    args[args.index("--ddp-backend") + 1] = backend
+    job = Job(tmp_path / "job", [*args, "--heartbeat-timeout", "5", "--no-save"], plan="1:3:stall:300")
+    started = time.monotonic()
+    code = job.wait(timeout=240)
+    took = time.monotonic() - started
+    assert code != 0 and took < 120, f"exit {code} after {took:.0f} s"
+    assert "not making progress in 5 seconds" in job.output(0), tail(job.output(0), 30)
