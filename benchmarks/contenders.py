@@ -4,7 +4,8 @@ Every contender owns its modules, a fixed input and a fixed upstream gradient, a
 clears its gradients the way fairseq does (set to None) before running forward and backward, so
 every step allocates its gradients afresh, as in training.
 
-* ``moe``: our MoELayer, dropless (capacity factor 0), on N tokens.
+* ``moe``: our MoELayer on N tokens, dropless (capacity factor 0) unless a capacity factor is
+  given (then slots over ``k * int(cf * N / E)`` per expert are dropped, Tutel's semantics).
 * ``floor``: the work the MoE layer cannot avoid: one dense FFN (d -> H -> d, ReLU) applied to the
   k*N token copies in a single call. The experts do exactly these FLOPs; routing, dispatch and
   combine are the overhead on top.
@@ -85,10 +86,12 @@ class DenseSameActiveParams(Contender):
 class OurMoE(Contender):
     name = "moe"
 
-    def __init__(self, shape, device, dtype, seed=0, expert_matmul="auto", skew=None):
-        self.expert_matmul, self.skew = expert_matmul, skew
+    def __init__(self, shape, device, dtype, seed=0, expert_matmul="auto", skew=None, capacity_factor=0.0):
+        self.expert_matmul, self.skew, self.capacity_factor = expert_matmul, skew, capacity_factor
         if expert_matmul != "auto":
             self.name = f"moe[{expert_matmul}]"
+        if capacity_factor:
+            self.name = f"{self.name} cf={capacity_factor:g}"
         if skew:
             self.name = f"{self.name} skewed x{skew:g}"
         super().__init__(shape, device, dtype, seed)
@@ -99,7 +102,7 @@ class OurMoE(Contender):
         from fairseq_moe_ext.moe import MoELayer
 
         s = self.shape
-        layer = MoELayer(s.d_model, s.hidden, s.experts, k=s.k, capacity_factor=0.0)
+        layer = MoELayer(s.d_model, s.hidden, s.experts, k=s.k, capacity_factor=self.capacity_factor)
         layer.experts.matmul = self.expert_matmul
         return layer
 
@@ -116,12 +119,19 @@ class OurMoE(Contender):
         weight[:, 0] = 0.0
         weight[0, 0] = 30.0
 
-    def busiest_expert_share(self) -> float:
-        """Load of the busiest expert over its fair share, as routed now."""
+    def routing_stats(self):
         with torch.no_grad():
             _, aux = self.module.forward_with_aux(self.x)
-        load = aux.stats["expert_slots"]
+        return aux.stats
+
+    def busiest_expert_share(self) -> float:
+        """Load of the busiest expert over its fair share, as routed now."""
+        load = self.routing_stats()["expert_slots"]
         return float(load.max() / (load.sum() / len(load)))
+
+    def dropped_fraction(self) -> float:
+        """Share of the k*N slots dropped for being over capacity, as routed now."""
+        return float(self.routing_stats()["dropped_slots"]) / (self.shape.k * self.shape.tokens)
 
     def forward(self):
         return self.module(self.x)

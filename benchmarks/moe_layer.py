@@ -8,7 +8,9 @@
 Sections: (1) default shapes: MoE, the floor (a dense FFN of hidden H on the k*N token copies, in
 one call), a dense FFN with the same active parameters (hidden k*H on N tokens), and fairscale's
 MOELayer with Top2Gate; (2) cost against tokens (must grow linearly) and experts; (3) skewed
-routing (one expert takes 4x its fair share) on the dropless path; (4) peak memory of one step.
+routing (one expert takes 4x its fair share) on the dropless path; (4) the capacity path (a fixed
+capacity factor, slots over it dropped) against dropless and fairscale, whose Top2Gate capacity
+2N/E equals our cf=1; (5) peak memory of one step.
 Times are medians of interleaved repetitions; ratios are to the floor measured alongside.
 """
 
@@ -48,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--token-sweep", type=int, nargs="*", help="token counts (default 1k..16k)")
     p.add_argument("--expert-sweep", type=int, nargs="*", help="expert counts (default 4..64)")
     p.add_argument("--skew", type=float, default=4.0, help="busiest expert's load over its fair share")
+    p.add_argument("--capacity-factors", type=float, nargs="*", default=[1.0, 1.25],
+                   help="capacity factors timed in the capacity section (default 1.0 1.25)")
     p.add_argument("--expert-matmul", default="auto",
                    help="comma-separated expert matmul kernels to time as separate MoE rows: "
                         "auto, loop, grouped_mm (default auto)")
@@ -193,6 +197,38 @@ def skew_section(args, device, dtype, report):
     report["skew"] = {"busiest_share": shares, "seconds": {n: v[0] for n, v in result.items()}}
 
 
+def capacity_section(args, device, dtype, report):
+    shape = shape_of(args)
+    contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(shape, device, dtype, args.matmuls[:1])
+    contenders += [moe_contenders(shape, device, dtype, args.matmuls[:1], capacity_factor=cf)[0]
+                   for cf in args.capacity_factors if cf]
+    if args.capacity_factors and args.capacity_factors[0]:  # many drops: the busiest expert's overflow
+        contenders += moe_contenders(shape, device, dtype, args.matmuls[:1], capacity_factor=args.capacity_factors[0],
+                                     skew=args.skew)
+    skipped = fairscale_skip_reason(args, shape)
+    if skipped is None:
+        contenders.append(build_contender("fairscale", shape, device, dtype))
+    dropped = {c.name: c.dropped_fraction() for c in contenders if hasattr(c, "dropped_fraction")}
+    result = race(contenders, args, device)
+    floor = result["floor"][0]
+    print(f"\n## Capacity path ({args.tokens} tokens; dropped slots do no expert work, so a row may"
+          f" cost less than the floor)")
+    print(f"{'contender':<24}{'dropped':>9}{'median ms':>11}{'x floor':>9}")
+    for name, (t, _) in result.items():
+        share = f"{dropped[name] * 100:.1f}%" if name in dropped else "-"
+        print(f"{name:<24}{share:>9}{t * 1e3:>11.1f}{t / floor:>9.3f}")
+    if skipped:
+        print(f"fairscale: SKIPPED ({skipped})")
+    else:
+        same_capacity = [c.name for c in contenders if getattr(c, "capacity_factor", None) == 1.0]
+        if same_capacity:
+            print(f"fairscale MOELayer / our MoE at the same capacity (cf=1, 2N/E slots): "
+                  f"{result['fairscale'][0] / result[same_capacity[0]][0]:.2f}x")
+    report["capacity"] = {"dropped": dropped, "seconds": {n: v[0] for n, v in result.items()},
+                          "fairscale_skipped": skipped}
+    del contenders
+
+
 def memory_section(args, device, report):
     names = ["floor"] + [f"moe:{m}" for m in args.matmuls] + ["dense"]
     if fairscale_skip_reason(args, shape_of(args)) is None:
@@ -250,6 +286,7 @@ def main(argv=None):
         token_sweep(args, device, dtype, report)
         expert_sweep(args, device, dtype, report)
         skew_section(args, device, dtype, report)
+        capacity_section(args, device, dtype, report)
     if not args.no_memory:
         memory_section(args, device, report)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (above {os.cpu_count()} means other work shared the cores)")
