@@ -195,6 +195,7 @@ def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_diffe
     healthy = subprocess.run([*cli, two_worker_run["at4"] / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True)
     assert healthy.returncode == 0 and "VERDICT PROBLEM" not in healthy.stdout, healthy.stdout
     assert "VERDICT OK: every expert is distinct" in healthy.stdout
+    assert "RuntimeWarning" not in healthy.stderr, healthy.stderr  # runpy's warning when -m names an imported module
 
     save_dir = tmp_path / "doctored"
     shutil.copytree(two_worker_run["at4"], save_dir)

@@ -1,4 +1,4 @@
-"""Per-rank checkpoint sets: layout, manifests, validation, merge and reshard, and a CLI.
+"""Per-rank checkpoint sets: layout, manifests, validation, merge and reshard.
 
 Layout, for a checkpoint that fairseq would name ``checkpoint_last.pt`` in a W-worker run:
 
@@ -13,7 +13,7 @@ full state is sliced for worker r of W' (experts ``r*E/W' ...``, optimizer state
 Every file carries ``state["moe"]``: which model keys and which optimizer slots belong to experts.
 A set is used only if its manifest exists and every file has the recorded size and sha256 and the
 recorded update number; otherwise the newest complete set in the directory is used and the reason
-is logged. Nothing here imports fairseq, so the CLI works on any machine with torch.
+is logged. Nothing here imports fairseq, so the CLI (``__main__.py``) works on any machine with torch.
 """
 
 import argparse
@@ -27,7 +27,6 @@ import logging
 import os
 import pickle
 import re
-import sys
 import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -618,49 +617,6 @@ def _updates(state):
     return history[-1].get("num_updates")
 
 
-# ---------------------------------------------------------------- CLI
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fairseq_moe_ext.checkpoint",
-        description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("merge", help="write one ordinary single-file checkpoint holding every expert")
-    p.add_argument("checkpoint", help="e.g. save_dir/checkpoint_best.pt (rank suffix not needed)")
-    p.add_argument("output", help="the .pt file to write")
-    p = sub.add_parser("reshard", help="write the checkpoint as a set of W rank files")
-    p.add_argument("checkpoint")
-    p.add_argument("output", help="output name, e.g. new_dir/checkpoint_best.pt")
-    p.add_argument("--world-size", type=int, required=True)
-    p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
-    p.add_argument("checkpoint")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            lines = inspect_checkpoint(args.checkpoint)
-            print("\n".join(lines))
-            return 1 if any(line.startswith("VERDICT PROBLEM") for line in lines) else 0
-        # Everything that can be checked before loading is checked before loading.
-        _refuse_overwrite(args.output)
-        if args.command == "reshard" and args.world_size < 1:
-            raise CheckpointSetError(
-                f"--world-size must be a positive number of workers, got {args.world_size}: use the number of "
-                f"workers that will resume from the set"
-            )
-        full = load_full(args.checkpoint)
-        if args.command == "merge":
-            full["moe"] = dict(full["moe"], world_size=1, rank=0)
-            _atomic_torch_save(full, args.output)
-            print(f"wrote {args.output}")
-        else:
-            print(f"wrote {save_set(full, base_of(args.output), args.world_size)}")
-        return 0
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
 def load_full(path: str, load_fn: Optional[Callable[[str], Dict]] = None) -> Dict:
     resolved = resolve(path, fallback=False)
     if resolved is None:
@@ -671,17 +627,3 @@ def load_full(path: str, load_fn: Optional[Callable[[str], Dict]] = None) -> Dic
     if "moe" not in state:
         raise CheckpointSetError(f"{resolved.path} has no MoE metadata: was it saved by fairseq-moe-ext?")
     return state
-
-
-def _refuse_overwrite(output):
-    """An output name is taken if any layout of it exists: the file itself, a single file, a set's
-    manifest or any rank file (writing beside them would leave two layouts for one name)."""
-    base = base_of(output)
-    taken = [p for p in (output, base + ".pt", manifest_path(base)) if os.path.exists(p)]
-    taken += sorted(glob.glob(glob.escape(base) + "-rank-*-of-*.pt"))
-    if taken:
-        raise CheckpointSetError(f"{taken[0]} exists; choose another output name (nothing was overwritten)")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
