@@ -136,22 +136,23 @@ def watch_checkpoint_file_order(violations_file):
     import glob
     import json
 
+    def listed_files(manifest):
+        """The manifest's file entries, or None while it is missing or being written."""
+        try:
+            with open(manifest) as f:
+                return json.load(f)["files"]
+        except (OSError, ValueError):
+            return None
+
     def manifests_listing(path):
         directory, name = os.path.split(os.fspath(path))
         for manifest in glob.glob(os.path.join(glob.escape(directory or "."), "*.set.json")):
-            try:
-                with open(manifest) as f:
-                    files = json.load(f)["files"]
-            except (OSError, ValueError):
-                continue
-            if name in {entry["name"] for entry in files}:
+            if name in {entry["name"] for entry in listed_files(manifest) or []}:
                 yield manifest
 
     def complete_on_disk(manifest):
-        try:
-            with open(manifest) as f:
-                files = json.load(f)["files"]
-        except (OSError, ValueError):
+        files = listed_files(manifest)
+        if files is None:
             return False
         directory = os.path.dirname(manifest)
         return all(os.path.isfile(os.path.join(directory, e["name"]))
