@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_workers_through_faults
-from fairseq_moe_ext.moe import MoELayer, comm
+from fairseq_moe_ext.moe import MoELayer, comm, grouped_mm
 
 D, H = 8, 16
 
@@ -161,7 +161,14 @@ class RecordOps(TorchDispatchMode):
     ],
     ids=str,
 )
-def test_no_path_of_the_layer_accumulates_with_atomics_so_gpu_runs_repeat_bit_for_bit(options):
+@pytest.mark.parametrize("expert_matmul", ["loop", "grouped_mm"])
+def test_no_path_of_the_layer_accumulates_with_atomics_so_gpu_runs_repeat_bit_for_bit(
+    options, expert_matmul, monkeypatch
+):
+    if expert_matmul == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    monkeypatch.setenv(grouped_mm.ENV_VAR, expert_matmul)
+    options = dict(options)
     padding = options.pop("padding", False)
     layer = layer_for(None, **options)
     x = torch.randn(3, 8, D, requires_grad=True)
@@ -172,6 +179,7 @@ def test_no_path_of_the_layer_accumulates_with_atomics_so_gpu_runs_repeat_bit_fo
         (y.square().sum() + aux.balance_loss + aux.z_loss).backward()
     assert recorder.accumulating == [], recorder.accumulating
     assert x.grad is not None and all(p.grad is not None for p in layer.experts.parameters())
+    assert layer.experts.matmul == expert_matmul
 
 
 def test_the_recorder_sees_autograds_scatter_add(tmp_path):

@@ -164,9 +164,10 @@ def test_auto_picks_grouped_mm_only_on_recent_gpus_in_bf16_with_aligned_shapes()
     bf16 = torch.bfloat16
     pick = lambda x, w, cap=(9, 0), pref="auto": gm.select_expert_matmul(pref, x, w, cap)  # noqa: E731
     x, w = fake("cuda", bf16, 64, 512), fake("cuda", bf16, 8, 2048, 512)
-    assert pick(x, w) == "grouped_mm"
-    assert pick(x, w, cap=(10, 0)) == "grouped_mm"
-    assert pick(x, w, cap=(8, 0)) == "loop"
+    # Only the architectures torch builds the CUTLASS grouped GEMM for (sm90, sm100 family).
+    for capability, path in [((8, 0), "loop"), ((8, 9), "loop"), ((9, 0), "grouped_mm"), ((10, 0), "grouped_mm"),
+                             ((10, 3), "grouped_mm"), ((11, 0), "loop"), ((12, 0), "loop")]:
+        assert pick(x, w, cap=capability) == path, capability
     assert pick(fake("cuda", torch.float32, 64, 512), fake("cuda", torch.float32, 8, 2048, 512)) == "loop"
     assert pick(fake("cuda", bf16, 64, 500), fake("cuda", bf16, 8, 2048, 500)) == "loop"
     assert pick(fake("cpu", bf16, 64, 512), fake("cpu", bf16, 8, 2048, 512)) == "loop"
@@ -213,3 +214,20 @@ def test_grouped_mm_experts_equal_the_loop_where_torch_runs_the_op():
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert results[1][2][1].abs().sum() == 0
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_mm_output_bias_gradient_is_bit_equal_to_the_loop_path_for_long_row_runs(dtype):
+    # The output bias sees the same upstream gradient on both paths, so its gradient must be the
+    # same bits: one reduction per expert, the loop's, not an index_add over all rows.
+    counts = [700, 0, 1500, 1, 333]
+    loop = BatchedExperts(16, 32, len(counts), matmul="loop").to(dtype)
+    grouped = BatchedExperts(16, 32, len(counts), matmul="grouped_mm").to(dtype)
+    grouped.load_state_dict(loop.state_dict())
+    x = torch.randn(sum(counts), 16, dtype=dtype)
+    upstream = torch.randn(sum(counts), 16, dtype=dtype)
+    for experts in (loop, grouped):
+        (experts(x, counts) * upstream).sum().backward()
+    assert torch.equal(grouped.batched_fc2_b.grad, loop.batched_fc2_b.grad)
+    assert grouped.batched_fc2_b.grad[1].abs().sum() == 0 and grouped.batched_fc1_b.grad[1].abs().sum() == 0

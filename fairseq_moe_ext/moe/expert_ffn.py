@@ -43,7 +43,7 @@ def _affine(x, weight, bias, out):
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-def _bias_grad(grad: torch.Tensor, out: torch.Tensor) -> None:
+def bias_grad(grad: torch.Tensor, out: torch.Tensor) -> None:
     # A matrix-vector product with ones: BLAS runs it an order of magnitude faster than sum(0).
     torch.mv(grad.t(), grad.new_ones(grad.shape[0]), out=out)
 
@@ -107,7 +107,7 @@ class _ExpertFFN(torch.autograd.Function):
             if need_w2:
                 torch.mm(g.t(), h_in, out=grad_w2[i])
             if need_b2:
-                _bias_grad(g, grad_b2[i])
+                bias_grad(g, grad_b2[i])
             del h_in
             grad_h = torch.mm(g, w2[i])
             if mask is not None:
@@ -120,7 +120,7 @@ class _ExpertFFN(torch.autograd.Function):
             if need_w1:
                 torch.mm(grad_a.t(), x[start:end], out=grad_w1[i])
             if need_b1:
-                _bias_grad(grad_a, grad_b1[i])
+                bias_grad(grad_a, grad_b1[i])
             if need_x:
                 torch.mm(grad_a, w1[i], out=grad_x[start:end])
         if grad_b1 is not None and not ctx.has_bias[0]:

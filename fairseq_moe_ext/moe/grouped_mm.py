@@ -4,8 +4,9 @@ Which implementation runs the experts is chosen by ``select_expert_matmul``:
 
 * ``"loop"``: one BLAS call per expert (``expert_ffn.py``); the only path on CPU.
 * ``"grouped_mm"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM), used under ``"auto"`` only on
-  CUDA devices of compute capability 9.0 or newer, in bf16, with 16-byte aligned rows, which is
-  where the kernel exists and beats a loop of per-expert GEMMs launched from Python.
+  CUDA devices of compute capability 9.x (sm90) and 10.x (sm100 family), in bf16, with 16-byte
+  aligned rows: the architectures torch ships the fast kernel for. Elsewhere (8.x, 12.x, ...)
+  torch falls back to a slower path, so the loop of per-expert GEMMs wins.
 * ``"auto"`` (default): ``grouped_mm`` where it applies, else ``loop``.
 
 ``FAIRSEQ_MOE_EXPERT_MATMUL=loop|grouped_mm|auto`` sets the default without code changes (e.g. to
@@ -21,8 +22,13 @@ from typing import List, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from .expert_ffn import bias_grad
+
 EXPERT_MATMULS = ("auto", "loop", "grouped_mm")
 ENV_VAR = "FAIRSEQ_MOE_EXPERT_MATMUL"
+# Compute-capability majors torch's CUTLASS grouped GEMM is built for (sm90, sm100 family); not
+# ">= 9": consumer Blackwell (12.x) and later parts take a fallback that loses to the loop.
+ACCELERATED_CAPABILITY_MAJORS = (9, 10)
 
 
 def check_expert_matmul(name: str) -> str:
@@ -48,7 +54,7 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor, capability=None) -
         return False
     if capability is None:
         capability = torch.cuda.get_device_capability(x.device)
-    if tuple(capability) < (9, 0):
+    if capability[0] not in ACCELERATED_CAPABILITY_MAJORS:
         return False
     # The kernel reads rows with 16-byte loads: every leading dimension a multiple of 8 bf16.
     return all(size % 8 == 0 for size in (x.shape[-1], weight.shape[-1], weight.shape[-2]))
@@ -73,21 +79,20 @@ class _GroupedLinear(torch.autograd.Function):
         x = x.contiguous()
         offsets = _offsets(counts, x.device)
         y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-        row_expert = None
         if bias is not None:
             row_expert = torch.repeat_interleave(
                 torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device),
                 output_size=x.shape[0],
             )
             y = y + bias.index_select(0, row_expert)
-        ctx.save_for_backward(x, weight, offsets, row_expert)
+        ctx.save_for_backward(x, weight, offsets)
         ctx.counts, ctx.has_bias = counts, bias is not None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, weight, offsets, row_expert = ctx.saved_tensors
+        x, weight, offsets = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -99,8 +104,15 @@ class _GroupedLinear(torch.autograd.Function):
             empty = torch.tensor([c == 0 for c in ctx.counts], device=grad_w.device)
             grad_w = grad_w.masked_fill(empty.view(-1, 1, 1), 0)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = torch.zeros(weight.shape[:2], dtype=torch.float32, device=grad.device)
-            grad_b = grad_b.index_add_(0, row_expert, grad.float()).to(grad.dtype)
+            # One reduction per expert over its own rows, exactly as the loop path computes it:
+            # bit-equal to it, and no atomic adds (index_add_ on CUDA), so runs repeat bit for bit.
+            # The counts are on the host already, so slicing costs no device sync.
+            grad_b = grad.new_empty(weight.shape[:2])
+            for i, rows in enumerate(grad.split(ctx.counts)):
+                if rows.shape[0] == 0:
+                    grad_b[i].zero_()
+                else:
+                    bias_grad(rows, grad_b[i])
         return grad_x, grad_w, grad_b, None
 
 
