@@ -132,13 +132,14 @@ class MoELayer(nn.Module):
         expert_index = routing.expert_index
 
         # Losses from group-wide sums (see comm.all_reduce_sum for why its backward also sums).
+        # Counts stay int64 and sums fp32 whatever the router's dtype: with --moe-gating-no-fp32 an
+        # fp16 count overflows at 65,504 tokens per group and bf16 counts 1001 tokens as 1000.
         top1_count = torch.bincount(expert_index[:, 0], minlength=num_experts)
-        counts = comm.all_reduce_sum(
-            torch.cat([top1_count, top1_count.new_tensor([n])]).to(routing.probs.dtype), group
-        )
+        counts = comm.all_reduce_sum(torch.cat([top1_count, top1_count.new_tensor([n])]), group)
         lse = torch.logsumexp(routing.logits.float(), dim=-1)
-        sums = comm.all_reduce_sum(torch.cat([routing.probs.sum(0), lse.pow(2).sum().view(1)]), group)
-        total_tokens = counts[-1].detach().round().long()
+        prob_sum = routing.probs.sum(0, dtype=torch.float32)
+        sums = comm.all_reduce_sum(torch.cat([prob_sum, lse.pow(2).sum().view(1)]), group)
+        total_tokens = counts[-1]
         aux_balance = balance_loss(sums[:num_experts], counts[:num_experts], total_tokens)
         aux_z = z_loss(sums[num_experts], total_tokens)
 
