@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
+from .moe.collective_device import collective_device, on_group_device
+from .moe.comm import collective
+
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
 # Set once an MoE model is wrapped for multi-worker training (see the clip_grad_norm_ hook).
 EXPERT_PARALLEL_TRAINING = False
@@ -86,26 +89,28 @@ def expert_parameter_names(module: torch.nn.Module) -> List[str]:
 
 
 def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """sqrt(shared norm^2 + sum over workers of expert norm^2), identical on every worker."""
-    shared_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
-    device = None
-    for p in params:
-        if p is None or p.grad is None:
-            continue
-        device = p.grad.device
-        sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double().cpu() ** 2
-        if is_expert(p):
-            expert_sq += sq
+    """sqrt(shared norm^2 + sum over workers of expert norm^2), identical on every worker.
+
+    Everything stays on the gradients' device (fp64 sums, in parameter order) and the expert part
+    is all-reduced on the group's device: no host read at all, where a ``.cpu()`` per parameter
+    used to stall the GPU once per parameter per step."""
+    grads = [(p.grad.detach(), is_expert(p)) for p in params if p is not None and p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    shared_sq = torch.zeros((), dtype=torch.float64, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for grad, expert in grads:
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).double().to(device) ** 2
+        if expert:
+            expert_sq = expert_sq + sq
         else:
-            shared_sq += sq
+            shared_sq = shared_sq + sq
     group = expert_parallel_group()
     if group is not None:
-        expert_sq = expert_sq.to(_collective_device(group))
-        dist.all_reduce(expert_sq, group=group)
-        expert_sq = expert_sq.cpu()
-    total = (shared_sq + expert_sq).sqrt().float()
-    return total.to(device) if device is not None else total
+        summed = on_group_device(expert_sq, group)
+        with collective("all-reduce of expert gradient norms", group, [summed]):
+            dist.all_reduce(summed, group=group)
+        expert_sq = summed.to(device)
+    return (shared_sq + expert_sq).sqrt().float()
 
 
 def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
@@ -119,19 +124,16 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
-def _collective_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
 def check_shared_parameters_agree(model: torch.nn.Module, group=None) -> None:
     """Raise if any shared parameter differs across workers (bitwise fingerprints)."""
     shared = [(n, p) for n, p in model.named_parameters() if not is_expert(p)]
     if not shared:
         return
-    fingerprints = torch.stack([_fingerprint(p) for _, p in shared]).to(_collective_device(group or dist.group.WORLD))
+    fingerprints = torch.stack([_fingerprint(p) for _, p in shared]).to(collective_device(group))
     gathered = [torch.empty_like(fingerprints) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, fingerprints, group=group)
+    with collective("check of shared parameters", group, [fingerprints]):
+        dist.all_gather(gathered, fingerprints, group=group)
+    gathered = torch.stack(gathered).cpu()  # one host read, once before training
     for rank, other in enumerate(gathered):
         differs = (other != gathered[0]).any(dim=1).nonzero()
         if len(differs):

@@ -9,10 +9,19 @@ rank has no tokens at all) and autograd replays the mirror sequence in backward.
 """
 
 from contextlib import contextmanager
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .collective_device import (
+    MoECollectiveDeviceError,
+    check_served,
+    collective_device,
+    device_mismatch_error,
+    is_device_mismatch,
+    on_group_device,
+)
 
 
 class MoECommunicationError(RuntimeError):
@@ -20,15 +29,20 @@ class MoECommunicationError(RuntimeError):
 
 
 @contextmanager
-def _collective(what: str, group):
+def collective(what: str, group, tensors: Sequence[torch.Tensor] = ()):
+    """Run one collective over ``tensors``; a failure is either a device mismatch (a bug here, see
+    collective_device.py) or a dead or stalled peer, and says which."""
+    check_served(what, tensors, group)
     # Backends report a dead or stalled peer with transport details only ("Connection closed by
     # peer", "Timed out waiting 1800000ms for recv"); say what that means for the job.
     try:
         yield
-    except MoECommunicationError:
+    except (MoECommunicationError, MoECollectiveDeviceError):
         raise
     except RuntimeError as error:
         detail = " ".join(str(error).split())[:300]
+        if is_device_mismatch(error):
+            raise device_mismatch_error(what, tensors, group, detail) from error
         raise MoECommunicationError(
             f"MoE {what} across {dist.get_world_size(group)} workers failed ({detail}): a peer worker died "
             f"or stalled past the process group's timeout; restart the job with the same command to resume "
@@ -63,7 +77,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    with _collective("all-reduce of routing statistics", group):
+    with collective("all-reduce of routing statistics", group, [x]):
         dist.all_reduce(x, group=group)
     return x
 
@@ -94,7 +108,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _all_to_all(x, send_splits: List[int], recv_splits: List[int], group) -> torch.Tensor:
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    with _collective("all-to-all of token rows", group):
+    with collective("all-to-all of token rows", group, [out, x]):
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
@@ -121,10 +135,11 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     ``r`` is what rank ``r`` sent to this rank."""
     if group is None:
         return counts
-    out = torch.empty_like(counts)
-    with _collective("all-to-all of expert loads", group):
-        dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out
+    mine = on_group_device(counts, group).contiguous()
+    out = torch.empty_like(mine)
+    with collective("all-to-all of expert loads", group, [out, mine]):
+        dist.all_to_all_single(out, mine, group=group)
+    return out.to(counts.device)
 
 
 def all_gather_rows(x: torch.Tensor, group=None) -> Tuple[torch.Tensor, List[int]]:
@@ -133,29 +148,31 @@ def all_gather_rows(x: torch.Tensor, group=None) -> Tuple[torch.Tensor, List[int
     if group is None:
         return x, [x.shape[0]]
     world = dist.get_world_size(group)
-    n = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
+    rows = on_group_device(x, group)
+    n = torch.tensor([x.shape[0]], dtype=torch.long, device=rows.device)
     sizes = [torch.empty_like(n) for _ in range(world)]
-    with _collective("all-gather of routing decisions", group):
+    with collective("all-gather of routing decisions", group, [n]):
         dist.all_gather(sizes, n, group=group)
-    sizes = [int(s.item()) for s in sizes]
-    padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
-    padded[: x.shape[0]] = x
+    sizes = torch.cat(sizes).tolist()  # one host read: the padding below needs the sizes
+    padded = rows.new_zeros((max(sizes),) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    with _collective("all-gather of routing decisions", group):
+    with collective("all-gather of routing decisions", group, [padded]):
         dist.all_gather(gathered, padded, group=group)
-    return torch.cat([g[:s] for g, s in zip(gathered, sizes)]), sizes
+    return torch.cat([g[:s] for g, s in zip(gathered, sizes)]).to(x.device), sizes
 
 
 def check_same_on_every_rank(values: List[int], names: List[str], what: str, group=None) -> None:
     """Raise on every rank if ``values`` differ between ranks (one collective; for set-up checks)."""
     if group is None:
         return
-    mine = torch.tensor(values, dtype=torch.long)
+    mine = torch.tensor(values, dtype=torch.long, device=collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    with _collective(f"check of {what}", group):
+    with collective(f"check of {what}", group, [mine]):
         dist.all_gather(everyone, mine, group=group)
+    everyone = torch.stack(everyone).cpu()  # one host read, once per layer
     for rank, theirs in enumerate(everyone):
-        if not torch.equal(theirs, mine):
+        if theirs.tolist() != list(values):
             diff = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(names, values, theirs.tolist()) if a != b)
             raise ValueError(
                 f"{what} differs between this worker (rank {group_rank(group)}) and rank {rank}: {diff}; "
