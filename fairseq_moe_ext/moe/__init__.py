@@ -2,13 +2,14 @@
 
 from .cache import MoEAux, MoEAuxCache, MoERecord, UncollectedMoELossError
 from .capacity import expert_capacity, slots_within_capacity
+from .collective_device import MoECollectiveDeviceError, collective_device
 from .experts import BatchedExperts, expert_seed
 from .layer import MoELayer
 from .losses import balance_loss, z_loss
 from .router import ROUTER_TYPES, Routing, TopKRouter
 
 __all__ = [
-    "BatchedExperts", "MoEAux", "MoEAuxCache", "MoELayer", "MoERecord", "ROUTER_TYPES", "Routing",
-    "TopKRouter", "UncollectedMoELossError", "balance_loss", "expert_capacity", "expert_seed",
-    "slots_within_capacity", "z_loss",
+    "BatchedExperts", "MoEAux", "MoEAuxCache", "MoECollectiveDeviceError", "MoELayer", "MoERecord",
+    "ROUTER_TYPES", "Routing", "TopKRouter", "UncollectedMoELossError", "balance_loss", "collective_device",
+    "expert_capacity", "expert_seed", "slots_within_capacity", "z_loss",
 ]
