@@ -401,7 +401,7 @@ def _wrap_trainer_load_checkpoint(original):
                        every_rank_saves=_is_expert_parallel_trainer(self))
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
-        resolved = resolve_restore(filename, checkpoint_cfg.save_dir, self.checkpoint_suffix,
+        resolved = resolve_restore(filename, checkpoint_cfg, self.checkpoint_suffix,
                                    allow_fallback=bool(_flag(self.cfg.model, "moe_restore_fallback")))
         if resolved is None:
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"

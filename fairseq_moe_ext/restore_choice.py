@@ -12,10 +12,15 @@ import os
 from .checkpoint import CheckpointSetError, resolve
 
 
-def resolve_restore(filename: str, save_dir: str, suffix: str, allow_fallback: bool):
+FAIRSEQ_DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's CheckpointConfig.restore_file default
+
+
+def resolve_restore(filename: str, checkpoint_cfg, suffix: str, allow_fallback: bool):
     """checkpoint.resolve for the name fairseq's load_checkpoint passes to Trainer.load_checkpoint
-    (``suffix``: this worker's checkpoint suffix, which fairseq appends to --restore-file)."""
-    if filename == os.path.join(save_dir, f"checkpoint_last{suffix}.pt"):
+    (``suffix``: this worker's checkpoint suffix, which fairseq appends to --restore-file).
+    ``--restore-file save_dir/checkpoint_last.pt`` spelled out is a name the user chose too."""
+    implicit = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
+    if checkpoint_cfg.restore_file == FAIRSEQ_DEFAULT_RESTORE_FILE and filename == implicit:
         return resolve(filename)
     named = filename
     if suffix and filename.endswith(suffix + ".pt"):
