@@ -398,7 +398,7 @@ def _wrap_trainer_load_checkpoint(original):
         _check_training_setup(self)  # fairseq-train calls this first, before any batch is read
         checkpoint_cfg = self.cfg.checkpoint
         claim_save_dir(checkpoint_cfg.save_dir, checkpoint_cfg.no_save, self.data_parallel_rank,
-                       every_rank_saves=_is_expert_parallel_trainer(self))
+                       self.data_parallel_world_size, every_rank_saves=_is_expert_parallel_trainer(self))
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
         resolved = resolve_restore(filename, checkpoint_cfg, self.checkpoint_suffix,

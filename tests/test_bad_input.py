@@ -241,6 +241,20 @@ def lock_held_by_this_test_runner(directory: Path) -> None:
     (directory / save_dir_lock.LOCK_NAME).write_text(json.dumps(holder))
 
 
+def locked_fresh_save_dir() -> Make:
+    """fairseq-train into a save dir that holds only the lock of a running job."""
+    fresh = fresh_training()
+
+    def make(inputs, work):
+        args, watched = fresh(inputs, work)
+        watched[0].mkdir()
+        lock_held_by_this_test_runner(watched[0])
+        return args, watched
+
+    make.needs_checkpoints = False
+    return make
+
+
 def restore_file_naming_a_damaged_set() -> Make:
     """fairseq-train --restore-file ck/checkpoint_last.pt, a set that lost rank 1's file, beside a
     complete set (checkpoint_older) that the implicit default would fall back to."""
@@ -381,6 +395,9 @@ CASES = [
          "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
          "which is still running: two jobs saving into one directory overwrite each other's checkpoints; give this "
          "run another --save-dir, or, if that job is gone, delete"),
+    Case("save-dir-locked-by-a-running-job-on-two-workers", two_workers, locked_fresh_save_dir(),
+         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "give this run another --save-dir, or, if that job is gone, delete"),
     # -- generation: --path never loads anything but the complete, intact checkpoint it names
     Case("generate-from-a-set-missing-a-rank-file", fairseq_generate,
          generate_from("set", lambda d: (d / "checkpoint_last-rank-1-of-2.pt").unlink()), SET,
