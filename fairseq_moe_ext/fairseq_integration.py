@@ -35,11 +35,15 @@ Hooks:
      (``os.remove`` in save_checkpoint) is deferred until after that, behind a barrier, so no
      manifest ever lists a deleted file.
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
-     complete set or a single file (falling back to the newest complete set with a warning),
-     merged, and sliced for this worker: resuming works at any world size dividing the experts.
-     fairseq-train calls Trainer.load_checkpoint before reading any batch, so it first refuses an
-     MoE criterion on a model without MoE layers and workers that torchrun started but fairseq runs
-     as separate 1-worker jobs (raised later, inside train_step, fairseq would write crash.pt).
+     complete set or a single file (the default checkpoint_last falls back to the newest complete
+     set with a warning; a --restore-file the user named only with --moe-restore-fallback, see
+     restore_choice), merged, and sliced for this worker: resuming works at any world size dividing
+     the experts. fairseq-train calls Trainer.load_checkpoint before reading any batch, so it first
+     refuses an MoE criterion on a model without MoE layers and workers that torchrun started but
+     fairseq runs as separate 1-worker jobs (raised later, inside train_step, fairseq would write
+     crash.pt), then claims --save-dir (training_save_dir: rank 0 takes the save dir's lock, and an
+     expert-parallel job checks that every worker sees the same directory) before any checkpoint
+     is read or written. fairseq-generate and the other tools never call it, so never lock.
   8. checkpoint_utils.load_model_ensemble_and_task (generate, interactive, eval-lm, validate, hub):
      ``--path dir/checkpoint_best.pt`` loads a set with no conversion step; models are built with
      every expert local.
@@ -385,15 +389,20 @@ def _write_manifests(save_dir, reports, trainer):
 
 
 def _wrap_trainer_load_checkpoint(original):
-    from . import checkpoint as moe_ckpt
     from . import distributed as moe_dist
+    from .restore_choice import resolve_restore
+    from .training_save_dir import claim_save_dir
 
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
         _check_training_setup(self)  # fairseq-train calls this first, before any batch is read
+        checkpoint_cfg = self.cfg.checkpoint
+        claim_save_dir(checkpoint_cfg.save_dir, checkpoint_cfg.no_save, self.data_parallel_rank,
+                       self.data_parallel_world_size, every_rank_saves=_is_expert_parallel_trainer(self))
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
-        resolved = moe_ckpt.resolve(filename)
+        resolved = resolve_restore(filename, checkpoint_cfg, self.checkpoint_suffix,
+                                   allow_fallback=bool(_flag(self.cfg.model, "moe_restore_fallback")))
         if resolved is None:
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
         world = self.data_parallel_world_size

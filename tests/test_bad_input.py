@@ -11,6 +11,8 @@ each test then waits for its own run. ``-k`` selects cases as usual: only select
 """
 
 import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -231,6 +233,47 @@ def replace_rank_1_with_another_runs(inputs: Inputs) -> Callable[[Path], None]:
     return lambda directory: shutil.copy(inputs.other_set / name, directory / name)
 
 
+def lock_held_by_this_test_runner(directory: Path) -> None:
+    """The save dir's lock, as a job that is still running (this pytest process) holds it."""
+    from fairseq_moe_ext import save_dir_lock
+
+    holder = dict(host=save_dir_lock.this_job().host, pid=os.getpid(), started="2026-01-01T00:00:00+00:00", job="first")
+    (directory / save_dir_lock.LOCK_NAME).write_text(json.dumps(holder))
+
+
+def locked_fresh_save_dir() -> Make:
+    """fairseq-train into a save dir that holds only the lock of a running job."""
+    fresh = fresh_training()
+
+    def make(inputs, work):
+        args, watched = fresh(inputs, work)
+        watched[0].mkdir()
+        lock_held_by_this_test_runner(watched[0])
+        return args, watched
+
+    make.needs_checkpoints = False
+    return make
+
+
+def restore_file_naming_a_damaged_set() -> Make:
+    """fairseq-train --restore-file ck/checkpoint_last.pt, a set that lost rank 1's file, beside a
+    complete set (checkpoint_older) that the implicit default would fall back to."""
+
+    def make(inputs, work):
+        save_dir = copy_of(inputs.set, work)
+        manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+        for entry in manifest["files"]:
+            older = entry["name"].replace("checkpoint_last", "checkpoint_older")
+            shutil.copy(save_dir / entry["name"], save_dir / older)
+            entry["name"] = older
+        (save_dir / "checkpoint_older.set.json").write_text(json.dumps(dict(manifest, name="checkpoint_older")))
+        (save_dir / "checkpoint_last-rank-1-of-2.pt").unlink()
+        restore = ["--restore-file", str(save_dir / "checkpoint_last.pt")]
+        return train_args(inputs.data, save_dir, "--max-update", "6", *restore), [save_dir]
+
+    return make
+
+
 # ---------------------------------------------------------------- the catalogue
 
 @dataclass(frozen=True)
@@ -278,6 +321,9 @@ CASES = [
          "--moe-gate-noise must be >= 0, got -1.0", "use 0 (no noise) or a standard deviation > 0"),
     Case("negative-moe-freq", fairseq_train, fresh_training("--moe-freq", "-1"), "ValueError",
          "--moe-freq must be an integer >= 0, got -1", "use N for an MoE layer every N layers, or 0 for none"),
+    Case("moe-freq-placing-no-moe-layer", fairseq_train, fresh_training("--moe-freq", "4"), "ValueError",
+         "--moe-freq 4 places no MoE layer in this model (2 encoder layers and 2 decoder layers;",
+         "use a frequency between 1 and 2, or a dense --arch (transformer, transformer_lm)"),
     Case("zero-expert-ffn-dim", fairseq_train, fresh_training("--moe-expert-ffn-dim", "0"), "ValueError",
          "--moe-expert-ffn-dim must be positive, got 0", "drop it to use the layer's ffn dim"),
     Case("zero-comm-timeout", fairseq_train, fresh_training("--moe-comm-timeout", "0"), "ValueError",
@@ -341,6 +387,17 @@ CASES = [
          resume(damage=lambda d: (d / "checkpoint_last-rank-0-of-2.pt").write_bytes(b"not really")), SET,
          "checkpoint_last.pt exists beside per-rank files of the same name", "two layouts for one checkpoint; "
          "move one of them away"),
+    Case("restore-file-naming-a-damaged-set", fairseq_train, restore_file_naming_a_damaged_set(), SET,
+         "checkpoint_last.set.json cannot be loaded: rank 1 file",
+         "or add --moe-restore-fallback to train from the newest complete set in"),
+    # -- one job per save dir
+    Case("save-dir-locked-by-a-running-job", fairseq_train, resume(damage=lock_held_by_this_test_runner),
+         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "which is still running: two jobs saving into one directory overwrite each other's checkpoints; give this "
+         "run another --save-dir, or, if that job is gone, delete"),
+    Case("save-dir-locked-by-a-running-job-on-two-workers", two_workers, locked_fresh_save_dir(),
+         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "give this run another --save-dir, or, if that job is gone, delete"),
     # -- generation: --path never loads anything but the complete, intact checkpoint it names
     Case("generate-from-a-set-missing-a-rank-file", fairseq_generate,
          generate_from("set", lambda d: (d / "checkpoint_last-rank-1-of-2.pt").unlink()), SET,

@@ -1,12 +1,17 @@
 """The previous generation of a set (``<name>.prev``) that keeps a save's crash from losing it.
 
-Checked on the files alone (any bytes serve as rank files: the manifest records size and sha256);
+Checked on the files alone (any bytes serve as rank files: the manifest records size and sha256),
+on filesystems with hard links and (``os.link`` made to fail) without them;
 tests/test_fault_injection.py checks the same promises through killed fairseq-train jobs.
 """
+
+import errno
+import os
 
 import pytest
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
+from fairseq_moe_ext.checkpoint import keep_copy
 
 WORLD = 2
 
@@ -95,3 +100,52 @@ def test_protecting_a_set_twice_leaves_no_temporary_link_behind(tmp_path):
     moe_ckpt.remove_previous_generations(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint_1_4-rank-0-of-2.pt", "checkpoint_1_4-rank-1-of-2.pt", "checkpoint_1_4.set.json"]
+
+
+def refuse_links(monkeypatch, code):
+    def link(source, target):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(keep_copy.os, "link", link)
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK])
+def test_where_the_filesystem_has_no_hard_links_the_previous_generation_is_a_copy_that_keeps_the_old_bytes(
+        tmp_path, monkeypatch, code):
+    manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
+    refuse_links(monkeypatch, code)
+    previous = keep_previous(manifest)
+    keep_previous(manifest)  # the next save of a restarted job copies again over the first copies
+    overwrite(moe_ckpt.rank_file(str(tmp_path / "checkpoint_last"), 0, WORLD), b"new rank 0 bytes")
+
+    assert moe_ckpt.validate_set(previous)["num_updates"] == 10
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_link_failure_other_than_missing_hard_links_is_raised_not_hidden_by_a_copy(tmp_path, monkeypatch):
+    manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
+    refuse_links(monkeypatch, errno.ENOSPC)
+    with pytest.raises(OSError, match="No space left"):
+        moe_ckpt.link_previous_generation(manifest, 0, WORLD)
+
+
+def test_a_copy_that_fails_half_way_leaves_the_earlier_previous_generation_whole_and_no_temporary_file(
+        tmp_path, monkeypatch):
+    manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
+    previous = keep_previous(manifest)
+    base = str(tmp_path / "checkpoint_last")
+    for rank in range(WORLD):  # the next save, renaming its files into place as fairseq does
+        overwrite(moe_ckpt.rank_file(base, rank, WORLD), b"newer rank %d" % rank)
+    files = [dict(moe_ckpt.describe_file(moe_ckpt.rank_file(base, r, WORLD)), rank=r) for r in range(WORLD)]
+    manifest = moe_ckpt.write_manifest(base, WORLD, 12, files, {})
+    refuse_links(monkeypatch, errno.EPERM)
+
+    def disk_full_half_way(source, destination, length):
+        destination.write(source.read(3))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(keep_copy.shutil, "copyfileobj", disk_full_half_way)
+    with pytest.raises(OSError):
+        moe_ckpt.link_previous_generation(manifest, 0, WORLD)
+    assert moe_ckpt.validate_set(previous)["num_updates"] == 10
+    assert not list(tmp_path.glob("*.tmp"))

@@ -185,7 +185,6 @@ def test_one_expert_top1_dropless_moe_model_computes_the_dense_transformer(data,
 @pytest.mark.parametrize("flags, encoder, decoder", [
     (["--moe-freq", "2"], [1, 3], [1, 3]),
     (["--moe-freq", "1"], [0, 1, 2, 3], [0, 1, 2, 3]),
-    (["--moe-freq", "0"], [], []),
     (["--moe-freq", "3"], [2], [2]),
     (["--moe-freq", "2", "--encoder-moe-freq", "0"], [], [1, 3]),
     (["--moe-freq", "4", "--decoder-moe-freq", "1"], [3], [0, 1, 2, 3]),
@@ -202,10 +201,30 @@ def test_moe_layers_are_those_where_index_plus_one_is_a_multiple_of_the_frequenc
 
 
 @pytest.mark.parametrize("flags, decoder", [([], [1, 3]), (["--decoder-moe-freq", "1"], [0, 1, 2, 3]),
-                                            (["--moe-freq", "0"], [])])
+                                            (["--moe-freq", "4"], [3])])
 def test_language_model_moe_layers_follow_the_same_frequency_rule(data, flags, decoder):
     model = language_model(data, "--decoder-layers", "4", *flags).model
     assert moe_layer_names(model) == [f"decoder.layers.{i}.fc1" for i in decoder]
+
+
+@pytest.mark.parametrize("kind, flags, message", [
+    ("translation", ["--moe-freq", "5"], "--moe-freq 5 places no MoE layer in this model (4 encoder layers and 4 "
+                                         "decoder layers;"),
+    ("translation", ["--moe-freq", "0"], "--moe-freq 0 places no MoE layer in this model"),
+    ("translation", ["--encoder-moe-freq", "0", "--decoder-moe-freq", "9"],
+     "--encoder-moe-freq 0 / --decoder-moe-freq 9 places no MoE layer in this model"),
+    ("language_model", ["--decoder-moe-freq", "5"], "--decoder-moe-freq 5 places no MoE layer in this model "
+                                                    "(4 decoder layers;"),
+])
+def test_an_moe_architecture_whose_frequencies_place_no_moe_layer_is_refused_naming_the_layer_count(
+        data, kind, flags, message):
+    build, layers = {"translation": (translation, ["--encoder-layers", "4", "--decoder-layers", "4"]),
+                     "language_model": (language_model, ["--decoder-layers", "4"])}[kind]
+    with pytest.raises(ValueError) as error:
+        build(data, *layers, *flags)
+    assert str(error.value).startswith(message), str(error.value)
+    assert "use a frequency between 1 and 4, or a dense --arch (transformer, transformer_lm)" in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def experts_of(model, layer="decoder.layers.1.fc1"):

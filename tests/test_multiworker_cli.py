@@ -214,9 +214,14 @@ def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_diffe
     assert f"VERDICT PROBLEM: shared parameter {shared} differs between rank 0 and rank 1" in report.stdout
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_worker_run, data, tmp_path, damage):
-    save_dir = tmp_path / "ck"
+@pytest.mark.parametrize("damage, directory, named", [
+    ("delete", "ck", False),
+    # glob metacharacters in the save dir's name; --restore-file named by the user falls back only on request
+    ("truncate", "run[1]", True),
+])
+def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_worker_run, data, tmp_path, damage,
+                                                                           directory, named):
+    save_dir = tmp_path / directory
     shutil.copytree(two_worker_run["at4"], save_dir)
     shutil.copy(save_dir / "checkpoint_last.set.json", save_dir / "keep.json")
     # An older complete set under another name (as --save-interval-updates would leave).
@@ -237,9 +242,72 @@ def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_w
                           "--cpu", "--num-workers", "0", expect_failure=True)
     assert "CheckpointSetError" in refused and ("is missing" in refused or "bytes, the manifest records" in refused)
 
-    output = torchrun(2, BIN / "fairseq-train", moe_args(data, save_dir, 5))
+    restore = ["--restore-file", str(save_dir / "checkpoint_last.pt"), "--moe-restore-fallback"] if named else []
+    output = torchrun(2, BIN / "fairseq-train", moe_args(data, save_dir, 5, *restore))
     assert "is unusable" in output and "using the newest complete set" in output and "checkpoint_1_4.set.json" in output
     assert "Loaded checkpoint" in output and "(epoch 1 @ 4 updates)" in output
+
+
+def test_without_hard_links_a_two_worker_run_resumes_and_every_save_keeps_a_complete_set(two_worker_run, data,
+                                                                                          tmp_path):
+    from fairseq_moe_ext import checkpoint as moe_ckpt
+    from fairseq_moe_ext.save_dir_lock import LOCK_NAME
+
+    save_dir = tmp_path / "ck"
+    shutil.copytree(two_worker_run["at4"], save_dir)
+    # Saves at updates 5 and 6: each first keeps the existing sets as .prev, by copying.
+    output = torchrun(2, TESTS / "fairseq_no_hardlinks_probe.py",
+                      moe_args(data, save_dir, 6, "--save-interval-updates", "1"))
+    assert "loading set" in output and "(epoch 1 @ 4 updates)" in output
+    assert "refused hard link" in output and f"refused hard link {save_dir}/checkpoint_last.prev-rank-1-of-2.pt.tmp" in output
+    assert "copying checkpoint_last-rank-0-of-2.pt to checkpoint_last.prev-rank-0-of-2.pt instead" in output  # rank 0 logs
+    for name, updates in (("checkpoint_1_5", 5), ("checkpoint_1_6", 6), ("checkpoint_last", 6)):
+        assert moe_ckpt.validate_set(str(save_dir / f"{name}.set.json"))["num_updates"] == updates
+    left = sorted(p.name for p in save_dir.iterdir() if ".prev" in p.name or p.name.endswith(".tmp"))
+    assert not left, left
+    assert not (save_dir / LOCK_NAME).exists()
+
+
+@pytest.fixture(scope="module")
+def one_worker_set_resumed_twice(two_worker_run, data, tmp_path_factory):
+    """The 2-worker set resharded to a 1-of-1 set, resumed by 1-process fairseq-train to update 5,
+    then again to 6; before the first, the save dir holds the lock of a job that died."""
+    from fairseq_moe_ext.save_dir_lock import LOCK_NAME, this_job
+
+    save_dir = tmp_path_factory.mktemp("one") / "ck"
+    save_dir.mkdir()
+    subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", "reshard",
+                    two_worker_run["at4"] / "checkpoint_last.pt", save_dir / "checkpoint_last.pt", "--world-size", "1"],
+                   check=True, env=fairseq_env(), capture_output=True)
+    died = subprocess.Popen([sys.executable, "-c", "pass"])
+    died.wait()
+    stale = dict(host=this_job().host, pid=died.pid, started="2026-01-01T00:00:00+00:00", job="died")
+    (save_dir / LOCK_NAME).write_text(json.dumps(stale))
+    first = run_fairseq("train", *moe_args(data, save_dir, 5))
+    after_first = sorted(p.name for p in save_dir.iterdir())
+    second = run_fairseq("train", *moe_args(data, save_dir, 6))
+    return {"save_dir": save_dir, "outputs": (first, second), "after_first": after_first, "stale": stale}
+
+
+def test_a_set_resharded_to_one_worker_resumes_in_one_process_twice_in_a_row(one_worker_set_resumed_twice):
+    first, second = one_worker_set_resumed_twice["outputs"]
+    assert "loading set" in first and "checkpoint_last.set.json as worker 0 of 1" in first
+    assert "(epoch 1 @ 4 updates)" in first
+    assert "loading file" in second and "(epoch 1 @ 5 updates)" in second
+    for names in (one_worker_set_resumed_twice["after_first"],
+                  sorted(p.name for p in one_worker_set_resumed_twice["save_dir"].iterdir())):
+        own = [n for n in names if n.startswith("checkpoint_last")]
+        assert own == ["checkpoint_last.pt"], names  # one layout: no rank file or manifest beside it
+
+
+def test_a_stale_lock_of_a_dead_job_is_taken_over_and_a_finished_run_leaves_no_lock(one_worker_set_resumed_twice):
+    from fairseq_moe_ext.save_dir_lock import LOCK_NAME
+
+    first, _ = one_worker_set_resumed_twice["outputs"]
+    assert f"taking over the lock {one_worker_set_resumed_twice['save_dir'] / LOCK_NAME} of job died " \
+           f"(pid {one_worker_set_resumed_twice['stale']['pid']}" in first
+    assert LOCK_NAME not in one_worker_set_resumed_twice["after_first"]
+    assert not (one_worker_set_resumed_twice["save_dir"] / LOCK_NAME).exists()
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .keep_copy import keep_as
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "fairseq-moe-ext checkpoint set v1"
@@ -207,7 +209,7 @@ def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
 def complete_sets(directory: str) -> List[Dict]:
     """Every complete set in ``directory``, newest (most updates) first."""
     found = []
-    for path in glob.glob(os.path.join(directory, "*" + MANIFEST_SUFFIX)):
+    for path in glob.glob(os.path.join(glob.escape(directory), "*" + MANIFEST_SUFFIX)):
         try:
             manifest = validate_set(path)
         except CheckpointSetError as e:
@@ -288,11 +290,14 @@ def _raise_no_manifest(manifest, rank_files):
 def remove_other_layouts(base: str, world_size: int) -> None:
     """After ``base`` was saved by ``world_size`` workers, drop what an earlier run with another
     world size left under the same name, so the directory never holds two layouts for one name."""
-    stale = [f for f in glob.glob(glob.escape(base) + "-rank-*-of-*.pt") if split_rank_suffix(f)[2] != world_size]
+    # A 1-worker save writes the single file, never rank files: a 1-of-1 set (``reshard
+    # --world-size 1``) it resumed from is another layout too. The manifest goes first, so a crash
+    # in between leaves unlisted rank files, never a manifest listing a missing file.
+    stale = [manifest_path(base)] if world_size == 1 and os.path.exists(manifest_path(base)) else []
+    stale += [f for f in glob.glob(glob.escape(base) + "-rank-*-of-*.pt")
+              if world_size == 1 or split_rank_suffix(f)[2] != world_size]
     if world_size > 1 and os.path.isfile(base + ".pt"):
         stale.append(base + ".pt")
-    if world_size == 1 and os.path.exists(manifest_path(base)):
-        stale.append(manifest_path(base))
     for path in stale:
         logger.info(f"removing {path}: superseded by the new {world_size}-worker save of {os.path.basename(base)}")
         os.remove(path)
@@ -325,7 +330,8 @@ def sets_to_protect(directory: str) -> List[str]:
 
 def link_previous_generation(manifest_file: str, rank: int, world_size: int) -> None:
     """Keep this worker's files of set ``B`` as ``B.prev`` while a new save overwrites ``B``'s files
-    (the new files are renamed into place, so the links keep the old contents)."""
+    (the new files are renamed into place, so the links keep the old contents; where the filesystem
+    has no hard links, copies do)."""
     manifest = _same_world_manifest(manifest_file, world_size)
     if manifest is None:
         return
@@ -338,12 +344,8 @@ def link_previous_generation(manifest_file: str, rank: int, world_size: int) -> 
         if os.path.exists(source):
             if os.path.exists(target) and os.path.samefile(source, target):
                 continue  # already linked (rename would do nothing for two links of one file)
-            # link then rename: a stale ``.prev`` manifest from a crashed save never lists a missing file
-            tmp = target + ".tmp"
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-            os.link(source, tmp)
-            os.replace(tmp, target)
+            # link (or copy) then rename: a stale ``.prev`` manifest from a crashed save never lists a missing file
+            keep_as(source, target)
 
 
 def write_previous_manifest(manifest_file: str, world_size: int) -> None:

@@ -25,8 +25,8 @@ class MoEConfig(FairseqDataclass):
     )
     moe_freq: int = field(
         default=2,
-        metadata={"help": "layer i (0-based) is an MoE layer when (i + 1) % freq == 0; 0 disables MoE "
-                  "(default 2: every other layer)"},
+        metadata={"help": "layer i (0-based) is an MoE layer when (i + 1) % freq == 0; 0: no MoE layer on that "
+                  "side; the model needs at least one MoE layer (default 2: every other layer)"},
     )
     decoder_moe_freq: Optional[int] = field(
         default=None, metadata={"help": "--moe-freq for decoder layers (default: --moe-freq)"}
@@ -85,6 +85,14 @@ class MoEConfig(FairseqDataclass):
                   "accumulates with atomics; CPU runs are reproducible without this flag)"},
     )
 
+    moe_restore_fallback: bool = field(
+        default=False,
+        metadata={"help": "fairseq-train: when the checkpoint named by --restore-file (or --continue-once, "
+                  "--finetune-from-model) is an incomplete or damaged set, train from the newest complete set "
+                  "in its directory, with a warning, instead of refusing (the default checkpoint_last.pt in "
+                  "--save-dir always falls back)"},
+    )
+
 
 @dataclass
 class MoEEncoderDecoderConfig(MoEConfig):
@@ -136,6 +144,28 @@ def check_moe_args(args) -> None:
     dim = safe_getattr(args, "moe_expert_ffn_dim", None)
     if dim is not None and dim < 1:
         raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}: drop it to use the layer's ffn dim")
+
+
+def check_moe_layers_placed(args, sides) -> None:
+    """An MoE architecture whose --moe-freq places no MoE layer would train a dense model under an
+    MoE name; refuse it (a model without experts is what the dense architectures are for)."""
+    layers = {side: int(safe_getattr(args, f"{side}_layers", 0) or 0) for side in sides}
+    freqs = {side: moe_freq(args, side) for side in sides}
+    if any(freq > 0 and layers[side] >= freq for side, freq in freqs.items()):
+        return
+    given = []
+    for side in sides:
+        own = safe_getattr(args, f"{side}_moe_freq", None) is not None
+        flag = f"--{side}-moe-freq {freqs[side]}" if own else f"--moe-freq {freqs[side]}"
+        if flag not in given:
+            given.append(flag)
+    counts = " and ".join(f"{layers[side]} {side} layers" for side in sides)
+    most = max(layers.values())
+    raise ValueError(
+        f"{' / '.join(given)} places no MoE layer in this model ({counts}; layer i is an MoE layer when (i + 1) is a "
+        f"multiple of the frequency): use a frequency between 1 and {most}, or a dense --arch (transformer, "
+        f"transformer_lm) for a model without experts"
+    )
 
 
 def check_moe_world_size(args) -> None:

@@ -78,7 +78,7 @@ class _MoEFFNMixin:
     def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
         ffn = self.__dict__.pop("_pending_moe_ffn")
         if q_noise:
-            raise ValueError("--quant-noise-pq is not supported on MoE layers: drop it or set --moe-freq 0")
+            raise ValueError("--quant-noise-pq is not supported on MoE layers: drop it, or use a dense --arch")
         return ffn
 
     def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):

@@ -30,6 +30,7 @@ from .moe_config import (
     apply_runtime_options,
     check_ddp_backend,
     check_moe_args,
+    check_moe_layers_placed,
     check_moe_world_size,
 )
 from .moe_layers import install_moe_layers
@@ -75,6 +76,7 @@ class MoETransformerModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         check_moe_args(args)
+        check_moe_layers_placed(args, ("encoder", "decoder"))
         apply_runtime_options(args)
         check_moe_world_size(args)  # after apply_runtime_options: it creates the expert group
         if safe_getattr(args, "eval_bleu", False) and expert_parallel_group() is not None:
@@ -161,6 +163,7 @@ class MoETransformerLanguageModel(TransformerLanguageModel):
     @classmethod
     def build_model(cls, args, task):
         check_moe_args(args)
+        check_moe_layers_placed(args, ("decoder",))
         apply_runtime_options(args)
         check_moe_world_size(args)  # after apply_runtime_options: it creates the expert group
         model = super().build_model(args, task)

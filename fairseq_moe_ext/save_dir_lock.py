@@ -1,0 +1,121 @@
+"""One training job per save dir: a lock file naming the job that writes there.
+
+Two jobs saving into one directory overwrite each other's rank files and manifests, and the next
+resume then reports "damaged" sets although nothing failed but the setup. fairseq-train takes the
+lock (rank 0 for a multi-worker job) before it reads or writes any checkpoint, and drops it at exit.
+
+A lock whose holder is on this host and no longer alive is stale (a job killed with SIGKILL, or
+torchrun's SIGTERM, never runs its exit handlers): it is taken over with a warning. A lock held on
+another host is never broken automatically: that host's pids cannot be checked from here, and a
+lock's age tells a long run from a dead one no better; the message names the holder and says to
+delete the file once that job is known to be gone. Nothing here imports fairseq.
+"""
+
+import datetime
+import json
+import logging
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "fairseq-moe-ext.lock"
+
+
+class SaveDirLockedError(RuntimeError):
+    """Another live job writes the save dir; the message is one line naming it and the fix."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    host: str
+    pid: int
+    started: str  # UTC, ISO 8601
+    job: str  # the launcher's job id (torchrun, SLURM) or a random one
+
+    def describe(self) -> str:
+        return f"job {self.job} (pid {self.pid} on {self.host}, started {self.started})"
+
+
+def this_job() -> Holder:
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return Holder(socket.gethostname(), os.getpid(), started, job)
+
+
+def lock_path(save_dir: str) -> str:
+    return os.path.join(save_dir, LOCK_NAME)
+
+
+def acquire(save_dir: str, me: Optional[Holder] = None) -> Holder:
+    """Take the save dir's lock for ``me`` (default: this process) and return who holds it now."""
+    me = me or this_job()
+    path = lock_path(save_dir)
+    for _ in range(3):  # a stale lock taken over by a third job in between: look again
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_holder(path)
+            if holder is not None and holder.host == me.host and holder.pid == me.pid:
+                return holder  # this process took it already (fairseq-train's main run twice in one process)
+            if holder is not None and holder.host == me.host and not pid_alive(holder.pid):
+                logger.warning(f"taking over the lock {path} of {holder.describe()}, which is no longer running")
+                _remove_if_held_by(path, holder)
+                continue
+            raise SaveDirLockedError(_refusal(path, holder, me))
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(me), f)
+            f.flush()
+            os.fsync(f.fileno())
+        return me
+    raise SaveDirLockedError(_refusal(path, read_holder(path), me))
+
+
+def release(save_dir: str, me: Holder) -> None:
+    """Drop the lock if ``me`` still holds it (never another job's)."""
+    _remove_if_held_by(lock_path(save_dir), me)
+
+
+def read_holder(path: str) -> Optional[Holder]:
+    """The lock's holder, or None if the file is gone, empty or not a lock this plugin wrote."""
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+        return Holder(str(fields["host"]), int(fields["pid"]), str(fields["started"]), str(fields["job"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, under another user
+    return True
+
+
+def _remove_if_held_by(path: str, holder: Holder) -> None:
+    if read_holder(path) == holder:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _refusal(path: str, holder: Optional[Holder], me: Holder) -> str:
+    if holder is None:
+        who = "a job this plugin cannot identify (the lock file is empty or unreadable)"
+    elif holder.host == me.host:
+        who = f"{holder.describe()}, which is still running"
+    else:
+        who = f"{holder.describe()}, on another host"
+    return (
+        f"--save-dir {os.path.dirname(path) or '.'} is locked by {who}: two jobs saving into one directory "
+        f"overwrite each other's checkpoints; give this run another --save-dir, or, if that job is gone, "
+        f"delete {path}"
+    )
