@@ -59,9 +59,10 @@ Precision and NaN/inf hooks, in precision.py (which says why each is needed):
      the step (same loss scale everywhere); the torch optimizer unscaled in clip_grad_norm is the one
      stepped, so gradients are unscaled once.
  14. Trainer.save_checkpoint: ``crash.pt`` of a multi-worker MoE run is ``crash-rank-R-of-W.pt``.
- 15. nan_detector.NanDetector.add_hooks / _apply: modules returning a dataclass (the router's
-     Routing) get no legacy backward hook (torch indexes output[0]) and their tensors are checked, so
-     the detector names the module where the NaN/inf appeared.
+ 15. nan_detector.NanDetector.add_hooks / _apply: the backward hook goes on the grad_fn of the first
+     tensor of any output (torch's legacy hook indexes output[0]: fails on the router's Routing and
+     on fairseq's encoder dict), and a dataclass output's tensors are checked, so the detector names
+     the module where the NaN/inf appeared instead of failing.
 """
 
 import argparse

@@ -16,7 +16,8 @@ Why each one exists, in fairseq 0.12.3:
 * Trainer.save_checkpoint: on a NaN/inf error every worker of an MoE run saves ``crash.pt``; the
   workers would write and rename the same file.
 * NanDetector: torch's (legacy) backward hooks walk a module's output by ``output[0]``, which fails
-  on the router's ``Routing`` dataclass and hides where the NaN came from.
+  on the router's ``Routing`` dataclass (and on the encoder's dict of lists) and hides where the NaN
+  came from; its forward hook does not look inside a dataclass.
 """
 
 import dataclasses
@@ -25,7 +26,6 @@ import importlib.util
 import logging
 import os
 import sys
-import typing
 
 import torch
 from omegaconf import open_dict
@@ -165,14 +165,38 @@ def per_worker_name(trainer, filename: str) -> str:
 def _wrap_nan_detector_add_hooks(original):
     @functools.wraps(original)
     def add_hooks(self, module):
-        if not self.backward or not returns_dataclass(module):
-            return original(self, module)
-        # torch's legacy backward hooks index the output (output[0]), which a dataclass refuses; the
-        # forward hook still checks every tensor the dataclass holds (see the _apply hook).
         if self.forward:
             self.fhooks.append(module.register_forward_hook(self.fhook_fn))
+        if self.backward:
+            # What torch's legacy backward hook does (hook the grad_fn of the output's first tensor),
+            # for any output: torch finds that tensor by output[0], which fails on a dataclass (the
+            # router's Routing) and, with StopIteration, on fairseq's encoder output (a dict of lists).
+            self.bhooks.append(module.register_forward_hook(functools.partial(_hook_backward, self)))
 
     return add_hooks
+
+
+def _hook_backward(detector, module, inputs, output):
+    tensor = first_tensor(output)
+    if tensor is not None and tensor.grad_fn is not None:
+        tensor.grad_fn.register_hook(
+            lambda grad_inputs, grad_outputs: detector.bhook_fn(module, grad_inputs, grad_outputs)
+        )
+
+
+def first_tensor(value):
+    if torch.is_tensor(value):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _wrap_nan_detector_apply(original):
@@ -183,15 +207,6 @@ def _wrap_nan_detector_apply(original):
         return original(self, module, inp, x, backward)
 
     return _apply
-
-
-def returns_dataclass(module: torch.nn.Module) -> bool:
-    try:
-        hints = typing.get_type_hints(type(module).forward)
-    except Exception:  # unresolvable annotations: a module we know nothing about
-        return False
-    returned = hints.get("return")
-    return isinstance(returned, type) and dataclasses.is_dataclass(returned)
 
 
 def install(patch) -> None:
