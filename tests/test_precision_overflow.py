@@ -62,7 +62,10 @@ def with_adam(argv):
 
 def overflow_worker(rank, world, data_dir, flags):
     cpu_shims()
-    task, trainer = build_trainer(with_adam(training_args(data_dir, world, ["--ddp-backend", "legacy_ddp", *flags])))
+    # No clipping: an infinite norm clips every gradient to zero, and Adam's step on zeros would leave
+    # the weights of a worker that wrongly stepped unchanged.
+    argv = training_args(data_dir, world, ["--ddp-backend", "legacy_ddp", "--clip-norm", "0", *flags])
+    task, trainer = build_trainer(with_adam(argv))
     if "--amp" in flags:
         # fairseq's AMPOptimizer builds torch.cuda.amp.GradScaler, which disables itself without CUDA:
         # the real scaler on the CPU, with fairseq's init scale.
