@@ -58,20 +58,17 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_bf16_training_through_fairseq_train_on_one_cpu_worker_learns_in_bfloat16(data, tmp_path):
+def test_bf16_training_through_fairseq_train_on_one_cpu_worker_learns(data, tmp_path):
     output = run_fairseq("train", *moe_args(data, tmp_path / "ck", 20, "--bf16", "--no-epoch-checkpoints"), timeout=240)
     assert_loss_falls(output)
-    assert "not on a TPU" in output
-    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=False)
-    dtypes = {t.dtype for t in state["model"].values() if t.is_floating_point()}
-    assert dtypes == {torch.bfloat16}, dtypes
+    assert "not on a TPU" in output  # (checkpoints cannot tell: fairseq saves bf16 weights as fp32)
 
 
-# Per flag: the optimizer fairseq must build on every worker.
+# Per flag: the optimizer fairseq must build on every worker, and the weights' dtype.
 MULTI_WORKER = {
-    "--bf16": "FP16Optimizer",
-    "--memory-efficient-bf16": "MemoryEfficientFP16Optimizer",
-    "--fp16": "FP16Optimizer",  # fairseq's default flattens; experts need their marker
+    "--bf16": ("FP16Optimizer", torch.bfloat16),
+    "--memory-efficient-bf16": ("MemoryEfficientFP16Optimizer", torch.bfloat16),
+    "--fp16": ("FP16Optimizer", torch.float16),  # fairseq's default flattens; experts need their marker
 }
 
 
@@ -93,9 +90,11 @@ def test_two_worker_mixed_precision_training_through_fairseq_train_learns_and_ke
         else:
             assert torch.equal(value, ranks[1]["model"][key]), f"shared {key} differs across ranks"
     assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"] and len(ranks[0]["grad_norms"]) == 12
+    optimizer, dtype = MULTI_WORKER[flag]
     for rank in ranks:
+        assert {t.dtype for t in rank["model"].values() if t.is_floating_point()} == {dtype}
         facts = rank["optimizer"]
-        assert facts["type"] == MULTI_WORKER[flag] and not facts["flat"], facts
+        assert facts["type"] == optimizer and not facts["flat"], facts
         assert facts["expert_marked"] == len(experts), facts
     if flag == "--fp16":
         assert "fp16 gradients are kept per parameter" in output
