@@ -47,11 +47,13 @@ mkdir -p "$WORK"
 echo "gpu_smoke: workers=$GPUS, logs and checkpoints in $WORK"
 FAILED=0
 
-# step NAME COMMAND...: run with a time limit, log to $WORK/NAME.log, print PASS or FAIL.
+LIMIT=(timeout 300)  # every command of a step; a hung NCCL collective fails its step instead of the script
+
+# step NAME COMMAND...: run, log to $WORK/NAME.log, print PASS or FAIL.
 step() {
     local name=$1; shift
     local started=$SECONDS
-    if timeout 300 "$@" >"$WORK/$name.log" 2>&1; then
+    if "$@" >"$WORK/$name.log" 2>&1; then
         echo "PASS $name ($(( SECONDS - started ))s)"
     else
         echo "FAIL $name (exit $?, $(( SECONDS - started ))s; log: $WORK/$name.log)"
@@ -63,7 +65,7 @@ step() {
 skip() { echo "SKIP $1: $2"; }
 
 corpus() {
-    "$PYTHON" - "$WORK" <<'EOF'
+    "${LIMIT[@]}" "$PYTHON" - "$WORK" <<'EOF'
 import sys, types
 from pathlib import Path
 try:
@@ -84,7 +86,7 @@ train() {
     local save_dir=$1; shift
     local world=()
     (( GPUS > 1 )) && world=(--distributed-world-size "$GPUS")
-    "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS" --master_port "$(free_port)" "$BIN/fairseq-train" \
+    "${LIMIT[@]}" "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS" --master_port "$(free_port)" "$BIN/fairseq-train" \
         "$WORK/bin" --user-dir "$ROOT/fairseq_moe_ext" "${DEVICE_FLAGS[@]}" --seed 1 --num-workers 0 \
         --arch moe_transformer_tiny --moe-expert-count 4 \
         --criterion moe_label_smoothed_cross_entropy --label-smoothing 0.1 \
@@ -106,7 +108,7 @@ free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1
 
 generate() {
     local output
-    output=$("$PYTHON" -m fairseq_cli.generate "$WORK/bin" --user-dir "$ROOT/fairseq_moe_ext" "${DEVICE_FLAGS[@]}" \
+    output=$("${LIMIT[@]}" "$PYTHON" -m fairseq_cli.generate "$WORK/bin" --user-dir "$ROOT/fairseq_moe_ext" "${DEVICE_FLAGS[@]}" \
         --path "$1/checkpoint_last.pt" --beam 2 --max-tokens 2000 --num-workers 0 2>&1)
     local status=$?
     echo "$output"
@@ -166,7 +168,7 @@ step determinism-bit-identical same_checkpoints "$WORK/det-1" "$WORK/det-2"
 if [[ "$DRY_RUN" == 1 ]]; then
     skip gpu_check "benchmarks/gpu_check.sh needs CUDA"
 else
-    step gpu_check bash benchmarks/gpu_check.sh
+    step gpu_check "${LIMIT[@]}" bash benchmarks/gpu_check.sh
 fi
 
 if (( FAILED )); then

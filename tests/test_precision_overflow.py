@@ -154,20 +154,29 @@ def test_a_nan_crash_on_two_workers_writes_one_crash_file_per_worker(tmp_path):
     assert rank1["moe"]["rank"] == 1
 
 
-def test_the_nan_detector_names_the_moe_module_where_a_nan_first_appears(tmp_path, caplog):
+# Where the NaN is put: (which parameter, which module's output it first shows up in).
+NAN_SOURCES = {
+    # Expert 0's weights: the experts module's output (a tensor).
+    "expert": (lambda n, p: getattr(p, "expert", False), lambda n: n.rsplit(".", 1)[0]),
+    # The router's weights, which it reads with F.linear: its Routing output (a dataclass).
+    "router": (lambda n, p: n.endswith("router.wg.weight"), lambda n: n[: -len(".wg.weight")]),
+}
+
+
+@pytest.mark.parametrize("source", list(NAN_SOURCES))
+def test_the_nan_detector_names_the_moe_module_where_a_nan_first_appears(tmp_path, caplog, source):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     (tmp_path / "ck").mkdir()
     task, trainer = build_trainer(training_args(data_dir, 1, ["--save-dir", str(tmp_path / "ck")]))
-    model = trainer.get_model()
-    name, parameter = next((n, p) for n, p in model.named_parameters() if getattr(p, "expert", False))
+    chosen, module_of = NAN_SOURCES[source]
+    name, parameter = next((n, p) for n, p in trainer.get_model().named_parameters() if chosen(n, p))
     with torch.no_grad():
-        parameter[0].fill_(float("nan"))  # expert 0 of the first MoE layer
-    moe_module = name.rsplit(".", 1)[0]  # the module holding that parameter
+        parameter[0].fill_(float("nan"))
     with caplog.at_level(logging.WARNING, logger="fairseq.nan_detector"):
         with pytest.raises(FloatingPointError):
             trainer.train_step([collate(task, sentence_pairs(12))])
     forward = [r.getMessage() for r in caplog.records if r.name == "fairseq.nan_detector" and "forward" in r.getMessage()]
     assert forward, f"the NaN detector reported nothing: {[r.getMessage() for r in caplog.records]}"
-    assert forward[0].startswith(f"NaN detected in output of {moe_module},"), forward[0]
+    assert forward[0].startswith(f"NaN detected in output of {module_of(name)},"), forward[0]
     assert (tmp_path / "ck" / "crash.pt").exists()  # one process: fairseq's own name
