@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import importlib.util
 import logging
-import os
 import sys
 
 import torch

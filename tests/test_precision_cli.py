@@ -6,7 +6,6 @@ flattened --fp16 asks torch.cuda for its buffer's device and --amp's GradScaler 
 without CUDA, so those two are checked on GPUs (benchmarks/gpu_smoke.sh).
 """
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from fairseq_helpers import assert_loss_falls, preprocess_parallel, run_fairseq,
 from test_multiworker_cli import moe_args
 
 TESTS = Path(__file__).parent
-BIN = Path(sys.executable).parent
 
 
 def parsed(*flags):
@@ -34,6 +32,7 @@ def parsed(*flags):
         (["--memory-efficient-bf16"], True),
         (["--bf16", "--cpu"], True),
     ],
+    ids=["fp32", "bf16", "memory-efficient-bf16", "bf16-cpu"],
 )
 def test_bf16_trains_on_cuda_or_cpu_and_never_turns_on_tpu_by_itself(flags, bf16):
     args = parsed(*flags)
