@@ -53,6 +53,20 @@ Hooks:
  10. argparse.ArgumentParser.error: fairseq adds a model's and a criterion's options only for the
      --arch and --criterion given, so an MoE option beside a dense architecture is "unrecognized";
      the message then also says which architectures (or criterions) the option belongs to.
+
+Precision and NaN/inf hooks, in precision.py (which says why each is needed):
+ 11. options.parse_args_and_arch: --bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays
+     on only for an explicit --tpu with torch_xla installed (without torch_xla: a one-line error).
+ 12. Trainer._build_optimizer: plain --fp16 with experts on several workers builds the non-flattened
+     FP16Optimizer (as --fp16-no-flatten-grads, with one log line) before any batch runs.
+ 13. AMPOptimizer.clip_grad_norm / step: the global gradient norm decides whether every worker skips
+     the step (same loss scale everywhere); the torch optimizer unscaled in clip_grad_norm is the one
+     stepped, so gradients are unscaled once.
+ 14. Trainer.save_checkpoint: ``crash.pt`` of a multi-worker MoE run is ``crash-rank-R-of-W.pt``.
+ 15. nan_detector.NanDetector.add_hooks / _apply: the backward hook goes on the grad_fn of the first
+     tensor of any output (torch's legacy hook indexes output[0]: fails on the router's Routing and
+     on fairseq's encoder dict), and a dataclass output's tensors are checked, so the detector names
+     the module where the NaN/inf appeared instead of failing.
 """
 
 import argparse
@@ -638,6 +652,8 @@ RELIED_ON = (
     "fairseq.distributed.legacy_distributed_data_parallel.LegacyDistributedDataParallel.all_reduce_grads",
     "fairseq.trainer.Trainer.train_step",
     "fairseq.distributed.utils.infer_init_method",
+    # precision.mark_overflow fills the found-inf record step() reads (hook 13).
+    "torch.amp.grad_scaler.GradScaler.step",
 )
 
 
@@ -696,6 +712,8 @@ def install() -> None:
     from fairseq import checkpoint_utils, utils
     from fairseq.trainer import Trainer
 
+    from . import precision
+
     if not fairseq.__version__.startswith(CHECKED_FAIRSEQ_VERSIONS):
         raise ImportError(
             f"fairseq_moe_ext was checked against fairseq {', '.join(CHECKED_FAIRSEQ_VERSIONS)}, found "
@@ -711,6 +729,7 @@ def install() -> None:
     _patch(Trainer, "load_checkpoint", _wrap_trainer_load_checkpoint)
     _patch(Trainer, "_prepare_sample", _wrap_prepare_sample)
     _patch(argparse.ArgumentParser, "error", _wrap_argparse_error)
+    precision.install(_patch)
     if not getattr(Trainer.checkpoint_suffix.fget, "__wrapped_by_moe_ext__", False):
         ORIGINALS["fairseq.trainer.Trainer.checkpoint_suffix"] = Trainer.checkpoint_suffix
         ORIGINALS["fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank"] = (

@@ -39,7 +39,19 @@ def main():
     state = {k: v.detach().cpu().clone() for k, v in trainer.get_model().state_dict().items()}
     expert = [n for n, p in trainer.get_model().named_parameters() if getattr(p, "expert", False)]
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({"model": state, "expert_keys": expert, "grad_norms": seen["grad_norms"]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"model": state, "expert_keys": expert, "grad_norms": seen["grad_norms"],
+                "optimizer": optimizer_facts(trainer.optimizer)}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def optimizer_facts(optimizer):
+    """The optimizer fairseq built: its class, whether fp16 gradients are flattened, how many of its
+    (fp32 copies of) parameters keep the expert marker."""
+    params = list(optimizer.params)
+    return {
+        "type": type(optimizer).__name__,
+        "flat": bool(getattr(optimizer, "has_flat_params", False)),
+        "expert_marked": sum(getattr(p, "expert", False) is True for p in params),
+    }
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext import fairseq_integration
 
 # sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3 (and the one
-# argparse method hooked, from Python 3.11). If one of them changes, re-read it, re-check the hook in
+# argparse method hooked, from Python 3.11, and torch 2.13's GradScaler.step, whose found-inf record
+# hook 13 fills). If one of them changes, re-read it, re-check the hook in
 # fairseq_integration.py, then update here.
 CHECKED_SOURCES = {
     "argparse.ArgumentParser.error": "6e52beacb0a82831",
@@ -25,13 +26,21 @@ CHECKED_SOURCES = {
     "fairseq.models.DistributedFairseqModel": "caa68bcad9ada051",
     "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward": "ef2f541835fa38e6",
     "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward": "e2def0f25e8b4141",
+    "fairseq.nan_detector.NanDetector._apply": "871bd4f62126be34",
+    "fairseq.nan_detector.NanDetector.add_hooks": "f3c99c8965fe0df2",
+    "fairseq.optim.amp_optimizer.AMPOptimizer.clip_grad_norm": "8b4f889d171babc0",
+    "fairseq.optim.amp_optimizer.AMPOptimizer.step": "2b8a6f80fa6ca14b",
+    "fairseq.options.parse_args_and_arch": "535ef04316810361",
+    "fairseq.trainer.Trainer._build_optimizer": "a49af54c95d127e9",
     "fairseq.trainer.Trainer._prepare_sample": "f997ae54f7c2fc5b",
     "fairseq.trainer.Trainer.checkpoint_suffix": "c6fdaf06fdd0efbd",
     "fairseq.trainer.Trainer.load_checkpoint": "128800d64185aede",
+    "fairseq.trainer.Trainer.save_checkpoint": "46b39d54a4f75cc8",
     "fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank": "d0e8464defa2cdde",
     "fairseq.trainer.Trainer.state_dict": "926c314f7f5545b4",
     "fairseq.trainer.Trainer.train_step": "8cbf0406b1fe5093",
     "fairseq.utils.clip_grad_norm_": "0e9a45d266e19456",
+    "torch.amp.grad_scaler.GradScaler.step": "cb246ec35e769acd",
 }
 
 
@@ -117,3 +126,22 @@ def test_eval_bleu_counters_stored_as_numpy_arrays_load_with_weights_only(tmp_pa
     with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
         state = torch.load(path, weights_only=True)
     assert (state["metrics"]["_bleu_counts"] == counts).all() and state["metrics"]["ratio"] == 0.5
+
+
+def test_amp_applies_each_gradient_unscaled_once_as_torch_gradscaler_intends():
+    from omegaconf import OmegaConf
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    cfg = OmegaConf.create({
+        "common": {"fp16_init_scale": 128, "amp_scale_window": None, "min_loss_scale": 1e-4},
+        "optimizer": {"_name": "sgd", "lr": [1.0], "momentum": 0.0, "weight_decay": 0.0},
+    })
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = AMPOptimizer.build_optimizer(cfg, [weight])
+    # fairseq builds torch.cuda.amp.GradScaler, disabled without CUDA: the same scaler on the CPU.
+    optimizer._grad_scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    optimizer.backward((weight * torch.tensor([1.0, 2.0])).sum())
+    optimizer.clip_grad_norm(0.0)  # unscales, as Trainer.train_step does before the step
+    optimizer.step()
+    # Stock fairseq unscales a second time in step() and moves the weight by -grad/128.
+    assert weight.tolist() == [-1.0, -2.0]
