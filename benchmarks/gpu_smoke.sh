@@ -4,7 +4,8 @@
 #      on legacy_ddp and c10d (30 updates on the tests' tiny generated corpus; the loss must fall);
 #   2. one-process fairseq-generate from a 2-worker checkpoint set;
 #   3. determinism: two runs with --moe-deterministic give bit-identical checkpoints;
-#   4. benchmarks/gpu_check.sh (the MoE layer in bf16 at large shapes).
+#   4. benchmarks/grouped_mm_check.py (torch._grouped_mm experts against the loop in bf16);
+#   5. benchmarks/gpu_check.sh (the MoE layer in bf16 at large shapes).
 # Every step prints PASS/FAIL (or SKIP with the reason); the script exits 1 if any step failed, and 2
 # when torch sees no CUDA device. GPUS (default: min(2, device count)) sets the workers; with 1 GPU the
 # 2-worker cases run with 1 worker. DRY_RUN=1 runs the same pipeline on CPU (--cpu, gloo), skipping
@@ -119,12 +120,14 @@ same_checkpoints() {
     "$PYTHON" - "$1" "$2" <<'EOF'
 import glob, os, sys
 import torch
+from fairseq_moe_ext.checkpoint import CHECKPOINT_SAFE_GLOBALS
 first, second = sys.argv[1:]
 names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(first, "checkpoint_last*.pt")))
 assert names, f"no checkpoint_last*.pt in {first}"
 for name in names:
-    a = torch.load(os.path.join(first, name), weights_only=False)["model"]
-    b = torch.load(os.path.join(second, name), weights_only=False)["model"]
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):  # weights_only stays on
+        a = torch.load(os.path.join(first, name), weights_only=True)["model"]
+        b = torch.load(os.path.join(second, name), weights_only=True)["model"]
     assert a.keys() == b.keys(), name
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{name}: {len(differ)} tensors differ, first {differ[0]}"
@@ -164,6 +167,12 @@ fi
 step determinism-run-1 train "$WORK/det-1" --ddp-backend legacy_ddp --moe-deterministic
 step determinism-run-2 train "$WORK/det-2" --ddp-backend legacy_ddp --moe-deterministic
 step determinism-bit-identical same_checkpoints "$WORK/det-1" "$WORK/det-2"
+
+if [[ "$DRY_RUN" == 1 ]]; then
+    step grouped-mm-vs-loop-cpu-dry-check "${LIMIT[@]}" "$PYTHON" benchmarks/grouped_mm_check.py --device cpu
+else
+    step grouped-mm-vs-loop "${LIMIT[@]}" "$PYTHON" benchmarks/grouped_mm_check.py
+fi
 
 if [[ "$DRY_RUN" == 1 ]]; then
     skip gpu_check "benchmarks/gpu_check.sh needs CUDA"
