@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
 
 from .checkpoint import CHECKPOINT_SAFE_GLOBALS, UnsafeCheckpointError  # noqa: E402,F401
+from .set_identity import save_set_id  # noqa: E402
 
 _installed = False
 
@@ -85,12 +86,12 @@ def _wrap_load_checkpoint_to_cpu(original):
             except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
                 one_line = moe_ckpt.unloadable_error(path, error)
                 if one_line is None:
-                    _refuse_if_not_a_checkpoint(path)
+                    moe_ckpt.refuse_if_not_a_checkpoint(path)
                     raise
                 raise one_line from None
             except (KeyError, TypeError, AttributeError, IndexError):
                 # fairseq's upgrade of old checkpoints indexes whatever torch.load returned
-                _refuse_if_not_a_checkpoint(path)
+                moe_ckpt.refuse_if_not_a_checkpoint(path)
                 raise
 
     @functools.wraps(original)
@@ -98,17 +99,6 @@ def _wrap_load_checkpoint_to_cpu(original):
         return _load_moe_checkpoint(load_one, path, arg_overrides, **kwargs)
 
     return load_checkpoint_to_cpu
-
-
-def _refuse_if_not_a_checkpoint(path) -> None:
-    """After fairseq failed on a file: one line if the file holds no fairseq checkpoint at all."""
-    from . import checkpoint as moe_ckpt
-
-    try:
-        state = moe_ckpt._torch_load(path, verify=False)
-    except Exception:  # noqa: BLE001 - fairseq's own error stands
-        return
-    moe_ckpt.check_is_checkpoint(state, path)
 
 
 def _wrap_torchrun_init(original):
@@ -241,25 +231,13 @@ def _wrap_trainer_state_dict(original):
         experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
         state["moe"] = moe_ckpt.moe_metadata(
             names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates(),
-            set_id=_save_set_id(self, world), experts_per_worker=int(experts[0].shape[0]) if experts else None,
+            set_id=save_set_id(self, world), experts_per_worker=int(experts[0].shape[0]) if experts else None,
         )
         if rank > 0:
             moe_ckpt.strip_shared_state(state)
         return state
 
     return state_dict
-
-
-def _save_set_id(trainer, world) -> str:
-    """The id every worker gives the files of this save, from what the workers already agree on
-    (no collective): the update number, world size, seed, save dir and the launch's rendezvous."""
-    from . import checkpoint as moe_ckpt
-
-    cfg = trainer.cfg
-    launch = [_flag(cfg.common, "seed"), os.path.abspath(_flag(cfg.checkpoint, "save_dir") or "."),
-              _flag(cfg.distributed_training, "distributed_init_method"),
-              *(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))]
-    return moe_ckpt.derive_set_id(trainer.get_num_updates(), world, launch)
 
 
 def _own_checkpoint_files(save_dir, suffix):
@@ -404,7 +382,7 @@ def _write_manifests(save_dir, reports, trainer):
     for base, entries in by_base.items():
         if sorted(e["rank"] for e in entries) == list(range(world)):
             moe_ckpt.write_manifest(base, world, trainer.get_num_updates(), entries, experts,
-                                    _save_set_id(trainer, world))
+                                    save_set_id(trainer, world))
             moe_ckpt.remove_other_layouts(base, world)
         else:
             logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")

@@ -145,7 +145,7 @@ def strip_shared_state(state: Dict) -> Dict:
 # ---------------------------------------------------------------- manifests
 
 from .contents import NotACheckpointError, check_is_checkpoint, check_rank_states, check_whole  # noqa: E402,F401
-from .contents import derive_set_id, experts_held, is_dense  # noqa: E402,F401
+from .contents import derive_set_id, experts_held, is_dense, refuse_if_not_a_checkpoint  # noqa: E402,F401
 from .manifest import check_manifest, read_manifest  # noqa: E402,F401  (both need the names above)
 
 def file_digest(path: str) -> str:

@@ -87,6 +87,18 @@ def check_belongs_to_set(meta: Dict, name: str, manifest: Dict) -> None:
         )
 
 
+def refuse_if_not_a_checkpoint(path: str) -> None:
+    """After fairseq failed on a file: one line if the file holds no fairseq checkpoint at all
+    (fairseq's upgrade of old checkpoints indexes whatever torch.load returned)."""
+    from . import _torch_load
+
+    try:
+        state = _torch_load(path, verify=False)
+    except Exception:  # noqa: BLE001 - fairseq's own error stands
+        return
+    check_is_checkpoint(state, path)
+
+
 def peek_metadata(path: str) -> Optional[Dict]:
     """``state["moe"]`` of a file, read without loading its tensors (None if unreadable): for error messages."""
     import torch
