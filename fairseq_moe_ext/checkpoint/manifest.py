@@ -81,7 +81,7 @@ def _check_entry(path, base, world, i, entry, seen):
     expected = os.path.basename(rank_file(base, rank, world))
     if name != expected:
         where = " (a path: a set's files must lie beside its manifest)" if _is_path_like(name) else ""
-        _refuse(path, f"{field}.name", f"{expected!r}, got {_short(name)}{where}")
+        _refuse(path, f"{field}.name", f"{expected!r}, got {_short(name, limit=400)}{where}")
     size = entry.get("bytes")
     if not _is_int(size) or size < 0:
         _refuse(path, f"{field}.bytes", f"an integer >= 0, got {_short(size)}")
