@@ -26,7 +26,8 @@ def full_state(experts=4, updates=7):
     names = ["encoder.embed_tokens.weight", EXPERT_KEY]
     state = {
         "model": model,
-        "optimizer_history": [{"num_updates": updates, "optimizer_name": "Adam"}],
+        "optimizer_history": [{"num_updates": updates, "optimizer_name": "Adam", "criterion_name": "x",
+                               "lr_scheduler_state": {"best": 1.0}}],
         "last_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(5, 3)}, 1: {"exp_avg": torch.ones(experts, 2, 3)}},
                                  "param_groups": [{"params": [0, 1]}]},
         "extra_state": {"epoch": 1},
@@ -387,3 +388,36 @@ def test_a_set_whose_move_into_place_fails_half_way_is_taken_back_whole(a_set, t
     code, _, err = run_tool(capsys, "reshard", a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", "--world-size", "2")
     assert code == 2 and len(err) == 1 and "Input/output error" in err[0], err
     assert not list(out.iterdir())
+
+
+@pytest.mark.parametrize("command", [["merge"], ["reshard", "--world-size", "2"]], ids=["merge", "reshard"])
+def test_merging_or_resharding_a_dense_checkpoint_says_it_is_dense_and_writes_nothing(tmp_path, capsys, command):
+    torch.save({k: v for k, v in full_state().items() if k != "moe"}, tmp_path / "checkpoint_best.pt")
+    (tmp_path / "out").mkdir()
+    code, _, err = run_tool(capsys, command[0], tmp_path / "checkpoint_best.pt", tmp_path / "out" / "c.pt", *command[1:])
+    assert code == 2 and len(err) == 1, err
+    assert "checkpoint_best.pt is a dense fairseq checkpoint (no MoE layers): there are no experts to merge" in err[0]
+    assert not list((tmp_path / "out").iterdir())
+
+
+# ---------------------------------------------------------------- the same through fairseq's loader (hook 1/7)
+
+@pytest.mark.parametrize("what", NOT_CHECKPOINTS)
+def test_fairseqs_loader_refuses_a_pt_file_that_holds_no_checkpoint_in_one_line(tmp_path, what):
+    import fairseq_moe_ext  # noqa: F401  (installs the hooks)
+    from fairseq import checkpoint_utils
+
+    torch.save(NOT_CHECKPOINTS[what], tmp_path / "model.pt")
+    with pytest.raises(moe_ckpt.NotACheckpointError, match=r"model.pt is not a fairseq checkpoint: it holds a"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "model.pt"))
+
+
+def test_fairseqs_loader_refuses_a_rank_file_under_a_plain_name_and_loads_a_whole_file(a_set, tmp_path):
+    import fairseq_moe_ext  # noqa: F401  (installs the hooks)
+    from fairseq import checkpoint_utils
+
+    shutil.copy(a_set / "checkpoint_last-rank-1-of-2.pt", tmp_path / "checkpoint_x.pt")
+    with pytest.raises(moe_ckpt.CheckpointSetError, match=LONE_PART):
+        checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "checkpoint_x.pt"))
+    torch.save(full_state(), tmp_path / "whole.pt")
+    assert checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "whole.pt"))["moe"]["experts_held"] == [0, 1, 2, 3]
