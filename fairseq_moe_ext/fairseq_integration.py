@@ -12,6 +12,8 @@ Hooks:
      torch's multi-line refusal into one line naming the offending type. A single file is first
      checked whole (torch.load verifies none of the CRC-32s torch.save writes): a truncated or
      corrupted file is refused in one line instead of loading wrong weights or failing in miniz.
+     A file holding no fairseq checkpoint (a tensor, a list, another dict), on which fairseq's
+     upgrade code fails, is refused in one line (NotACheckpointError).
   2. distributed.utils._infer_torch_distributed_launch_init: under torchrun it computes
      ``rank % torch.cuda.device_count()`` (ZeroDivisionError on CPU). Without CUDA every worker
      uses device 0 (the CPU) and the default nccl backend becomes gloo.
@@ -27,16 +29,21 @@ Hooks:
   5. Trainer.checkpoint_suffix / should_save_checkpoint_on_current_rank / state_dict: in multi-worker
      MoE training every worker saves, under a ``-rank-R-of-W`` suffix, and only rank 0 stores the
      shared state. All of fairseq's naming, --save-interval*, --keep-* and best/last logic is kept.
+     ``state["moe"]`` makes each file self-describing: rank, world size, ``experts_held`` and the
+     save's ``set_id`` (set_identity.py: derived on every worker, no collective).
   6. checkpoint_utils.save_checkpoint: before it, every complete set is hard-linked as
      ``<name>.prev`` and fairseq's in-place copies become copy + rename, so a crash mid-save leaves
      the previous set loadable; afterwards the workers' new files are described (size, sha256),
-     rank 0 writes one manifest per complete set, last and atomically, removes the manifests of
+     rank 0 writes one manifest per complete set (with the set id), last and atomically, removes the manifests of
      sets that --keep-* pruned, and drops the ``.prev`` generations. fairseq's pruning
      (``os.remove`` in save_checkpoint) is deferred until after that, behind a barrier, so no
-     manifest ever lists a deleted file.
+     manifest ever lists a deleted file. A ``*.set.json`` in the save dir that is not a well-formed
+     manifest of ours is ignored with one warning per file and process (checkpoint/foreign.py), and left as it is.
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
      complete set or a single file (falling back to the newest complete set with a warning),
      merged, and sliced for this worker: resuming works at any world size dividing the experts.
+     A manifest is checked field by field before any file it lists is opened (checkpoint/manifest.py),
+     and a single file that is one rank's part of a set is refused, naming its set.
      fairseq-train calls Trainer.load_checkpoint before reading any batch, so it first refuses an
      MoE criterion on a model without MoE layers and workers that torchrun started but fairseq runs
      as separate 1-worker jobs (raised later, inside train_step, fairseq would write crash.pt).
