@@ -34,11 +34,12 @@ Hooks:
   6. checkpoint_utils.save_checkpoint: before it, every complete set is hard-linked as
      ``<name>.prev`` and fairseq's in-place copies become copy + rename, so a crash mid-save leaves
      the previous set loadable; afterwards the workers' new files are described (size, sha256),
-     rank 0 writes one manifest per complete set (with the set id), last and atomically, removes the manifests of
-     sets that --keep-* pruned, and drops the ``.prev`` generations. fairseq's pruning
+     rank 0 writes one manifest per complete set (with the set id), last and atomically, removes
+     the manifests of sets that --keep-* pruned, and drops the ``.prev`` generations. fairseq's pruning
      (``os.remove`` in save_checkpoint) is deferred until after that, behind a barrier, so no
      manifest ever lists a deleted file. A ``*.set.json`` in the save dir that is not a well-formed
-     manifest of ours is ignored with one warning per file and process (checkpoint/foreign.py), and left as it is.
+     manifest of ours is ignored with one warning per file and process (checkpoint/foreign.py) and
+     left as it is.
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
      complete set or a single file (falling back to the newest complete set with a warning),
      merged, and sliced for this worker: resuming works at any world size dividing the experts.

@@ -201,11 +201,18 @@ def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
                 f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated, or replaced by "
                 f"another run's file)"
             )
-        if check_digests and file_digest(path) != entry["sha256"]:
+        if check_digests and _digest_or_refuse(path) != entry["sha256"]:
             raise CheckpointSetError(
                 f"{path} does not match its sha256 in the manifest (corrupted, or replaced by another run's file)"
             )
     return manifest
+
+
+def _digest_or_refuse(path: str) -> str:
+    try:
+        return file_digest(path)
+    except OSError as e:  # a scan of the save dir during a save must not raise anything else
+        raise CheckpointSetError(f"cannot read {path}: {e}") from None
 
 
 def complete_sets(directory: str) -> List[Dict]:
