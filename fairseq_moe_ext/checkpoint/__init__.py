@@ -217,9 +217,9 @@ def _digest_or_refuse(path: str) -> str:
 
 def complete_sets(directory: str) -> List[Dict]:
     """Every complete set in ``directory``, newest (most updates) first."""
-    found = []
     from .foreign import readable_manifest
 
+    found = []
     for path in glob.glob(os.path.join(directory, "*" + MANIFEST_SUFFIX)):
         if readable_manifest(path) is None:
             continue  # not ours, or not well-formed: warned once
