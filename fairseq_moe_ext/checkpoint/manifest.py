@@ -43,10 +43,11 @@ def check_manifest(manifest, path: str) -> None:
     if manifest.get("format") != MANIFEST_FORMAT:
         _refuse(path, "format", f"{MANIFEST_FORMAT!r}, got {_short(manifest.get('format'))}", foreign=True)
     base = os.path.basename(path)[: -len(MANIFEST_SUFFIX)] if path.endswith(MANIFEST_SUFFIX) else None
-    if manifest.get("name") != base or base is None:
-        _refuse(path, "name", f"the manifest's own base name {base!r}, got {_short(manifest.get('name'))} (a "
-                              f"manifest keeps its set's name: rename it back to {_short(manifest.get('name'))}"
-                              f"{MANIFEST_SUFFIX} or restore it from a backup)")
+    name = manifest.get("name")
+    if name != base or base is None:
+        renamed = (f" (a manifest keeps its set's name: was it renamed from {name}{MANIFEST_SUFFIX}?)"
+                   if isinstance(name, str) and not _is_path_like(name) else "")
+        _refuse(path, "name", f"the manifest's own base name {base!r}, got {_short(name)}{renamed}")
     world = manifest.get("world_size")
     if not _is_int(world) or world < 1:
         _refuse(path, "world_size", f"an integer >= 1, got {_short(world)}")
