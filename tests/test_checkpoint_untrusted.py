@@ -180,6 +180,23 @@ def test_every_worker_derives_the_same_set_id_for_one_save_and_another_for_the_n
                 moe_ckpt.derive_set_id(8, 4, launch), moe_ckpt.derive_set_id(8, 2, launch[:-1] + ["r2"])}) == 4
 
 
+def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch_into_another(monkeypatch):
+    from types import SimpleNamespace
+
+    from fairseq_moe_ext.set_identity import save_set_id
+
+    def worker(rank):  # what differs between workers of one launch: the rank
+        cfg = SimpleNamespace(common=SimpleNamespace(seed=1), checkpoint=SimpleNamespace(save_dir="ck"),
+                              distributed_training=SimpleNamespace(distributed_init_method="env://", distributed_rank=rank))
+        return SimpleNamespace(cfg=cfg, get_num_updates=lambda: 8)
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    first_launch = {save_set_id(worker(rank), 2) for rank in range(2)}
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert len(first_launch) == 1 and save_set_id(worker(0), 2) not in first_launch
+
+
 def test_a_rank_file_of_another_save_is_refused_even_where_the_manifest_was_edited_to_list_it(a_set, tmp_path):
     (tmp_path / "other").mkdir()
     moe_ckpt.save_set(full_state(), str(tmp_path / "other" / "checkpoint_last"), 2)  # same contents, another save
