@@ -12,6 +12,8 @@ Hooks:
      torch's multi-line refusal into one line naming the offending type. A single file is first
      checked whole (torch.load verifies none of the CRC-32s torch.save writes): a truncated or
      corrupted file is refused in one line instead of loading wrong weights or failing in miniz.
+     A file holding no fairseq checkpoint (a tensor, a list, another dict), on which fairseq's
+     upgrade code fails, is refused in one line (NotACheckpointError).
   2. distributed.utils._infer_torch_distributed_launch_init: under torchrun it computes
      ``rank % torch.cuda.device_count()`` (ZeroDivisionError on CPU). Without CUDA every worker
      uses device 0 (the CPU) and the default nccl backend becomes gloo.
@@ -27,13 +29,17 @@ Hooks:
   5. Trainer.checkpoint_suffix / should_save_checkpoint_on_current_rank / state_dict: in multi-worker
      MoE training every worker saves, under a ``-rank-R-of-W`` suffix, and only rank 0 stores the
      shared state. All of fairseq's naming, --save-interval*, --keep-* and best/last logic is kept.
+     ``state["moe"]`` makes each file self-describing: rank, world size, ``experts_held`` and the
+     save's ``set_id`` (set_identity.py: derived on every worker, no collective).
   6. checkpoint_utils.save_checkpoint: before it, every complete set is hard-linked as
      ``<name>.prev`` and fairseq's in-place copies become copy + rename, so a crash mid-save leaves
      the previous set loadable; afterwards the workers' new files are described (size, sha256),
-     rank 0 writes one manifest per complete set, last and atomically, removes the manifests of
-     sets that --keep-* pruned, and drops the ``.prev`` generations. fairseq's pruning
+     rank 0 writes one manifest per complete set (with the set id), last and atomically, removes
+     the manifests of sets that --keep-* pruned, and drops the ``.prev`` generations. fairseq's pruning
      (``os.remove`` in save_checkpoint) is deferred until after that, behind a barrier, so no
-     manifest ever lists a deleted file.
+     manifest ever lists a deleted file. A ``*.set.json`` in the save dir that is not a well-formed
+     manifest of ours is ignored with one warning per file and process (checkpoint/foreign.py) and
+     left as it is.
   7. Trainer.load_checkpoint and checkpoint_utils.load_checkpoint_to_cpu: a name is resolved to a
      complete set or a single file (the default checkpoint_last falls back to the newest complete
      set with a warning; a --restore-file the user named only with --moe-restore-fallback, see
@@ -44,6 +50,8 @@ Hooks:
      crash.pt), then claims --save-dir (training_save_dir: rank 0 takes the save dir's lock, and an
      expert-parallel job checks that every worker sees the same directory) before any checkpoint
      is read or written. fairseq-generate and the other tools never call it, so never lock.
+     A manifest is checked field by field before any file it lists is opened (checkpoint/manifest.py),
+     and a single file that is one rank's part of a set is refused, naming its set.
   8. checkpoint_utils.load_model_ensemble_and_task (generate, interactive, eval-lm, validate, hub):
      ``--path dir/checkpoint_best.pt`` loads a set with no conversion step; models are built with
      every expert local.
@@ -86,6 +94,7 @@ logger = logging.getLogger(__name__)
 CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
 
 from .checkpoint import CHECKPOINT_SAFE_GLOBALS, UnsafeCheckpointError  # noqa: E402,F401
+from .set_identity import save_set_id  # noqa: E402
 
 _installed = False
 
@@ -103,8 +112,13 @@ def _wrap_load_checkpoint_to_cpu(original):
             except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
                 one_line = moe_ckpt.unloadable_error(path, error)
                 if one_line is None:
+                    moe_ckpt.refuse_if_not_a_checkpoint(path)
                     raise
                 raise one_line from None
+            except (KeyError, TypeError, AttributeError, IndexError):
+                # fairseq's upgrade of old checkpoints indexes whatever torch.load returned
+                moe_ckpt.refuse_if_not_a_checkpoint(path)
+                raise
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
@@ -240,8 +254,10 @@ def _wrap_trainer_state_dict(original):
         world = self.data_parallel_world_size
         rank = self.data_parallel_rank if world > 1 else 0
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
         state["moe"] = moe_ckpt.moe_metadata(
-            names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates()
+            names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates(),
+            set_id=save_set_id(self, world), experts_per_worker=int(experts[0].shape[0]) if experts else None,
         )
         if rank > 0:
             moe_ckpt.strip_shared_state(state)
@@ -391,7 +407,8 @@ def _write_manifests(save_dir, reports, trainer):
     experts = {n: int(p.shape[0]) * world for n, p in trainer._model.named_parameters() if moe_dist.is_expert(p)}
     for base, entries in by_base.items():
         if sorted(e["rank"] for e in entries) == list(range(world)):
-            moe_ckpt.write_manifest(base, world, trainer.get_num_updates(), entries, experts)
+            moe_ckpt.write_manifest(base, world, trainer.get_num_updates(), entries, experts,
+                                    save_set_id(trainer, world))
             moe_ckpt.remove_other_layouts(base, world)
         else:
             logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")
@@ -452,6 +469,8 @@ def _load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
     else:
         full = original_load(path, arg_overrides, **kwargs)
+        if "moe" in full:
+            moe_ckpt.check_whole(full, path)  # a rank file copied out of its set, under any name
         if "moe" not in full or not _SHARD_FOR:
             return full
     if _SHARD_FOR:

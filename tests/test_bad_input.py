@@ -42,6 +42,7 @@ BIN = Path(sys.executable).parent
 SET = moe_ckpt.CheckpointSetError.__module__ + ".CheckpointSetError"
 DAMAGED = moe_ckpt.DamagedCheckpointError.__module__ + ".DamagedCheckpointError"
 UNSAFE = moe_ckpt.UnsafeCheckpointError.__module__ + ".UnsafeCheckpointError"
+NOT_A_CHECKPOINT = moe_ckpt.NotACheckpointError.__module__ + ".NotACheckpointError"
 
 
 # ---------------------------------------------------------------- inputs
@@ -222,6 +223,55 @@ def checkpoint_tool_on(command: str, *flags, existing: Optional[str] = None) -> 
         return [command, source / "checkpoint_last.pt", out / "checkpoint_last.pt", *flags], [source, out]
 
     return make
+
+
+def tool_on_copy(command: str, source: str, damage: Callable[[Path], None], path: str = "checkpoint_last.pt",
+                 output: Optional[str] = None) -> Make:
+    """``python -m fairseq_moe_ext.checkpoint <command>`` on a damaged copy of a checkpoint dir, writing
+    (``output``) into ``out/checkpoint_last.pt`` of an existing (``"existing"``) or missing (``"missing"``)
+    directory; neither may change (a missing one must not appear)."""
+
+    def make(inputs, work):
+        directory = copy_of(getattr(inputs, source), work)
+        damage(directory)
+        args, watched = [command, directory / path], [directory]
+        if output is not None:
+            out = work / "out"
+            if output == "existing":
+                out.mkdir()
+            args.append(out / "checkpoint_last.pt")
+            watched.append(out)
+        return args, watched
+
+    return make
+
+
+def list_rank_1_from_another_directory(absolute: bool) -> Callable[[Path], None]:
+    """The manifest names rank 1's file by a path outside the set's directory, where the file now lies
+    (intact: only where the manifest points is wrong)."""
+
+    def damage(directory):
+        name = "checkpoint_last-rank-1-of-2.pt"
+        elsewhere = directory.parent / "elsewhere"
+        elsewhere.mkdir()
+        shutil.move(directory / name, elsewhere / name)
+        manifest_file = directory / "checkpoint_last.set.json"
+        manifest = json.loads(manifest_file.read_text())
+        manifest["files"][1]["name"] = str(elsewhere / name) if absolute else f"../elsewhere/{name}"
+        manifest_file.write_text(json.dumps(manifest))
+
+    return damage
+
+
+def keep_only_rank_1(directory: Path) -> None:
+    """Rank 1's file copied out of its set, alone in its directory."""
+    for path in directory.iterdir():
+        if path.name != "checkpoint_last-rank-1-of-2.pt":
+            path.unlink()
+
+
+def rename_rank_1_to_a_plain_name(directory: Path) -> None:
+    shutil.copy(directory / "checkpoint_last-rank-1-of-2.pt", directory / "checkpoint_x.pt")
 
 
 def leave_a_rank_file_of_a_4_worker_save(directory: Path) -> None:
@@ -432,6 +482,41 @@ CASES = [
          "out/checkpoint_last.pt exists", "choose another output name (nothing was overwritten)"),
     Case("merge-onto-a-set-of-the-same-name", checkpoint_tool, checkpoint_tool_on("merge", existing="set"), "error",
          "out/checkpoint_last.set.json exists", "choose another output name (nothing was overwritten)"),
+    Case("merge-into-a-missing-directory", checkpoint_tool, tool_on_copy("merge", "set", lambda d: None, output="missing"),
+         "error", "out does not exist", "create it first, or choose another output name (nothing was written)"),
+    # -- a manifest is untrusted input: no file outside the set's directory is ever opened
+    Case("generate-from-a-set-whose-manifest-names-a-file-in-another-directory", fairseq_generate,
+         generate_from("set", list_rank_1_from_another_directory(absolute=False)), SET,
+         "field files[1].name must be 'checkpoint_last-rank-1-of-2.pt', got '../elsewhere/checkpoint_last-rank-1-of-2.pt' "
+         "(a path: a set's files must lie beside its manifest)", "restore it from a backup, or move the set out"),
+    Case("generate-from-a-set-whose-manifest-names-an-absolute-path", fairseq_generate,
+         generate_from("set", list_rank_1_from_another_directory(absolute=True)), SET,
+         "elsewhere/checkpoint_last-rank-1-of-2.pt' (a path: a set's files must lie beside its manifest)",
+         "restore it from a backup, or move the set out"),
+    Case("inspect-a-set-whose-manifest-names-a-file-in-another-directory", checkpoint_tool,
+         tool_on_copy("inspect", "set", list_rank_1_from_another_directory(absolute=False)), "error",
+         "got '../elsewhere/checkpoint_last-rank-1-of-2.pt' (a path", "restore it from a backup, or move the set out"),
+    Case("inspect-a-set-whose-manifest-names-an-absolute-path", checkpoint_tool,
+         tool_on_copy("inspect", "set", list_rank_1_from_another_directory(absolute=True)), "error",
+         "elsewhere/checkpoint_last-rank-1-of-2.pt' (a path", "restore it from a backup, or move the set out"),
+    # -- a .pt file that is not a fairseq checkpoint at all
+    Case("generate-from-a-pt-file-holding-a-list", fairseq_generate,
+         generate_from("single", lambda d: torch.save([1, 2], d / "checkpoint_last.pt")), NOT_A_CHECKPOINT,
+         "checkpoint_last.pt is not a fairseq checkpoint: it holds a list",
+         "point --path / --restore-file (or the checkpoint tool) at a checkpoint written by fairseq-train"),
+    Case("inspect-a-pt-file-holding-a-dict-of-something-else", checkpoint_tool,
+         tool_on_copy("inspect", "single", lambda d: torch.save({"a": 1}, d / "checkpoint_last.pt")), "error",
+         "checkpoint_last.pt is not a fairseq checkpoint: it holds a dict without a model state (keys ['a'])",
+         "point --path / --restore-file (or the checkpoint tool) at a checkpoint written by fairseq-train"),
+    # -- a rank file out of its set is recognised as a part, and names its set
+    Case("generate-from-a-rank-file-renamed-to-a-plain-name", fairseq_generate,
+         generate_from("set", rename_rank_1_to_a_plain_name, path="checkpoint_x.pt"), SET,
+         "checkpoint_x.pt is one part of a checkpoint set, not a whole checkpoint: rank 1 of 2 (set ",
+         "put it back beside its set's other rank files and manifest, and pass the set's name"),
+    Case("merge-a-rank-file-copied-out-of-its-set", checkpoint_tool,
+         tool_on_copy("merge", "set", keep_only_rank_1, path="checkpoint_last-rank-1-of-2.pt", output="existing"),
+         "error", "1 rank files (the first is rank 1 of 2 of checkpoint_last (set ",
+         "copy the set's other rank files and its manifest beside them"),
 ]
 
 

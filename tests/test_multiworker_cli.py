@@ -377,3 +377,60 @@ def test_fairseq_loads_a_set_by_its_plain_name(two_worker_run):
 
     state = checkpoint_utils.load_checkpoint_to_cpu(str(two_worker_run["at4"] / "checkpoint_last.pt"))
     assert state["moe"]["world_size"] == 1 and state["model"]["encoder.layers.1.fc1.experts.batched_fc1_w"].shape[0] == 4
+
+
+def test_every_rank_file_of_a_training_save_names_its_set_and_the_experts_it_holds(two_worker_run):
+    save_dir = two_worker_run["at4"]
+    manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+    metas = [torch.load(save_dir / f"checkpoint_last-rank-{r}-of-2.pt", weights_only=False)["moe"] for r in range(2)]
+    assert re.fullmatch(r"[0-9a-f]{16}", manifest["set_id"])
+    assert [(m["rank"], m["world_size"], m["set_id"], m["experts_held"]) for m in metas] == [
+        (0, 2, manifest["set_id"], [0, 1]), (1, 2, manifest["set_id"], [2, 3])]
+
+
+# Files another tool (or a person) left in a save dir: none of them may stop a run or be touched.
+STRAY_MANIFESTS = {
+    "another-tools.set.json": '{"foo": 1}',
+    "a-list.set.json": "[1, 2, 3]",
+    "not-json.set.json": "this is not JSON",
+    "stray.prev.set.json": '{"foo": 1}',
+}
+
+
+def test_stray_manifests_in_the_save_dir_neither_stop_a_two_worker_resume_and_save_nor_are_touched(
+        two_worker_run, data, tmp_path):
+    from fairseq_moe_ext import checkpoint as moe_ckpt
+
+    save_dir = tmp_path / "ck"
+    shutil.copytree(two_worker_run["at4"], save_dir)
+    manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+    # An older complete set to fall back to, so the fallback scans the directory.
+    for rank in range(2):
+        shutil.copy(save_dir / f"checkpoint_last-rank-{rank}-of-2.pt", save_dir / f"checkpoint_1_4-rank-{rank}-of-2.pt")
+    older = dict(manifest, name="checkpoint_1_4",
+                 files=[dict(e, name=e["name"].replace("checkpoint_last", "checkpoint_1_4")) for e in manifest["files"]])
+    (save_dir / "checkpoint_1_4.set.json").write_text(json.dumps(older))
+    (save_dir / "checkpoint_last-rank-1-of-2.pt").unlink()
+    for name, text in STRAY_MANIFESTS.items():
+        (save_dir / name).write_text(text)
+    # Our format, naming a file outside the directory (which exists, and is a valid rank file).
+    (tmp_path / "x").mkdir()
+    shutil.copy(save_dir / "checkpoint_1_4-rank-1-of-2.pt", tmp_path / "x" / "elsewhere-rank-1-of-2.pt")
+    outside = dict(older, name="elsewhere", files=[dict(e, name=f"../x/elsewhere-rank-{e['rank']}-of-2.pt")
+                                                   for e in older["files"]])
+    (save_dir / "elsewhere.set.json").write_text(json.dumps(dict(outside, num_updates=99)))
+    strays = [*STRAY_MANIFESTS, "elsewhere.set.json"]
+    before = {name: (save_dir / name).read_bytes() for name in strays}
+
+    output = torchrun(2, BIN / "fairseq-train", moe_args(data, save_dir, 5))
+
+    assert f"using the newest complete set {save_dir / 'checkpoint_1_4.set.json'}" in output  # not elsewhere's "99"
+    assert "(epoch 1 @ 4 updates)" in output
+    for name in strays:
+        assert (save_dir / name).read_bytes() == before[name], f"{name} was changed"
+        assert output.count(f"ignoring {save_dir / name}:") <= 2, f"{name}: more than one warning per worker"
+    for name in (n for n in strays if not n.endswith(".prev.set.json")):  # scanned by the fallback on both workers
+        assert f"ignoring {save_dir / name}:" in output, name
+    saved = moe_ckpt.validate_set(str(save_dir / "checkpoint_last.set.json"))
+    assert saved["num_updates"] == 5 and saved["world_size"] == 2
+    assert moe_ckpt.load_full(str(save_dir / "checkpoint_last.pt"))["moe"]["num_updates"] == 5

@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -112,10 +113,16 @@ def rank_file(base: str, rank: int, world_size: int) -> str:
 # ---------------------------------------------------------------- metadata
 
 def moe_metadata(optimizer_param_names: List[str], expert_param_names: List[str],
-                 world_size: int, rank: int, num_updates: int) -> Dict:
-    """``expert_param_names`` double as model state keys (fairseq saves ``model.state_dict()``)."""
+                 world_size: int, rank: int, num_updates: int, set_id: Optional[str] = None,
+                 experts_per_worker: Optional[int] = None) -> Dict:
+    """``expert_param_names`` double as model state keys (fairseq saves ``model.state_dict()``);
+    ``set_id`` and ``experts_per_worker`` make the file self-describing (see contents.py)."""
     expert = set(expert_param_names)
+    described = {} if set_id is None else {"set_id": set_id}
+    if experts_per_worker is not None:
+        described["experts_held"] = experts_held(rank, experts_per_worker)
     return {
+        **described,
         "world_size": world_size,
         "rank": rank,
         "num_updates": num_updates,
@@ -139,6 +146,10 @@ def strip_shared_state(state: Dict) -> Dict:
 
 # ---------------------------------------------------------------- manifests
 
+from .contents import NotACheckpointError, check_is_checkpoint, check_rank_states, check_whole  # noqa: E402,F401
+from .contents import derive_set_id, experts_held, is_dense, refuse_if_not_a_checkpoint  # noqa: E402,F401
+from .manifest import check_manifest, read_manifest  # noqa: E402,F401  (both need the names above)
+
 def file_digest(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -151,7 +162,8 @@ def describe_file(path: str) -> Dict:
     return {"name": os.path.basename(path), "bytes": os.path.getsize(path), "sha256": file_digest(path)}
 
 
-def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dict], experts: Dict[str, int]) -> str:
+def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dict], experts: Dict[str, int],
+                   set_id: Optional[str] = None) -> str:
     manifest = {
         "format": MANIFEST_FORMAT,
         "name": os.path.basename(base),
@@ -160,6 +172,8 @@ def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dic
         "num_experts": experts,
         "files": sorted(files, key=lambda f: f["rank"]),
     }
+    if set_id is not None:
+        manifest["set_id"] = set_id
     path = manifest_path(base)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -168,17 +182,6 @@ def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dic
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
-
-
-def read_manifest(path: str) -> Dict:
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointSetError(f"cannot read manifest {path}: {e}") from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise CheckpointSetError(f"{path} is not a fairseq-moe-ext manifest")
-    return manifest
 
 
 def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
@@ -191,25 +194,37 @@ def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
         raise CheckpointSetError(f"{manifest_file} lists ranks {ranks}, expected 0..{world - 1}")
     for entry in manifest["files"]:
         path = os.path.join(directory, entry["name"])
-        if not os.path.exists(path):
-            raise CheckpointSetError(f"rank {entry['rank']} file {path} is missing")
+        if not os.path.isfile(path):
+            what = "missing" if not os.path.lexists(path) else "not a regular file"
+            raise CheckpointSetError(f"rank {entry['rank']} file {path} is {what}")
         size = os.path.getsize(path)
         if size != entry["bytes"]:
             raise CheckpointSetError(
                 f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated, or replaced by "
                 f"another run's file)"
             )
-        if check_digests and file_digest(path) != entry["sha256"]:
+        if check_digests and _digest_or_refuse(path) != entry["sha256"]:
             raise CheckpointSetError(
                 f"{path} does not match its sha256 in the manifest (corrupted, or replaced by another run's file)"
             )
     return manifest
 
 
+def _digest_or_refuse(path: str) -> str:
+    try:
+        return file_digest(path)
+    except OSError as e:  # a scan of the save dir during a save must not raise anything else
+        raise CheckpointSetError(f"cannot read {path}: {e}") from None
+
+
 def complete_sets(directory: str) -> List[Dict]:
     """Every complete set in ``directory``, newest (most updates) first."""
+    from .foreign import readable_manifest
+
     found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "*" + MANIFEST_SUFFIX)):
+        if readable_manifest(path) is None:
+            continue  # not ours, or not well-formed: warned once
         try:
             manifest = validate_set(path)
         except CheckpointSetError as e:
@@ -282,8 +297,13 @@ def _check_named_rank_file(path, manifest, manifest_file):
 
 
 def _raise_no_manifest(manifest, rank_files):
+    from .contents import describe_part, peek_metadata
+
+    meta = peek_metadata(sorted(rank_files)[0])
+    named = f" (the first is {describe_part(meta, sorted(rank_files)[0])})" if meta else ""
     raise CheckpointSetError(
-        f"{len(rank_files)} rank files but no manifest {manifest}: the save did not finish"
+        f"{len(rank_files)} rank files{named} but no manifest {manifest}: the save did not finish, or the files were "
+        f"copied out of their set (copy the set's other rank files and its manifest beside them)"
     )
 
 
@@ -315,8 +335,12 @@ def sets_to_protect(directory: str) -> List[str]:
     """The manifests of the sets a save must keep as ``.prev`` before it may overwrite their files:
     every current set, except one whose ``.prev`` (left by a crashed save) is the intact generation
     while the set itself is damaged; relinking would replace the good copy with the damaged one."""
+    from .foreign import readable_manifest
+
     chosen = []
     for manifest in current_manifests(directory):
+        if readable_manifest(manifest) is None:
+            continue  # not ours: nothing of it to protect, and never touched
         previous = manifest_path(base_of(manifest) + PREVIOUS)
         if os.path.exists(previous):
             try:
@@ -355,7 +379,8 @@ def write_previous_manifest(manifest_file: str, world_size: int) -> None:
         return
     previous_base = base_of(manifest_file) + PREVIOUS
     files = [dict(e, name=os.path.basename(rank_file(previous_base, e["rank"], world_size))) for e in manifest["files"]]
-    write_manifest(previous_base, world_size, manifest["num_updates"], files, manifest["num_experts"])
+    write_manifest(previous_base, world_size, manifest["num_updates"], files, manifest["num_experts"],
+                   manifest.get("set_id"))
 
 
 def _same_world_manifest(manifest_file: str, world_size: int) -> Optional[Dict]:
@@ -368,8 +393,11 @@ def _same_world_manifest(manifest_file: str, world_size: int) -> Optional[Dict]:
 
 def remove_previous_generations(directory: str) -> None:
     """Once a save is complete, the ``.prev`` generations it protected are no longer needed."""
+    from .foreign import readable_manifest
+
     for manifest in glob.glob(os.path.join(glob.escape(directory), "*" + PREVIOUS + MANIFEST_SUFFIX)):
-        os.remove(manifest)
+        if readable_manifest(manifest) is not None:  # another tool's file of that name stays
+            os.remove(manifest)
     for pattern in ("*" + PREVIOUS + "-rank-*-of-*.pt", "*" + PREVIOUS + "-rank-*-of-*.pt.tmp"):
         for path in glob.glob(os.path.join(glob.escape(directory), pattern)):
             os.remove(path)
@@ -455,12 +483,7 @@ def load_set(manifest_file: str, load_fn: Optional[Callable[[str], Dict]] = None
         load_fn = functools.partial(_torch_load, verify=not check)
     directory = os.path.dirname(manifest_file)
     states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
-    for f, state in zip(manifest["files"], states):
-        meta = state.get("moe") or {}
-        if meta.get("rank") != f["rank"] or meta.get("world_size") != manifest["world_size"]:
-            raise CheckpointSetError(f"{f['name']} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {f['rank']} of {manifest['world_size']}: a file from another run?")
-        if meta.get("num_updates") != manifest["num_updates"]:
-            raise CheckpointSetError(f"{f['name']} holds update {meta.get('num_updates')} but the set is update {manifest['num_updates']}: files from different saves")
+    check_rank_states(manifest, states, directory)
     return merge_states(states)
 
 
@@ -481,7 +504,14 @@ def merge_states(states: List[Dict]) -> Dict:
                 merged["state"][slot] = _concat_slot(per_rank, states, meta, slot)
         full["last_optimizer_state"] = merged
     full["moe"] = dict(meta, world_size=1, rank=0)
+    if "experts_held" in meta:
+        full["moe"]["experts_held"] = experts_held(0, _experts_in(full))
     return full
+
+
+def _experts_in(full: Dict) -> int:
+    counts = [int(full["model"][k].shape[0]) for k in full["moe"]["expert_keys"] if k in full["model"]]
+    return counts[0] if counts else 0
 
 
 def _concat_slot(per_rank, states, meta, slot):
@@ -526,6 +556,7 @@ def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
             }
         state["last_optimizer_state"] = sliced
     state["moe"] = dict(meta, world_size=world_size, rank=rank)
+    state["moe"]["experts_held"] = experts_held(rank, _experts_in(full) // world_size)
     return state
 
 
@@ -539,25 +570,31 @@ def save_set(full: Dict, base: str, world_size: int) -> str:
                 f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world "
                 f"size dividing {total}"
             )
-    files = []
-    for rank in range(world_size):
-        state = shard_state(full, rank, world_size)
-        if rank > 0:
-            state = strip_shared_state(state)
-        path = rank_file(base, rank, world_size)
-        _atomic_torch_save(state, path)
-        files.append(dict(describe_file(path), rank=rank))
-    return write_manifest(base, world_size, full["moe"]["num_updates"], files, experts_per_key(full))
+    from .staging import write_all_or_nothing
+
+    set_id = secrets.token_hex(8)  # one writer, no workers to agree with
+
+    def write(staging_dir):
+        staged_base = os.path.join(staging_dir, os.path.basename(base))
+        files = []
+        for rank in range(world_size):
+            state = shard_state(full, rank, world_size)
+            state["moe"]["set_id"] = set_id
+            if rank > 0:
+                state = strip_shared_state(state)
+            path = rank_file(staged_base, rank, world_size)
+            torch.save(state, path)
+            files.append(dict(describe_file(path), rank=rank))
+        written = write_manifest(staged_base, world_size, full["moe"]["num_updates"], files, experts_per_key(full),
+                                 set_id)
+        return [f["name"] for f in files] + [os.path.basename(written)]
+
+    write_all_or_nothing(os.path.dirname(base), f"the {world_size}-file set {manifest_path(base)}", write)
+    return manifest_path(base)
 
 
 def experts_per_key(full: Dict) -> Dict[str, int]:
     return {k: int(full["model"][k].shape[0]) for k in full["moe"]["expert_keys"]}
-
-
-def _atomic_torch_save(obj, path):
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- inspection
@@ -569,14 +606,19 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = _torch_load) 
         raise CheckpointSetError(f"no checkpoint named {path}")
     lines = []
     if resolved.kind == "file":
-        state = load_fn(resolved.path)
-        meta = state.get("moe") or {}
+        state = check_is_checkpoint(load_fn(resolved.path), resolved.path)
+        if is_dense(state):
+            lines.append(f"{resolved.path}: single file, update {_updates(state)}, dense: no MoE layers")
+            lines.append("VERDICT OK: a dense fairseq checkpoint (no experts to check)")
+            return lines
+        meta = check_whole(state, resolved.path)["moe"]
         lines.append(f"{resolved.path}: single file, update {_updates(state)}, {len(meta.get('expert_keys', []))} expert tensors")
         lines.append("VERDICT OK: a single-process checkpoint holds every expert")
         return lines
     manifest = read_manifest(resolved.path)
     directory = os.path.dirname(resolved.path)
-    lines.append(f"{resolved.path}: set of {manifest['world_size']} rank files, update {manifest['num_updates']}")
+    set_id = f", set {manifest['set_id']}" if manifest.get("set_id") else ""
+    lines.append(f"{resolved.path}: set of {manifest['world_size']} rank files, update {manifest['num_updates']}{set_id}")
     for f in manifest["files"]:
         lines.append(f"  rank {f['rank']}: {f['name']} ({f['bytes']} bytes)")
     try:
@@ -587,6 +629,7 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = _torch_load) 
         return lines
     load_rank_file = load_fn if load_fn is not _torch_load else functools.partial(_torch_load, verify=False)
     states = [load_rank_file(os.path.join(directory, f["name"])) for f in manifest["files"]]
+    check_rank_states(manifest, states, directory)
     meta = states[0]["moe"]
     experts = set(meta["expert_keys"])
     for key, n in manifest["num_experts"].items():
@@ -625,7 +668,10 @@ def load_full(path: str, load_fn: Optional[Callable[[str], Dict]] = None) -> Dic
         raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest {manifest_path(base_of(path))})")
     if resolved.kind == "set":
         return load_set(resolved.path, load_fn)
-    state = (load_fn or _torch_load)(resolved.path)
-    if "moe" not in state:
-        raise CheckpointSetError(f"{resolved.path} has no MoE metadata: was it saved by fairseq-moe-ext?")
-    return state
+    state = check_is_checkpoint((load_fn or _torch_load)(resolved.path), resolved.path)
+    if is_dense(state):
+        raise CheckpointSetError(
+            f"{resolved.path} is a dense fairseq checkpoint (no MoE layers): there are no experts to merge or "
+            f"reshard; use the file as it is"
+        )
+    return check_whole(state, resolved.path)

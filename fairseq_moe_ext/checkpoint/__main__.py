@@ -9,16 +9,19 @@ import glob
 import os
 import sys
 
+import torch
+
 from . import (
     CheckpointError,
     CheckpointSetError,
-    _atomic_torch_save,
     base_of,
+    experts_held,
     inspect_checkpoint,
     load_full,
     manifest_path,
     save_set,
 )
+from .staging import write_all_or_nothing
 
 
 def main(argv=None) -> int:
@@ -51,15 +54,28 @@ def main(argv=None) -> int:
             )
         full = load_full(args.checkpoint)
         if args.command == "merge":
-            full["moe"] = dict(full["moe"], world_size=1, rank=0)
-            _atomic_torch_save(full, args.output)
-            print(f"wrote {args.output}")
+            print(f"wrote {write_merged(full, args.output)}")
         else:
             print(f"wrote {save_set(full, base_of(args.output), args.world_size)}")
         return 0
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def write_merged(full, output) -> str:
+    """One ordinary single-file checkpoint (a whole: no set id, every expert held)."""
+    meta = {k: v for k, v in full["moe"].items() if k != "set_id"}
+    total = max([int(full["model"][k].shape[0]) for k in meta["expert_keys"] if k in full["model"]], default=0)
+    full["moe"] = dict(meta, world_size=1, rank=0, experts_held=experts_held(0, total))
+    name = os.path.basename(output)
+
+    def write(staging_dir):
+        torch.save(full, os.path.join(staging_dir, name))
+        return [name]
+
+    write_all_or_nothing(os.path.dirname(output), output, write)
+    return output
 
 
 def _refuse_overwrite(output):

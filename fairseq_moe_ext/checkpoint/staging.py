@@ -1,0 +1,69 @@
+"""The checkpoint tool's output appears whole or not at all.
+
+``merge`` and ``reshard`` write into a hidden temporary directory inside the output directory (the
+same file system, so the final moves are renames) and move the files into place only once all of
+them are written, a set's manifest last. Any failure (no such directory, no permission, a full
+disk, an interrupted move) removes what was staged or moved, and is reported as one
+``CheckpointSetError`` line; the output directory is left as it was found, so a rerun can succeed.
+"""
+
+import os
+import shutil
+import tempfile
+from typing import Callable, List
+
+from . import CheckpointSetError
+
+STAGING_PREFIX = ".moe-ckpt-staging-"
+
+
+def write_all_or_nothing(output_dir: str, what: str, write: Callable[[str], List[str]]) -> List[str]:
+    """Call ``write(staging_dir)``, which writes files there and returns their names in the order
+    they may appear (a manifest last); move them into ``output_dir``. ``what`` names the output in
+    messages. Returns the final paths."""
+    output_dir = output_dir or "."
+    if not os.path.isdir(output_dir):
+        raise CheckpointSetError(
+            f"cannot write {what}: the output directory {output_dir} does not exist; create it first, or choose "
+            f"another output name (nothing was written)"
+        )
+    try:
+        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=output_dir)
+    except OSError as e:
+        raise _cannot_write(what, output_dir, e) from None
+    try:
+        names = write(staging)
+        return _move_into_place(staging, output_dir, names)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        if isinstance(e, CheckpointSetError):
+            raise
+        raise _cannot_write(what, output_dir, e) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_into_place(staging: str, output_dir: str, names: List[str]) -> List[str]:
+    moved = []
+    try:
+        for name in names:
+            target = os.path.join(output_dir, name)
+            if os.path.lexists(target):
+                raise CheckpointSetError(f"{target} appeared while writing; choose another output name")
+            os.replace(os.path.join(staging, name), target)
+            moved.append(target)
+    except BaseException:
+        for target in reversed(moved):  # a set appears whole or not at all: the manifest came last
+            try:
+                os.remove(target)
+            except OSError:
+                pass
+        raise
+    return moved
+
+
+def _cannot_write(what: str, output_dir: str, error: BaseException) -> CheckpointSetError:
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return CheckpointSetError(
+        f"cannot write {what} into {output_dir} ({reason}): make room on the disk or choose a writable output "
+        f"directory, then rerun (nothing was written)"
+    )
