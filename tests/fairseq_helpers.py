@@ -176,3 +176,27 @@ def assert_loss_falls(output: str, by: float = 0.85) -> None:
     losses = logged_losses(output)
     assert len(losses) >= 3, f"too few train_inner records to judge learning:\n{tail(output)}"
     assert losses[-1] < by * losses[0], f"training loss did not fall: {losses}"
+
+
+def load_rank_probes(probe_dir: Path, workers: int) -> List[dict]:
+    """What tests/fairseq_rank_probe.py recorded in each worker after training."""
+    import torch
+
+    return [torch.load(Path(probe_dir) / f"rank{r}.pt") for r in range(workers)]
+
+
+def assert_shared_identical_experts_distinct_norms_equal(ranks: List[dict], updates: int) -> None:
+    """After multi-worker training: every shared tensor bitwise equal on every worker, every expert
+    tensor different, and the logged gradient norms identical on every worker, one per update."""
+    import torch
+
+    experts = set(ranks[0]["expert_keys"])
+    assert experts
+    for other in ranks[1:]:
+        for key, value in ranks[0]["model"].items():
+            if key in experts:
+                assert not torch.equal(value, other["model"][key]), f"expert {key} is identical on two ranks"
+            else:
+                assert torch.equal(value, other["model"][key]), f"shared {key} differs across ranks"
+        assert other["grad_norms"] == ranks[0]["grad_norms"]
+    assert len(ranks[0]["grad_norms"]) == updates

@@ -18,8 +18,10 @@ import torch
 
 from fairseq_helpers import (
     USER_DIR,
+    assert_shared_identical_experts_distinct_norms_equal,
     fairseq_env,
     json_logs,
+    load_rank_probes,
     preprocess_parallel,
     run_fairseq,
     tail,
@@ -58,15 +60,8 @@ def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct
     probe = tmp_path / "probe"
     output = torchrun(2, TESTS / "fairseq_rank_probe.py",
                       [probe, *moe_args(data, tmp_path / "ck", 12, "--ddp-backend", backend, "--no-save")])
-    ranks = [torch.load(probe / f"rank{r}.pt") for r in range(2)]
-    experts = set(ranks[0]["expert_keys"])
-    assert experts
-    for key, value in ranks[0]["model"].items():
-        if key in experts:
-            assert not torch.equal(value, ranks[1]["model"][key]), f"expert {key} is identical on both ranks"
-        else:
-            assert torch.equal(value, ranks[1]["model"][key]), f"shared {key} differs across ranks"
-    assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"] and len(ranks[0]["grad_norms"]) == 12
+    ranks = load_rank_probes(probe, 2)
+    assert_shared_identical_experts_distinct_norms_equal(ranks, updates=12)
     records = json_logs(output)
     assert records and all("moe_gate_loss" in r for r in records)
 

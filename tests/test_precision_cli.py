@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import assert_loss_falls, preprocess_parallel, run_fairseq, torchrun, write_parallel_corpus
+from fairseq_helpers import (
+    assert_loss_falls,
+    assert_shared_identical_experts_distinct_norms_equal,
+    load_rank_probes,
+    preprocess_parallel,
+    run_fairseq,
+    torchrun,
+    write_parallel_corpus,
+)
 from test_multiworker_cli import moe_args
 
 TESTS = Path(__file__).parent
@@ -80,20 +88,13 @@ def test_two_worker_mixed_precision_training_through_fairseq_train_learns_and_ke
     args = moe_args(data, tmp_path / "ck", 12, "--ddp-backend", "legacy_ddp", "--no-save", flag)
     output = torchrun(2, TESTS / "fairseq_rank_probe.py", [probe, *args], timeout=300)
     assert_loss_falls(output)
-    ranks = [torch.load(probe / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    experts = set(ranks[0]["expert_keys"])
-    assert experts
-    for key, value in ranks[0]["model"].items():
-        if key in experts:
-            assert not torch.equal(value, ranks[1]["model"][key]), f"expert {key} is identical on both ranks"
-        else:
-            assert torch.equal(value, ranks[1]["model"][key]), f"shared {key} differs across ranks"
-    assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"] and len(ranks[0]["grad_norms"]) == 12
+    ranks = load_rank_probes(probe, 2)
+    assert_shared_identical_experts_distinct_norms_equal(ranks, updates=12)
     optimizer, dtype = MULTI_WORKER[flag]
     for rank in ranks:
         assert {t.dtype for t in rank["model"].values() if t.is_floating_point()} == {dtype}
         facts = rank["optimizer"]
         assert facts["type"] == optimizer and not facts["flat"], facts
-        assert facts["expert_marked"] == len(experts), facts
+        assert facts["expert_marked"] == len(ranks[0]["expert_keys"]), facts
     if flag == "--fp16":
         assert "fp16 gradients are kept per parameter" in output
