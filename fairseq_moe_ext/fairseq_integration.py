@@ -94,7 +94,7 @@ logger = logging.getLogger(__name__)
 CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
 
 from .checkpoint import CHECKPOINT_SAFE_GLOBALS, UnsafeCheckpointError  # noqa: E402,F401
-from .set_identity import save_set_id  # noqa: E402
+from .set_identity import agreed_set_id, save_set_id  # noqa: E402
 
 _installed = False
 
@@ -300,7 +300,8 @@ def _wrap_save_checkpoint(original):
             result = original(cfg, trainer, epoch_itr, val_loss)
         after = _own_checkpoint_files(cfg.save_dir, suffix)
         written = [
-            dict(moe_ckpt.describe_file(os.path.join(cfg.save_dir, n)), rank=trainer.data_parallel_rank)
+            dict(moe_ckpt.describe_file(os.path.join(cfg.save_dir, n)), rank=trainer.data_parallel_rank,
+                 set_id=save_set_id(trainer, trainer.data_parallel_world_size))
             for n, stamp in after.items() if before.get(n) != stamp
         ]
         removed = [os.path.basename(p) for p in pruned]
@@ -408,7 +409,7 @@ def _write_manifests(save_dir, reports, trainer):
     for base, entries in by_base.items():
         if sorted(e["rank"] for e in entries) == list(range(world)):
             moe_ckpt.write_manifest(base, world, trainer.get_num_updates(), entries, experts,
-                                    save_set_id(trainer, world))
+                                    agreed_set_id(base, entries))
             moe_ckpt.remove_other_layouts(base, world)
         else:
             logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")

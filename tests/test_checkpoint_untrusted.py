@@ -197,6 +197,17 @@ def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch
     assert len(first_launch) == 1 and save_set_id(worker(0), 2) not in first_launch
 
 
+def test_workers_that_derived_different_set_ids_get_a_manifest_without_one_so_their_set_still_loads(caplog):
+    from fairseq_moe_ext.set_identity import agreed_set_id
+
+    agreeing = [{"rank": 0, "set_id": "a" * 16}, {"rank": 1, "set_id": "a" * 16}]
+    assert agreed_set_id("ck/checkpoint_last", agreeing) == "a" * 16
+    assert all("set_id" not in entry for entry in agreeing)  # the manifest stores the id once
+    differing = [{"rank": 0, "set_id": "a" * 16}, {"rank": 1, "set_id": "b" * 16}]
+    assert agreed_set_id("ck/checkpoint_last", differing) is None
+    assert "derived different set ids" in caplog.text
+
+
 def test_a_rank_file_of_another_save_is_refused_even_where_the_manifest_was_edited_to_list_it(a_set, tmp_path):
     (tmp_path / "other").mkdir()
     moe_ckpt.save_set(full_state(), str(tmp_path / "other" / "checkpoint_last"), 2)  # same contents, another save
