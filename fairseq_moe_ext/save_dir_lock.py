@@ -4,11 +4,15 @@ Two jobs saving into one directory overwrite each other's rank files and manifes
 resume then reports "damaged" sets although nothing failed but the setup. fairseq-train takes the
 lock (rank 0 for a multi-worker job) before it reads or writes any checkpoint, and drops it at exit.
 
-A lock whose holder is on this host and no longer alive is stale (a job killed with SIGKILL, or
-torchrun's SIGTERM, never runs its exit handlers): it is taken over with a warning. A lock held on
-another host is never broken automatically: that host's pids cannot be checked from here, and a
-lock's age tells a long run from a dead one no better; the message names the holder and says to
-delete the file once that job is known to be gone. Nothing here imports fairseq.
+A lock is stale, and taken over with a warning, when its holder is on this host and no longer
+alive (a job killed with SIGKILL, or torchrun's SIGTERM, never runs its exit handlers), when the
+pid is alive but the process started after the lock was written (a recycled pid: containers
+restart their processes under the same small pids), or when the holder is this very job restarted
+(the same ``SLURM_JOB_ID``, or an explicit torchrun ``--rdzv-id``: a preempted and requeued job may
+come back on another node). Any other lock held on another host is never broken automatically:
+that host's pids cannot be checked from here, and a lock's age tells a long run from a dead one no
+better; the message names the holder and says to delete the file once that job is known to be
+gone. Nothing here imports fairseq.
 """
 
 import datetime
@@ -40,8 +44,15 @@ class Holder:
         return f"job {self.job} (pid {self.pid} on {self.host}, started {self.started})"
 
 
+def launcher_job_id() -> Optional[str]:
+    """The job id a launcher gave this job, kept across restarts of the job; torchrun's default
+    rendezvous id "none" names no job."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return os.environ.get("SLURM_JOB_ID") or (run_id if run_id and run_id != "none" else None)
+
+
 def this_job() -> Holder:
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+    job = launcher_job_id() or uuid.uuid4().hex[:12]
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Holder(socket.gethostname(), os.getpid(), started, job)
 
@@ -61,8 +72,9 @@ def acquire(save_dir: str, me: Optional[Holder] = None) -> Holder:
             holder = read_holder(path)
             if holder is not None and holder.host == me.host and holder.pid == me.pid:
                 return holder  # this process took it already (fairseq-train's main run twice in one process)
-            if holder is not None and holder.host == me.host and not pid_alive(holder.pid):
-                logger.warning(f"taking over the lock {path} of {holder.describe()}, which is no longer running")
+            stale = None if holder is None else why_stale(holder, me)
+            if stale is not None:
+                logger.warning(f"taking over the lock {path} of {holder.describe()}: {stale}")
                 _remove_if_held_by(path, holder)
                 continue
             raise SaveDirLockedError(_refusal(path, holder, me))
@@ -87,6 +99,33 @@ def read_holder(path: str) -> Optional[Holder]:
         return Holder(str(fields["host"]), int(fields["pid"]), str(fields["started"]), str(fields["job"]))
     except (OSError, ValueError, TypeError, KeyError):
         return None
+
+
+def why_stale(holder: Holder, me: Holder) -> Optional[str]:
+    """Why ``holder``'s lock no longer protects a running job, or None if it may."""
+    if holder.job == me.job and holder.job == launcher_job_id() and (holder.host != me.host or not pid_alive(holder.pid)):
+        return f"it is this job ({holder.job}), restarted"
+    if holder.host != me.host:
+        return None
+    if not pid_alive(holder.pid):
+        return "it is no longer running"
+    if process_started_after(holder.pid, holder.started):
+        return f"pid {holder.pid} now belongs to a process started after the lock was written (a recycled pid)"
+    return None
+
+
+def process_started_after(pid: int, moment: str) -> bool:
+    """Whether process ``pid`` started more than a second after ``moment`` (ISO 8601); False where
+    that cannot be told (no /proc, unreadable fields)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after "pid (comm)"
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+        return started > datetime.datetime.fromisoformat(moment).timestamp() + 1.0
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -24,8 +24,12 @@ def a_dead_pid() -> int:
     return child.pid
 
 
-def job(pid, host=None, name="j1"):
-    return Holder(host or save_dir_lock.this_job().host, pid, "2026-01-01T00:00:00+00:00", name)
+A_WHILE_AGO = "2026-01-01T00:00:00+00:00"  # before any process of this machine started
+
+
+def job(pid, host=None, name="j1", started=None):
+    """A lock holder; ``started`` defaults to now, as a lock written by a running job would say."""
+    return Holder(host or save_dir_lock.this_job().host, pid, started or save_dir_lock.this_job().started, name)
 
 
 def write_lock(directory, holder):
@@ -108,3 +112,30 @@ def test_a_worker_that_does_not_see_the_save_dir_stops_the_job_with_one_line_nam
     assert "a multi-worker save dir must be on a filesystem all workers share" in message
     assert "\n" not in message
     assert not list(save_dir.iterdir())
+
+
+def test_a_lock_whose_pid_now_belongs_to_a_process_started_after_it_was_written_is_taken_over(tmp_path, caplog):
+    # Containers restart their processes under the same small pids: a live pid proves nothing when
+    # that process is younger than the lock.
+    write_lock(tmp_path, job(os.getppid(), started=A_WHILE_AGO))
+    me = save_dir_lock.acquire(str(tmp_path))
+    assert save_dir_lock.read_holder(str(tmp_path / save_dir_lock.LOCK_NAME)) == me
+    assert "a recycled pid" in caplog.text
+
+
+@pytest.mark.parametrize("variable, value", [("SLURM_JOB_ID", "4242"), ("TORCHELASTIC_RUN_ID", "run-7")])
+def test_a_lock_of_this_very_job_restarted_on_another_node_is_taken_over(tmp_path, monkeypatch, caplog, variable, value):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv(variable, value)
+    write_lock(tmp_path, job(12345, host="node-before-requeue.example", name=value))
+    me = save_dir_lock.acquire(str(tmp_path))
+    assert me.job == value and save_dir_lock.read_holder(str(tmp_path / save_dir_lock.LOCK_NAME)) == me
+    assert f"it is this job ({value}), restarted" in caplog.text
+
+
+def test_torchruns_default_rendezvous_id_does_not_make_two_jobs_on_two_hosts_one_job(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    write_lock(tmp_path, job(12345, host="another-host.example", name="none"))
+    with pytest.raises(SaveDirLockedError, match="on another host"):
+        save_dir_lock.acquire(str(tmp_path))
