@@ -30,7 +30,8 @@ Hooks:
      MoE training every worker saves, under a ``-rank-R-of-W`` suffix, and only rank 0 stores the
      shared state. All of fairseq's naming, --save-interval*, --keep-* and best/last logic is kept.
      ``state["moe"]`` makes each file self-describing: rank, world size, ``experts_held`` and the
-     save's ``set_id`` (set_identity.py: derived on every worker, no collective).
+     save's ``set_id`` (set_identity.py: derived on every worker without a collective; the manifest
+     records it only when every worker derived the same one).
   6. checkpoint_utils.save_checkpoint: before it, every complete set is hard-linked as
      ``<name>.prev`` and fairseq's in-place copies become copy + rename, so a crash mid-save leaves
      the previous set loadable; afterwards the workers' new files are described (size, sha256),
