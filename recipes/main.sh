@@ -61,7 +61,7 @@ fi
 : "${MAX_UPDATE:=600}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}"
 : "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=1000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
 : "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
-: "${SYNONYMS:=3}" "${DENSE_MATCHED:=1}"
+: "${SYNONYMS:=2}" "${DENSE_MATCHED:=1}"
 
 STAGES=10
 echo "==> [1/$STAGES] environment"
