@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: a Mixture-of-Experts translation model trained end to end on this machine's CPUs.
 #
-#   bash recipes/main.sh                    # about 6 minutes on 2 cores (+ about 2 min for the venv on first use)
+#   bash recipes/main.sh                    # about 11 minutes on 2 cores (+ about 2 min for the venv on first use)
 #   EXPERTS=4 MAX_UPDATE=400 bash recipes/main.sh
 #   TINY=1 WORK=/tmp/w bash recipes/main.sh # the same pipeline in about a minute (what the tests run)
 #
@@ -38,9 +38,9 @@
 #   GATE_LOSS_WT [0.01]       balance loss weight
 #   EMBED_DIM [64] FFN_DIM [128] LAYERS [2] HEADS [4]   model shape (FFN_DIM = expert and `dense` hidden
 #                             size; `dense_matched` has TOPK x FFN_DIM)
-#   MAX_UPDATE [800] MAX_TOKENS [2048] LR [3e-3] WARMUP [100] DROPOUT [0.1] SEED [1]
+#   MAX_UPDATE [600] MAX_TOKENS [2048] LR [3e-3] WARMUP [100] DROPOUT [0.1] SEED [1]
 #   DIALECTS [8]              source dialects (domains), 1..8
-#   TRAIN_PER_DOMAIN [2000] VALID_PER_DOMAIN [50] TEST_PER_DOMAIN [100]   sentence pairs per dialect
+#   TRAIN_PER_DOMAIN [1000] VALID_PER_DOMAIN [50] TEST_PER_DOMAIN [100]   sentence pairs per dialect
 #   SRC_VOCAB [320] TGT_VOCAB [320]   sentencepiece BPE vocabulary sizes
 #   DOMAIN_TAG [1]            prepend a <2dialect> token to every source sentence (0: the model must infer
 #                             the dialect from word order and particles alone)
@@ -61,7 +61,7 @@ fi
 : "${MAX_UPDATE:=600}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}"
 : "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=1000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
 : "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
-: "${SYNONYMS:=2}" "${DENSE_MATCHED:=1}"
+: "${SYNONYMS:=1}" "${DENSE_MATCHED:=1}"
 
 STAGES=10
 echo "==> [1/$STAGES] environment"
