@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: a Mixture-of-Experts translation model trained end to end on this machine's CPUs.
 #
-#   bash recipes/main.sh                    # about 6 minutes on 2 cores (+ about 2 min for the venv on first use)
+#   bash recipes/main.sh                    # about 11 minutes on 2 cores (+ about 2 min for the venv on first use)
 #   EXPERTS=4 MAX_UPDATE=400 bash recipes/main.sh
 #   TINY=1 WORK=/tmp/w bash recipes/main.sh # the same pipeline in about a minute (what the tests run)
 #
@@ -10,15 +10,19 @@
 # recipes/make_dialects.py; each source sentence starts with its dialect's <2name> token), a
 # sentencepiece BPE model per side, fairseq-preprocess, `moe_transformer` trained on WORKERS CPU
 # workers (torchrun + gloo, expert parallel, per-rank checkpoint sets), fairseq-generate in ONE
-# process from the set, sacrebleu; the same for a dense `transformer` of the same shape (dense FFN
-# hidden size = expert hidden size); then plots of the expert load over training and of which experts
-# each dialect's tokens use, and a summary.
+# process from the set, sacrebleu; the same for two dense `transformer` baselines of the same shape:
+# `dense` (FFN hidden size = one expert's, FFN_DIM) and `dense_matched` (FFN hidden size = TOPK x
+# FFN_DIM, so a token meets as many FFN weights and FLOPs as in the MoE, which applies TOPK experts);
+# then plots of the expert load over training and of which experts each dialect's tokens use, and a
+# summary with BLEU, active parameters and FLOPs per token of all three.
 #
 # Outputs (under WORK):
-#   summary.txt                BLEU MoE vs dense (overall and per dialect), parameters, balance
+#   summary.txt                BLEU MoE vs both dense baselines (overall and per dialect),
+#                              parameters (total, active per token), FLOPs per token, balance
+#   summary.json               the same, machine-readable
 #   plots/expert_load.png      every MoE layer's per-expert share of tokens over training
 #   plots/routing_by_domain.png  dialect x expert routing matrix per MoE layer (test set)
-#   moe/ dense/                train.log, ckpt/ (MoE: checkpoint_best-rank-R-of-W.pt + .set.json),
+#   moe/ dense/ dense_matched/ train.log, ckpt/ (MoE: checkpoint_best-rank-R-of-W.pt + .set.json),
 #                              generate.out (fairseq-generate), hyp.txt, bleu.json
 #   data/                      raw/ (text + .domain labels), spm/, tok/, bin/ (fairseq-preprocess)
 # Re-running skips every step whose knobs did not change; remove WORK (or a subdirectory) to redo it.
@@ -32,15 +36,18 @@
 #   MOE_FREQ [2]              every MOE_FREQ-th layer is MoE (2 layers per side: layer 1 of each)
 #   CAPACITY_FACTOR [1.25]    training capacity (0 = dropless); inference is always dropless
 #   GATE_LOSS_WT [0.01]       balance loss weight
-#   EMBED_DIM [64] FFN_DIM [128] LAYERS [2] HEADS [4]   model shape (FFN_DIM = expert and dense hidden size)
-#   MAX_UPDATE [800] MAX_TOKENS [2048] LR [3e-3] WARMUP [100] DROPOUT [0.1] SEED [1]
+#   EMBED_DIM [64] FFN_DIM [128] LAYERS [2] HEADS [4]   model shape (FFN_DIM = expert and `dense` hidden
+#                             size; `dense_matched` has TOPK x FFN_DIM)
+#   MAX_UPDATE [600] MAX_TOKENS [2048] LR [3e-3] WARMUP [100] DROPOUT [0.1] SEED [1]
 #   DIALECTS [8]              source dialects (domains), 1..8
-#   TRAIN_PER_DOMAIN [2000] VALID_PER_DOMAIN [50] TEST_PER_DOMAIN [100]   sentence pairs per dialect
+#   TRAIN_PER_DOMAIN [1000] VALID_PER_DOMAIN [50] TEST_PER_DOMAIN [100]   sentence pairs per dialect
 #   SRC_VOCAB [320] TGT_VOCAB [320]   sentencepiece BPE vocabulary sizes
 #   DOMAIN_TAG [1]            prepend a <2dialect> token to every source sentence (0: the model must infer
 #                             the dialect from word order and particles alone)
 #   BEAM [5]                  beam size for fairseq-generate
-#   DENSE [1]                 0: skip the dense baseline
+#   SYNONYMS [1]              source forms per target word per dialect: the corpus's difficulty knob
+#   DENSE [1]                 0: skip the dense baseline of the expert's hidden size
+#   DENSE_MATCHED [1]         0: skip the compute-matched dense baseline (hidden size TOPK x FFN_DIM)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,11 +58,12 @@ fi
 : "${WORK:=./work-dirs/main}"
 : "${WORKERS:=2}" "${EXPERTS:=8}" "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}"
 : "${EMBED_DIM:=64}" "${FFN_DIM:=128}" "${LAYERS:=2}" "${HEADS:=4}"
-: "${MAX_UPDATE:=800}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}"
-: "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=2000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
+: "${MAX_UPDATE:=600}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}"
+: "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=1000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
 : "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
+: "${SYNONYMS:=1}" "${DENSE_MATCHED:=1}"
 
-STAGES=9
+STAGES=10
 echo "==> [1/$STAGES] environment"
 source recipes/lib/venv.sh
 source recipes/lib/common.sh
@@ -65,10 +73,10 @@ DATA=$WORK/data
 echo "    WORK=$WORK  workers=$WORKERS  experts=$EXPERTS  k=$TOPK  max_update=$MAX_UPDATE  seed=$SEED"
 
 stage 2 "corpus: $DIALECTS dialects -> 1 target language ($TRAIN_PER_DOMAIN/$VALID_PER_DOMAIN/$TEST_PER_DOMAIN pairs per dialect)"
-data_sig="dialects=$DIALECTS $TRAIN_PER_DOMAIN $VALID_PER_DOMAIN $TEST_PER_DOMAIN seed=$SEED"
+data_sig="dialects=$DIALECTS $TRAIN_PER_DOMAIN $VALID_PER_DOMAIN $TEST_PER_DOMAIN synonyms=$SYNONYMS seed=$SEED"
 if needs_run "$DATA/raw/.done" "$data_sig"; then
   python recipes/make_dialects.py "$DATA/raw" --dialects "$DIALECTS" --train "$TRAIN_PER_DOMAIN" \
-    --valid "$VALID_PER_DOMAIN" --test "$TEST_PER_DOMAIN" --seed "$SEED"
+    --valid "$VALID_PER_DOMAIN" --test "$TEST_PER_DOMAIN" --synonyms "$SYNONYMS" --seed "$SEED"
   mark_done "$DATA/raw/.done" "$data_sig"
 fi
 
@@ -103,23 +111,28 @@ if needs_run "$DATA/bin/.done" "$spm_sig"; then
   mark_done "$DATA/bin/.done" "$spm_sig"
 fi
 
-# Flags both models share: same shape, data, optimiser, schedule, batch and seed.
+# Flags all models share: same shape (but FFN hidden size), data, optimiser, schedule, batch and seed.
 common_args=(
   "$DATA/bin" --user-dir "$USER_DIR" --cpu --ddp-backend legacy_ddp --seed "$SEED"
-  --encoder-embed-dim "$EMBED_DIM" --encoder-ffn-embed-dim "$FFN_DIM" --encoder-layers "$LAYERS"
-  --encoder-attention-heads "$HEADS" --decoder-embed-dim "$EMBED_DIM" --decoder-ffn-embed-dim "$FFN_DIM"
+  --encoder-embed-dim "$EMBED_DIM" --encoder-layers "$LAYERS"
+  --encoder-attention-heads "$HEADS" --decoder-embed-dim "$EMBED_DIM"
   --decoder-layers "$LAYERS" --decoder-attention-heads "$HEADS" --dropout "$DROPOUT"
   --label-smoothing 0.1 --optimizer adam --adam-betas "(0.9, 0.98)" --lr "$LR"
   --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --clip-norm 1.0
   --max-tokens "$MAX_TOKENS" --max-update "$MAX_UPDATE" --no-epoch-checkpoints --num-workers 0
   --log-format json --log-interval "$(( MAX_UPDATE >= 200 ? 25 : 2 ))"
 )
+ffn_args() { echo --encoder-ffn-embed-dim "$1" --decoder-ffn-embed-dim "$1"; }
 moe_args=(
-  --arch moe_transformer --moe-expert-count "$EXPERTS" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
+  $(ffn_args "$FFN_DIM") --arch moe_transformer --moe-expert-count "$EXPERTS" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
   --moe-capacity-factor "$CAPACITY_FACTOR" --moe-eval-capacity-factor 0
   --criterion moe_label_smoothed_cross_entropy --moe-gate-loss-wt "$GATE_LOSS_WT"
 )
 dense_args=(--arch transformer --criterion label_smoothed_cross_entropy)
+# The MoE applies TOPK experts of hidden size FFN_DIM to each token, so a dense FFN of TOPK x FFN_DIM
+# costs the same per token in the MoE layers. (In the layers the MoE keeps dense, MOE_FREQ > 1, this
+# baseline spends TOPK x as much as the MoE does: it errs on the dense side; MOE_FREQ=1 matches exactly.)
+matched_ffn_dim=$(( TOPK * FFN_DIM ))
 
 # train_and_evaluate NAME STAGE ARGS...: train on WORKERS workers, then generate in one process.
 train_and_evaluate() {
@@ -145,26 +158,32 @@ train_and_evaluate() {
 
 train_and_evaluate moe 5 "${moe_args[@]}"
 if [ "$DENSE" = 1 ]; then
-  train_and_evaluate dense 6 "${dense_args[@]}"
+  train_and_evaluate dense 6 $(ffn_args "$FFN_DIM") "${dense_args[@]}"
 else
   stage 6 "dense baseline skipped (DENSE=0)"
 fi
+if [ "$DENSE_MATCHED" = 1 ]; then
+  train_and_evaluate dense_matched 7 $(ffn_args "$matched_ffn_dim") "${dense_args[@]}"
+else
+  stage 7 "compute-matched dense baseline skipped (DENSE_MATCHED=0)"
+fi
 
-stage 7 "routing by domain: which experts each dialect's tokens use (test set, merged set in one process)"
+stage 8 "routing by domain: which experts each dialect's tokens use (test set, merged set in one process)"
 python recipes/routing_by_domain.py --data "$DATA/bin" --path "$WORK/moe/ckpt/checkpoint_best.pt" \
   --domains "$DATA/raw/test.domain" --subset test --png "$WORK/plots/routing_by_domain.png" \
   --json-out "$WORK/routing.json" --title "routing by dialect (E=$EXPERTS, k=$TOPK, test set)" 2>&1 \
   | grep -v "^INFO:"
 
-stage 8 "plot expert load over training"
+stage 9 "plot expert load over training"
 python recipes/plot_expert_load.py "$WORK/moe/train.log" --png "$WORK/plots/expert_load.png" \
   --title "expert load during training (E=$EXPERTS, k=$TOPK, capacity factor $CAPACITY_FACTOR, $WORKERS workers)"
 
-stage 9 "summary"
+stage 10 "summary"
 runs=(--run MoE "$WORK/moe")
 [ "$DENSE" = 1 ] && runs+=(--run dense "$WORK/dense")
+[ "$DENSE_MATCHED" = 1 ] && runs+=(--run dense_matched "$WORK/dense_matched")
 python recipes/summarize_translation.py "${runs[@]}" --routing "$WORK/routing.json" \
-  --title "main job: $DIALECTS dialects -> 1 target; moe_transformer E=$EXPERTS k=$TOPK vs dense transformer; $WORKERS CPU workers" \
+  --title "main job: $DIALECTS dialects -> 1 target; moe_transformer E=$EXPERTS k=$TOPK vs dense transformer (FFN $FFN_DIM and $matched_ffn_dim); $WORKERS CPU workers" \
   --out "$WORK/summary.txt" --json-out "$WORK/summary.json" 2>&1 | grep -v "^INFO:"
 echo
 echo "    plots: $WORK/plots/expert_load.png  $WORK/plots/routing_by_domain.png"

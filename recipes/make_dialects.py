@@ -66,10 +66,10 @@ DIALECTS = {
 PARTICLES = {p for d in DIALECTS.values() for p in d.particles if p}
 
 
-def word_pool(rng: random.Random) -> list:
-    """One invented word per target word, distinct, never a particle."""
+def word_pool(rng: random.Random, size: int) -> list:
+    """SIZE invented words, distinct, never a particle."""
     pool = []
-    while len(pool) < len(TARGET_WORDS):
+    while len(pool) < size:
         syllables = rng.choice([2, 2, 3])
         word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) for _ in range(syllables)) + rng.choice(CODAS)
         if word not in pool and word not in PARTICLES:
@@ -77,14 +77,19 @@ def word_pool(rng: random.Random) -> list:
     return pool
 
 
-def dialect_lexicons(rng: random.Random) -> dict:
-    """Every dialect uses the whole pool, each with its own meanings (no word keeps one across all)."""
-    pool = word_pool(rng)
+def dialect_lexicons(rng: random.Random, synonyms: int = 1) -> dict:
+    """Every dialect uses the whole pool, each with its own meanings (no word keeps one across all).
+
+    Each target word gets SYNONYMS source forms per dialect (a tuple), so a dialect has SYNONYMS
+    times as many word-meaning pairs to learn from the same number of sentences: the corpus's
+    difficulty knob. A form still has one meaning per dialect, so translation stays unambiguous.
+    """
+    pool = word_pool(rng, len(TARGET_WORDS) * synonyms)
     lexicons = {}
     for name in DIALECTS:
         forms = pool[:]
         rng.shuffle(forms)
-        lexicons[name] = dict(zip(TARGET_WORDS, forms))
+        lexicons[name] = {word: tuple(forms[i * synonyms:(i + 1) * synonyms]) for i, word in enumerate(TARGET_WORDS)}
     return lexicons
 
 
@@ -124,9 +129,14 @@ def reorder(parse: dict, dialect: Dialect) -> list:
     return words[::-1] if dialect.mirrored else words
 
 
-def render(parse: dict, name: str, lexicon: dict) -> str:
-    # Particles are dialect words already; everything else goes through the lexicon.
-    return " ".join(lexicon.get(w, w) for w in reorder(parse, DIALECTS[name]))
+def render(parse: dict, name: str, lexicon: dict, rng: random.Random) -> str:
+    # Particles are dialect words already; everything else goes through the lexicon. The rng is
+    # only drawn from when there is a choice, so SYNONYMS=1 writes the corpus it always wrote.
+    words = []
+    for w in reorder(parse, DIALECTS[name]):
+        forms = lexicon.get(w, (w,))
+        words.append(forms[0] if len(forms) == 1 else rng.choice(forms))
+    return " ".join(words)
 
 
 def target(parse: dict) -> str:
@@ -140,14 +150,18 @@ def main(argv=None):
     parser.add_argument("--valid", type=int, default=100, help="validation pairs per dialect")
     parser.add_argument("--test", type=int, default=200, help="test pairs per dialect")
     parser.add_argument("--dialects", type=int, default=len(DIALECTS), help=f"how many of the {len(DIALECTS)} dialects")
+    parser.add_argument("--synonyms", type=int, default=1,
+                        help="source forms per target word per dialect (more = harder: more to learn)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if not 1 <= args.dialects <= len(DIALECTS):
         parser.error(f"--dialects must be between 1 and {len(DIALECTS)}")
+    if args.synonyms < 1:
+        parser.error(f"--synonyms must be 1 or more, got {args.synonyms}")
 
     rng = random.Random(args.seed)
     names = list(DIALECTS)[: args.dialects]
-    lexicons = dialect_lexicons(rng)
+    lexicons = dialect_lexicons(rng, args.synonyms)
     args.outdir.mkdir(parents=True, exist_ok=True)
     seen = set()
     for split in ("train", "valid", "test"):
@@ -159,13 +173,13 @@ def main(argv=None):
                 if target(parse) not in seen:
                     break
             seen.add(target(parse))
-            src.append(render(parse, name, lexicons[name]))
+            src.append(render(parse, name, lexicons[name], rng))
             tgt.append(target(parse))
             dom.append(name)
         for ext, lines in (("src", src), ("tgt", tgt), ("domain", dom)):
             (args.outdir / f"{split}.{ext}").write_text("\n".join(lines) + "\n")
     for name in names:
-        print(f"{name:>9}: {render(sentence(random.Random(7)), name, lexicons[name])}")
+        print(f"{name:>9}: {render(sentence(random.Random(7)), name, lexicons[name], random.Random(7))}")
     print(f"{'target':>9}: {target(sentence(random.Random(7)))}")
 
 

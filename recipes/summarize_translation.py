@@ -1,11 +1,14 @@
-"""The main job's summary: MoE vs dense, side by side, from what the earlier stages wrote.
+"""The main job's summary: MoE vs the dense baselines, side by side, from what the earlier stages wrote.
 
 Each run directory holds ``train.log`` (fairseq-train, ``--log-format json``), ``bleu.json``
 (score_translations.py) and ``ckpt/checkpoint_best.pt`` (a per-rank set or a single file; fairseq's
-loader, as patched by the plugin, merges a set given by its manifest). Parameters are counted from the checkpoint; a
-token's *active* parameters count k of the E experts in each MoE layer.
+loader, as patched by the plugin, merges a set given by its manifest). Parameters and forward FLOPs per token
+are counted from the checkpoint (model_cost.py says what is counted); a token's *active* parameters count k of
+the E experts in each MoE layer. When a dense run has at least the MoE's FLOPs per token and no higher BLEU,
+the summary says so in words: the MoE then did not beat a dense model of equal compute.
 
   python recipes/summarize_translation.py --run MoE work/moe --run dense work/dense \
+      --run dense_matched work/dense_matched \
       --routing work/routing.json --out work/summary.txt
 """
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from fairseq import checkpoint_utils
 from fairseq_moe_ext import checkpoint as moe_checkpoint
+from model_cost import model_cost
 
 RECORD = re.compile(r"\| (train_inner|valid) \| (\{.*\})\s*$")
 
@@ -29,35 +33,55 @@ def records(log_file: Path, kind: str) -> list:
     return found
 
 
-def parameter_counts(checkpoint: Path):
-    """(total, active per token, experts E, top-k) from a checkpoint's model state."""
+def checkpoint_cost(checkpoint: Path) -> dict:
+    """model_cost() of a checkpoint's model state, with its experts E and top-k (None when dense)."""
     # fairseq's loader takes a set by its manifest (and merges it); resolve() finds the manifest
     # or the single file that the rank-less name stands for.
     state = checkpoint_utils.load_checkpoint_to_cpu(moe_checkpoint.resolve(str(checkpoint)).path)
     model_cfg = state["cfg"]["model"]
     tensors = {k: v for k, v in state["model"].items() if not k.endswith((".version", "_float_tensor"))}
-    total = sum(v.numel() for v in tensors.values())
     expert_keys = set(state.get("moe", {}).get("expert_keys", []))
     experts = getattr(model_cfg, "moe_expert_count", None) if expert_keys else None
     k = getattr(model_cfg, "moe_top_k", None) if expert_keys else None
-    expert_total = sum(tensors[key].numel() for key in expert_keys)
-    active = total - expert_total + (expert_total * k // experts if experts else 0)
-    return total, active, experts, k
+    return dict(model_cost(tensors, expert_keys, experts, k), experts=experts, k=k)
+
+
+def parameter_counts(checkpoint: Path):
+    """(total, active per token, experts E, top-k) from a checkpoint's model state."""
+    cost = checkpoint_cost(checkpoint)
+    return cost["total"], cost["active"], cost["experts"], cost["k"]
 
 
 def describe(name: str, directory: Path) -> dict:
     train = records(directory / "train.log", "train_inner")
     valid = records(directory / "train.log", "valid")
     bleu = json.loads((directory / "bleu.json").read_text())
-    total, active, experts, k = parameter_counts(directory / "ckpt" / "checkpoint_best.pt")
+    cost = checkpoint_cost(directory / "ckpt" / "checkpoint_best.pt")
     best = min(valid, key=lambda r: float(r["valid_loss"])) if valid else {}
     last = train[-1] if train else {}
     return {
-        "name": name, "bleu": bleu, "total": total, "active": active, "experts": experts, "k": k,
+        "name": name, "bleu": bleu, **cost, "flops": cost["encoder_flops"] + cost["decoder_flops"],
         "updates": last.get("num_updates", "?"), "wall": last.get("wall", "?"),
         "valid_nll": best.get("valid_nll_loss", best.get("valid_loss", "?")), "valid_ppl": best.get("valid_ppl", "?"),
         "last": last,
     }
+
+
+def comparisons(moe: dict, dense_runs: list) -> list:
+    """One line per dense run: the BLEU difference, and whether the MoE beat equal (or more) compute."""
+    lines = []
+    for dense in dense_runs:
+        gain = moe["bleu"]["bleu"] - dense["bleu"]["bleu"]
+        compute = dense["flops"] / moe["flops"]
+        if compute < 1:
+            verdict = f"the dense model spends only {compute:.0%} of the MoE's FLOPs per token"
+        elif gain > 0:
+            verdict = f"the MoE beats a dense model with {compute:.0%} of its FLOPs per token"
+        else:
+            verdict = (f"the MoE does NOT beat a dense model with {compute:.0%} of its FLOPs per token: "
+                       "at equal compute its extra experts bought no BLEU here")
+        lines.append(f"  {moe['name']} - {dense['name']}: {gain:+.2f} BLEU; {verdict}")
+    return lines
 
 
 def main(argv=None):
@@ -84,12 +108,17 @@ def main(argv=None):
     row("best valid ppl", [r["valid_ppl"] for r in runs])
     row("parameters, total", [f"{r['total']:,}" for r in runs])
     row("parameters, active per token", [f"{r['active']:,}" for r in runs])
+    row("FLOPs per token, encoder", [f"{r['encoder_flops']:,}" for r in runs])
+    row("FLOPs per token, decoder", [f"{r['decoder_flops']:,}" for r in runs])
     row("experts per MoE layer, top-k", [f"{r['experts']}, k={r['k']}" if r["experts"] else "-" for r in runs])
     row("updates", [r["updates"] for r in runs])
     row("training wall time (s)", [r["wall"] for r in runs])
 
     moe = next((r for r in runs if r["experts"]), None)
     if moe:
+        lines += ["", "forward FLOPs per token: 2 x the weight-matrix elements a token is multiplied by (its k experts,",
+                  "not all E); attention scores, biases and norms not counted (recipes/model_cost.py)"]
+        lines += comparisons(moe, [r for r in runs if r is not moe])
         last = moe["last"]
         lines += ["", f"{moe['name']} routing over the last log interval of training:"]
         lines.append(f"  balance loss {last.get('moe_gate_loss', '?')} (1.0 = perfectly balanced, E = collapsed onto one expert)")

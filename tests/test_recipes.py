@@ -53,16 +53,16 @@ def hypotheses(generate_out: Path) -> list:
 
 
 @pytest.mark.slow
-def test_main_job_tiny_mode_trains_both_models_generates_scores_and_plots(tmp_path):
+def test_main_job_tiny_mode_trains_moe_and_both_dense_baselines_generates_scores_and_plots(tmp_path):
     work = tmp_path / "main"
     output = run_recipe("main.sh", work, TINY="1")
-    for stage in range(1, 10):
-        assert f"==> [{stage}/9]" in output
+    for stage in range(1, 11):
+        assert f"==> [{stage}/10]" in output
 
     assert_set(work / "moe" / "ckpt")
     test_lines = len((work / "data" / "raw" / "test.tgt").read_text().splitlines())
     domains = set((work / "data" / "raw" / "test.domain").read_text().split())
-    for run in ("moe", "dense"):
+    for run in ("moe", "dense", "dense_matched"):
         assert "BLEU4" in (work / run / "generate.out").read_text().splitlines()[-1]
         assert len(hypotheses(work / run / "generate.out")) == test_lines
         bleu = json.loads((work / run / "bleu.json").read_text())
@@ -77,7 +77,19 @@ def test_main_job_tiny_mode_trains_both_models_generates_scores_and_plots(tmp_pa
         assert 0.0 <= layer["mi_fraction"] <= 1.0
 
     summary = (work / "summary.txt").read_text()
-    assert "test BLEU (sacrebleu)" in summary and "MoE" in summary and "dense" in summary
+    assert "test BLEU (sacrebleu)" in summary and "MoE" in summary and "dense_matched" in summary
+    assert "FLOPs per token, encoder" in summary and "FLOPs per token, decoder" in summary
+    for baseline in ("dense", "dense_matched"):
+        assert f"MoE - {baseline}: " in summary
+    costs = json.loads((work / "summary.json").read_text())
+    moe, dense, matched = costs["MoE"], costs["dense"], costs["dense_matched"]
+    # The TINY shape: width 64, 2 layers per side, FFN_DIM 128, k=2, every 2nd layer MoE with E=8.
+    for side in ("encoder_flops", "decoder_flops"):
+        # dense_matched's FFNs are 2 x 128 wide in both layers: 2 layers x 2 matrices x 64 x 128 more, x 2 FLOPs.
+        assert matched[side] - dense[side] == 2 * 2 * 64 * 128 * 2
+        # The MoE's layer 1 runs k=2 experts of 128 plus a router of 8 x 64; its layer 0 is dense_matched's half.
+        assert moe[side] == matched[side] - 2 * 64 * 128 * 2 + 8 * 64 * 2
+    assert dense["flops"] < moe["flops"] < matched["flops"] and moe["active"] < moe["total"]
     assert "balance loss" in summary and "dropped fraction" in summary and "enc1: I =" in summary
     assert summary in output  # the summary is also what the job prints last
 
