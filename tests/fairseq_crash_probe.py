@@ -38,6 +38,9 @@ def main():
     from fairseq_cli import train
 
     from fairseq_moe_ext.moe import comm
+    from full_precision_logs import log_every_digit
+
+    log_every_digit()  # the tests compare logged losses exactly (after fairseq_cli.train set up logging)
 
     rank = int(os.environ.get("RANK", 0))
     report_dir = os.environ.get("CRASH_PID_DIR")

@@ -118,7 +118,7 @@ def expert_parallel_worker(rank, world, data_dir, shares, backend, extra, count)
         # router scores alone: in batch order it would depend on how fairseq's collater sorts the
         # single process's batch, which differs from the workers' batches laid end to end.
         ("legacy_ddp", [5, 7], ["--moe-capacity-factor", "0.5", "--moe-batch-prioritized-routing"], 1),
-        ("c10d", [4, 6], ["--update-freq", "2"], 2),  # gradient accumulation over two micro-batches
+        ("pytorch_ddp", [4, 6], ["--update-freq", "2"], 2),  # gradient accumulation; c10d is its alias in fairseq
     ],
 )
 def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp_path, backend, shares, extra, count):
@@ -144,6 +144,43 @@ def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp
             got = results[0]["params"][name]
             assert torch.equal(got, results[1]["params"][name]), f"shared {name} differs across ranks"
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def router_update_and_balance_gradient(data_dir, gate_loss_wt):
+    """One single-process step without clipping: the decoder router's gradient as the update reveals
+    it (SGD: ``-lr * grad``), and the gradient of the GShard/Switch balance loss w.r.t. that router's
+    weight, written from its definition on the router's input tokens."""
+    from test_moe_objective_oracle import switch_balance_loss
+
+    argv = training_args(data_dir, 1, ["--clip-norm", "0"])
+    argv[argv.index("--moe-gate-loss-wt") + 1] = str(gate_loss_wt)
+    task, trainer = build_trainer(argv)
+    router = trainer.get_model().decoder.layers[1].fc1.router
+    before = router.wg.weight.detach().clone()
+    seen = []
+    hook = router.register_forward_hook(lambda m, inputs, routing: seen.append((inputs[0].detach(), routing)) and None)
+    trainer.train_step([collate(task, sentence_pairs(12))])
+    hook.remove()
+    (tokens, routing), = seen
+    weight = before.clone().requires_grad_()
+    logits = tokens.float() @ weight.t()
+    top1 = routing.expert_index[:, 0]
+    assert torch.equal(top1, logits.detach().argmax(-1))
+    balance_gradient, = torch.autograd.grad(switch_balance_loss(logits, top1), weight)
+    return (before - router.wg.weight.detach()) / 0.5, balance_gradient
+
+
+def test_the_reference_steps_router_gradient_carries_the_balance_loss_gradient_of_its_definition(tmp_path):
+    """The single-process step that the workers are compared with shares the plugin's loss code; this
+    checks that code's router gradient independently: raising --moe-gate-loss-wt from 0 to 0.5 adds
+    0.5 x (1/2 for averaging over two MoE layers) x the definition's gradient, and nothing more."""
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    without, _ = router_update_and_balance_gradient(data_dir, 0.0)
+    with_balance, balance_gradient = router_update_and_balance_gradient(data_dir, 0.5)
+    want = 0.5 * 0.5 * balance_gradient
+    assert want.abs().max() > 1e-2 * without.abs().max(), "the balance term should be visible"
+    torch.testing.assert_close(with_balance - without, want, rtol=1e-3, atol=1e-4 * float(without.abs().max()))
 
 
 def error_of_worker(rank, world, data_dir, flag, value_by_rank, build_step):

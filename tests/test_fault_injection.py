@@ -25,6 +25,7 @@ import torch
 
 from dist_utils import free_port
 from fairseq_helpers import USER_DIR, fairseq_env, preprocess_parallel, tail, write_parallel_corpus
+from full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
 PROBE = Path(__file__).parent / "fairseq_crash_probe.py"
@@ -166,6 +167,7 @@ def uninterrupted(data, tmp_path_factory):
     assert job.wait() == 0, tail(job.output(0) + job.launcher_output, 60)
     losses = job.losses()
     assert sorted(losses) == list(range(1, LAST_UPDATE + 1)), "all updates within one epoch, each logged"
+    assert carries_every_digit(losses.values()), "the probe should log losses unrounded"
     assert "begin training epoch 2" not in job.output(0), "the chain must stay within the first epoch"
     interval_sets = sorted(p.name for p in (root / "ck").glob("checkpoint_1_*.set.json"))
     assert len(interval_sets) == 2, f"--keep-interval-updates 2 pruned the older sets: {interval_sets}"

@@ -91,15 +91,34 @@ def test_first_choices_are_served_before_any_second_choice():
     layer = make_layer(k=2, cf=0.5)  # capacity 2 * int(0.5 * 2) = 2 per expert for 8 tokens
     with torch.no_grad():
         layer.router.wg.weight.zero_()
-        layer.router.wg.weight[0, 0] = 10.0  # every token: first choice expert 0
-        layer.router.wg.weight[1, 1] = 5.0  # second choice expert 1
+        layer.router.wg.weight[0, 0] = 10.0
+        layer.router.wg.weight[1, 1] = 10.0
+    # Tokens 0-3 pick expert 1 then 0, tokens 4-7 expert 0 then 1: in batch order, tokens 0 and 1's
+    # second choices reach expert 0 before tokens 4 and 5's first choices, and must still lose.
     x = torch.zeros(8, D)
-    x[:, 0] = 1.0
-    x[:, 1] = 1.0
+    x[:4, 0], x[:4, 1] = 0.5, 1.0
+    x[4:, 0], x[4:, 1] = 1.0, 0.5
+    x[:, 2:] = torch.randn(8, D - 2) * 0.01  # distinct tokens (the router ignores these features)
+    first_choices_that_fit = {(0, 0), (1, 0), (4, 0), (5, 0)}
     _, kept = reference_moe(layer, x)
-    assert kept == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    assert kept == first_choices_that_fit
+
+    routing = layer.router(x)
+    assert routing.expert_index.tolist() == [[1, 0]] * 4 + [[0, 1]] * 4
+    keep = layer._slots_within_capacity(routing, expert_capacity(8, E, 2, 0.5))
+    assert {(t, j) for t, j in keep.nonzero().tolist()} == first_choices_that_fit
     y, aux = layer.forward_with_aux(x)
     assert aux.stats["dropped_slots"].item() == 12
+    y_ref, _ = reference_moe(layer, x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    served = (y.abs().sum(-1) > 0).nonzero().squeeze(1).tolist()
+    assert served == [0, 1, 4, 5]
+    for t in served:  # only the first choice reaches the output
+        first = routing.expert_index[t, 0].item()
+        ex = layer.experts
+        hidden = F.relu(F.linear(x[t], ex.batched_fc1_w[first], ex.batched_fc1_b[first]))
+        expert_alone = F.linear(hidden, ex.batched_fc2_w[first], ex.batched_fc2_b[first])
+        torch.testing.assert_close(y[t], routing.gates[t, 0] * expert_alone, rtol=1e-5, atol=1e-6)
 
 
 def collapse_router(layer, scale=50.0):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
     assert_shared_identical_experts_distinct_norms_equal,
@@ -31,6 +32,7 @@ from fairseq_helpers import (
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent
+TRAIN_EVERY_DIGIT = TESTS / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
 BIN = Path(sys.executable).parent
 
 
@@ -70,8 +72,8 @@ def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct
 def two_worker_run(data, tmp_path_factory):
     """A 2-worker run saved at update 4 (mid-epoch) and the same run uninterrupted to update 8."""
     root = tmp_path_factory.mktemp("sets")
-    uninterrupted = torchrun(2, BIN / "fairseq-train", moe_args(data, root / "full", 8))
-    torchrun(2, BIN / "fairseq-train", moe_args(data, root / "ck", 4))
+    uninterrupted = torchrun(2, TRAIN_EVERY_DIGIT, moe_args(data, root / "full", 8))
+    torchrun(2, TRAIN_EVERY_DIGIT, moe_args(data, root / "ck", 4))
     snapshot = root / "at4"
     shutil.copytree(root / "ck", snapshot)
     return {"root": root, "save_dir": root / "ck", "at4": snapshot, "uninterrupted": uninterrupted}
@@ -96,11 +98,12 @@ def test_a_set_stores_shared_state_once(two_worker_run, tmp_path):
 
 
 def test_resuming_with_the_same_world_size_reproduces_the_uninterrupted_run(two_worker_run, data):
-    resumed = torchrun(2, BIN / "fairseq-train", moe_args(data, two_worker_run["save_dir"], 8))
+    resumed = torchrun(2, TRAIN_EVERY_DIGIT, moe_args(data, two_worker_run["save_dir"], 8))
     assert "loading set" in resumed
     want = losses_by_update(two_worker_run["uninterrupted"])
     got = losses_by_update(resumed)
     assert sorted(got) == [5, 6, 7, 8]
+    assert carries_every_digit(want.values()) and carries_every_digit(got.values()), "losses rounded for display"
     assert all(got[u] == want[u] for u in got), (got, want)
 
 
