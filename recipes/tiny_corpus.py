@@ -33,7 +33,7 @@ def translation(args) -> None:
     args.outdir.mkdir(parents=True, exist_ok=True)
     for split, size in zip(args.splits.split(","), args.sizes):
         parses = [sentence(rng) for _ in range(size)]
-        for lang, text in ((args.src, lambda p: render(p, dialect, lexicons[dialect])), (args.tgt, target)):
+        for lang, text in ((args.src, lambda p: render(p, dialect, lexicons[dialect], rng)), (args.tgt, target)):
             lines = [with_bpe_markers(text(p)) for p in parses]
             (args.outdir / f"{split}.{lang}").write_text("\n".join(lines) + "\n")
 

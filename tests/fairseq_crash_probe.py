@@ -11,7 +11,10 @@ The kill happens on worker RANK while it produces update UPDATE (or saves it), a
   stall:N       not a kill: the worker sleeps N seconds before the step, alive but stuck
   external      never from inside: with CRASH_PID_DIR set, every worker writes its pid there (and,
                 before each step, the number of updates done) so that the test can SIGKILL it
-                from outside at a time of its choosing
+                from outside at a time of its choosing; worker RANK lingers LINGER_S seconds after
+                producing UPDATE, so a kill sent within that much of the step's start lands while
+                UPDATE is produced, before its save (a fast step would otherwise let the job run
+                on, and save updates that the next trial of a chain means to kill)
 Without CRASH_PLAN it is plain fairseq-train. The other workers are then stopped by torchrun, as
 in a real crash.
 
@@ -25,6 +28,8 @@ would be complete).
 import os
 import signal
 import sys
+
+LINGER_S = 2.0  # longer than the test's largest delay (0.4 s) plus its polling and scheduling lag
 
 
 def die():
@@ -130,7 +135,20 @@ def main():
             return stalling_train_step(self, *args, **kwargs)
 
         Trainer.train_step = stalled_train_step
-    elif phase != "external":
+    elif phase == "external":
+        import time
+
+        lingering_train_step = Trainer.train_step
+
+        def train_step_then_linger(self, *args, **kwargs):
+            producing = self.get_num_updates() == update - 1
+            result = lingering_train_step(self, *args, **kwargs)
+            if producing:
+                time.sleep(LINGER_S)
+            return result
+
+        Trainer.train_step = train_step_then_linger
+    else:
         raise SystemExit(f"unknown CRASH_PLAN phase {phase!r}")
     run_fairseq_train(train)
 
