@@ -25,19 +25,15 @@ from fairseq.distributed import ModuleProxyWrapper
 
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
+from .process_state import STATE
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
-# Set once an MoE model is wrapped for multi-worker training (see the clip_grad_norm_ hook).
-EXPERT_PARALLEL_TRAINING = False
-_GROUP_CACHE = {}
-_LOCAL_EXPERTS = [0]  # > 0 while models are built for inference with every expert local
-_COMM_TIMEOUT_S = [1800.0]
 
 
 def set_comm_timeout(seconds: float) -> None:
     """How long an MoE collective waits for a stalled peer before failing (``--moe-comm-timeout``).
     Applies to expert-parallel groups created afterwards."""
-    _COMM_TIMEOUT_S[0] = float(seconds)
+    STATE.comm_timeout_s = float(seconds)
 
 
 @contextmanager
@@ -45,11 +41,11 @@ def all_experts_local():
     """Models built inside hold every expert, whatever the world size (generation, evaluation:
     fairseq's generators run a different number of steps per worker, so no worker may wait for
     another's experts)."""
-    _LOCAL_EXPERTS[0] += 1
+    STATE.all_experts_local_depth += 1
     try:
         yield
     finally:
-        _LOCAL_EXPERTS[0] -= 1
+        STATE.all_experts_local_depth -= 1
 
 
 def expert_parallel_group():
@@ -59,16 +55,15 @@ def expert_parallel_group():
     A dedicated group (same members as the default one) keeps the MoE all-to-alls in their own
     queue, separate from the gradient all-reduces that data-parallel wrappers issue asynchronously.
     """
-    if _LOCAL_EXPERTS[0] or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if STATE.all_experts_local_depth or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     # A new default group (re-initialised job) or another timeout needs a new MoE group.
-    key = (id(dist.group.WORLD), _COMM_TIMEOUT_S[0])
-    if key not in _GROUP_CACHE:
-        _GROUP_CACHE.clear()
-        _GROUP_CACHE[key] = dist.new_group(
-            list(range(dist.get_world_size())), timeout=timedelta(seconds=_COMM_TIMEOUT_S[0])
-        )
-    return _GROUP_CACHE[key]
+    key = (id(dist.group.WORLD), STATE.comm_timeout_s)
+    if key not in STATE.expert_groups:
+        STATE.expert_groups.clear()
+        timeout = None if STATE.comm_timeout_s is None else timedelta(seconds=STATE.comm_timeout_s)
+        STATE.expert_groups[key] = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+    return STATE.expert_groups[key]
 
 
 def expert_parallel_world_size() -> int:

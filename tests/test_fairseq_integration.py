@@ -10,6 +10,7 @@ import torch
 import fairseq_moe_ext  # noqa: F401  (installs the hooks)
 from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext import fairseq_integration
+from fairseq_moe_ext.process_state import STATE
 
 # sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3 (and the one
 # argparse method hooked, from Python 3.11, and torch 2.13's GradScaler.step, whose found-inf record
@@ -98,7 +99,7 @@ def test_the_gradient_norm_of_an_moe_model_counts_its_experts():
 def test_flattened_fp16_gradients_are_refused_in_multi_worker_training(monkeypatch):
     from fairseq import utils
 
-    monkeypatch.setattr(moe_dist, "EXPERT_PARALLEL_TRAINING", True)
+    monkeypatch.setattr(STATE, "expert_parallel_training", True)
     flat = torch.nn.Parameter(torch.zeros(4))
     flat.grad = torch.ones(4)
     with pytest.raises(RuntimeError, match="--fp16-no-flatten-grads"):

@@ -18,16 +18,8 @@ from fairseq.utils import safe_getattr
 
 from ..distributed import expert_parallel_group
 from ..moe import MoELayer
+from ..process_state import STATE
 from .moe_config import moe_freq
-
-
-class DummyBatch:
-    """True while the trainer runs one of fairseq's dummy batches (a worker whose data shard ran
-    out repeats a batch with its loss multiplied by 0). Its tokens must still travel through the
-    all-to-all, so every worker issues the same collectives, but must not count in the group's
-    routing statistics, capacity or balance loss: they are all treated as padding."""
-
-    active = False
 
 
 class MoEFeedForward(MoELayer):
@@ -37,7 +29,11 @@ class MoEFeedForward(MoELayer):
     padding_mask: Optional[torch.Tensor] = None
 
     def forward(self, x):
-        if DummyBatch.active:
+        if STATE.dummy_batch:
+            # fairseq's dummy batch (a worker whose data shard ran out repeats a batch with its loss
+            # multiplied by 0): its tokens still travel through the all-to-all, so every worker
+            # issues the same collectives, but count in no routing statistic, capacity or balance
+            # loss: they are all treated as padding.
             return super().forward(x, torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device))
         mask = self.padding_mask
         if mask is not None:

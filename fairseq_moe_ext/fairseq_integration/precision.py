@@ -1,5 +1,5 @@
 """Mixed precision as fairseq users type it (--bf16, --amp, --fp16) in MoE training, and what fairseq
-does when a step produces NaN/inf (crash.pt, NanDetector). Hooks 11-15 of fairseq_integration.
+does when a step produces NaN/inf (crash.pt, NanDetector). Hooks 11-15 of the table in ``__init__``.
 
 Why each one exists, in fairseq 0.12.3:
 
@@ -28,6 +28,12 @@ import sys
 
 import torch
 from omegaconf import open_dict
+from torch.amp.grad_scaler import OptState
+
+from .. import distributed as moe_dist
+from ..checkpoint import rank_suffix, split_rank_suffix
+from ..process_state import STATE
+from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +41,7 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------- 11. --bf16 does not imply --tpu
 
 
-def _wrap_parse_args_and_arch(original):
+def wrap_parse_args_and_arch(original):
     @functools.wraps(original)
     def parse_args_and_arch(parser, input_args=None, *args, **kwargs):
         result = original(parser, input_args, *args, **kwargs)
@@ -65,7 +71,7 @@ def keep_tpu_off_unless_asked(args, tpu_asked: bool) -> None:
 # ---------------------------------------------------------------- 12. --fp16 keeps the expert marker
 
 
-def _wrap_build_optimizer(original):
+def wrap_build_optimizer(original):
     @functools.wraps(original)
     def _build_optimizer(self):
         common = self.cfg.common
@@ -84,32 +90,27 @@ def _wrap_build_optimizer(original):
 
 def needs_expert_marker(trainer) -> bool:
     """Several workers and expert parameters: the gradient norm must tell experts from shared weights."""
-    from . import distributed as moe_dist
-
     # The unwrapped model: touching trainer.model would build the DDP wrapper here.
     return trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
 
 
 # ---------------------------------------------------------------- 13. --amp skips on every worker or none
 
-_OVERFLOW = "_moe_ext_global_overflow"  # on the AMPOptimizer: what the last global gradient norm said
-
-
-def _wrap_amp_clip_grad_norm(original):
+def wrap_amp_clip_grad_norm(original):
     @functools.wraps(original)
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         grad_norm = original(self, max_norm, aggregate_norm_fn)
-        self.__dict__[_OVERFLOW] = not bool(torch.isfinite(grad_norm).all())
+        STATE.amp_overflow[self] = not bool(torch.isfinite(grad_norm).all())
         return grad_norm
 
     return clip_grad_norm
 
 
-def _wrap_amp_step(original):
+def wrap_amp_step(original):
     @functools.wraps(original)
     def step(self):
         scaler = self.scaler
-        overflow = self.__dict__.pop(_OVERFLOW, None)
+        overflow = STATE.amp_overflow.pop(self, None)
         if not scaler.is_enabled():
             return original(self)
         if overflow:
@@ -124,8 +125,6 @@ def mark_overflow(scaler, optimizer) -> None:
     """Make ``scaler.step(optimizer)`` skip and ``scaler.update()`` back off, as if this worker had
     found the inf itself. Before clip_grad_norm unscaled the gradients there is nothing recorded yet:
     unscale here, so the record exists."""
-    from torch.amp.grad_scaler import OptState
-
     state = scaler._per_optimizer_states[id(optimizer)]
     if state["stage"] is OptState.READY:
         scaler.unscale_(optimizer)
@@ -136,7 +135,7 @@ def mark_overflow(scaler, optimizer) -> None:
 # ---------------------------------------------------------------- 14. one crash file per worker
 
 
-def _wrap_trainer_save_checkpoint(original):
+def wrap_trainer_save_checkpoint(original):
     @functools.wraps(original)
     def save_checkpoint(self, filename, extra_state):
         return original(self, per_worker_name(self, filename), extra_state)
@@ -147,10 +146,7 @@ def _wrap_trainer_save_checkpoint(original):
 def per_worker_name(trainer, filename: str) -> str:
     """``crash.pt`` (the only name fairseq saves under without the trainer's suffix) becomes
     ``crash-rank-R-of-W.pt`` when every worker of an MoE run saves."""
-    from .checkpoint import rank_suffix, split_rank_suffix
-    from .fairseq_integration import _is_expert_parallel_trainer
-
-    if not filename.endswith(".pt") or not _is_expert_parallel_trainer(trainer):
+    if not filename.endswith(".pt") or not is_expert_parallel_trainer(trainer):
         return filename
     if split_rank_suffix(filename)[1] is not None:
         return filename
@@ -161,7 +157,7 @@ def per_worker_name(trainer, filename: str) -> str:
 # ---------------------------------------------------------------- 15. NanDetector sees MoE outputs
 
 
-def _wrap_nan_detector_add_hooks(original):
+def wrap_nan_detector_add_hooks(original):
     @functools.wraps(original)
     def add_hooks(self, module):
         if self.forward:
@@ -198,7 +194,7 @@ def first_tensor(value):
     return None
 
 
-def _wrap_nan_detector_apply(original):
+def wrap_nan_detector_apply(original):
     @functools.wraps(original)
     def _apply(self, module, inp, x, backward):
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -206,18 +202,3 @@ def _wrap_nan_detector_apply(original):
         return original(self, module, inp, x, backward)
 
     return _apply
-
-
-def install(patch) -> None:
-    """Install hooks 11-15 with fairseq_integration's ``_patch`` (which pins their fingerprints)."""
-    from fairseq import nan_detector, options
-    from fairseq.optim.amp_optimizer import AMPOptimizer
-    from fairseq.trainer import Trainer
-
-    patch(options, "parse_args_and_arch", _wrap_parse_args_and_arch)
-    patch(Trainer, "_build_optimizer", _wrap_build_optimizer)
-    patch(AMPOptimizer, "clip_grad_norm", _wrap_amp_clip_grad_norm)
-    patch(AMPOptimizer, "step", _wrap_amp_step)
-    patch(Trainer, "save_checkpoint", _wrap_trainer_save_checkpoint)
-    patch(nan_detector.NanDetector, "add_hooks", _wrap_nan_detector_add_hooks)
-    patch(nan_detector.NanDetector, "_apply", _wrap_nan_detector_apply)

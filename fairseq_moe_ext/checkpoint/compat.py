@@ -1,0 +1,58 @@
+"""Can this checkpoint resume this model? One line naming the flag to change, instead of torch's page
+of size mismatches, when a run is resumed with other flags than it was trained with."""
+
+import argparse
+from typing import Callable, Dict, Tuple
+
+
+def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, freq_of: Callable) -> None:
+    """``state``: the checkpoint already sliced for one of ``world_size`` workers; ``model``: that
+    worker's model; ``freq_of(cfg, side)``: the models' reading of --moe-freq / --{side}-moe-freq."""
+    params = dict(model.named_parameters())
+    mismatched = [k for k, t in state["model"].items() if k in params and tuple(params[k].shape) != tuple(t.shape)]
+    for key in mismatched:  # expert counts first: they also change every router's shape
+        tensor, param = state["model"][key], params[key]
+        if getattr(param, "expert", False) is True and tensor.shape[1:] == param.shape[1:]:
+            raise ValueError(
+                f"{path} holds {tensor.shape[0] * world_size} experts in {key.rsplit('.experts', 1)[0]}, this model "
+                f"{param.shape[0] * world_size}: resume with the checkpoint's --moe-expert-count, or use a new --save-dir"
+            )
+    if mismatched:
+        key = mismatched[0]
+        raise ValueError(
+            f"{path} does not fit this model: {key} is {tuple(state['model'][key].shape)} there and "
+            f"{tuple(params[key].shape)} here; resume with the architecture flags the checkpoint was trained "
+            f"with, or use a new --save-dir"
+        )
+    if set(state["model"]) == set(model.state_dict()):
+        return
+    # Other parameters (not other shapes): name the flag that differs, if one of ours does. Without
+    # such a flag, fairseq's own error (after its upgrades of old key names) stands.
+    saved = layout_flags(flag(state.get("cfg"), "model"), freq_of)
+    current = layout_flags(model_cfg, freq_of)
+    for what, (given, value) in saved.items():
+        this_flag, this_value = current[what]
+        if value is not None and this_value is not None and str(value) != str(this_value):
+            raise ValueError(
+                f"{path} was trained with {given} {value} and this run has {this_flag} {this_value}, which gives "
+                f"the model other parameters: resume with {this_flag} {value}, or use a new --save-dir"
+            )
+
+
+def layout_flags(cfg, freq_of: Callable) -> Dict[str, Tuple[str, object]]:
+    """The flags that decide which parameters an MoE model has (beyond their shapes):
+    {what: (flag as the user would pass it, value)}."""
+    flags = {"router": ("--moe-router", flag(cfg, "moe_router"))}
+    for side in ("encoder", "decoder"):
+        side_freq = flag(cfg, f"{side}_moe_freq")
+        given = argparse.Namespace(moe_freq=flag(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})
+        flags[f"{side} freq"] = (f"--{side}-moe-freq" if side_freq is not None else "--moe-freq", freq_of(given, side))
+        flags[f"{side} layers"] = (f"--{side}-layers", flag(cfg, f"{side}_layers"))
+    return flags
+
+
+def flag(cfg, name):
+    """``cfg.name`` of an argparse Namespace, an omegaconf section or a plain dict; None if absent."""
+    if cfg is None:
+        return None
+    return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)

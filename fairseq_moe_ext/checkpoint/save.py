@@ -1,0 +1,152 @@
+"""The save of a checkpoint set, as one transaction read top to bottom.
+
+Every worker of a W-worker run writes its own rank file; rank 0 then writes the set's manifest.
+The order below is what keeps a run loadable whenever a worker is killed:
+
+1. protect: every complete set the save may overwrite is hard-linked as ``<name>.prev`` (rank 0
+   decides which, so all workers link the same sets), a barrier, rank 0 writes the ``.prev``
+   manifests, a barrier. Only then may any worker overwrite a file.
+2. write: each worker writes its files (fairseq's save); files it would prune are only recorded.
+3. describe: each worker reports what it wrote (name, size, sha256) and what it would prune.
+4. manifests: rank 0 writes one manifest per complete set, drops the manifests of pruned sets and
+   the ``.prev`` generations.
+5. a barrier, then each worker deletes its pruned files: no manifest ever lists a deleted file.
+
+The collectives come in as values (``Collectives``), so the protocol runs the same under
+torch.distributed, under threads in a test, or in one process. Nothing here imports fairseq.
+"""
+
+import collections
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+
+from . import (
+    PREVIOUS,
+    base_of,
+    describe_file,
+    link_previous_generation,
+    manifest_path,
+    remove_other_layouts,
+    remove_previous_generations,
+    sets_to_protect,
+    write_manifest,
+    write_previous_manifest,
+)
+from ..set_identity import agreed_set_id
+
+logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What a save needs from the workers' process group."""
+
+    rank: int
+    world_size: int
+    broadcast: Callable[[Any], Any]  # rank 0's value, returned on every worker
+    all_gather: Callable[[Any], List[Any]]  # every worker's value, in rank order
+    barrier: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class SetDescription:
+    """What the manifest of every set saved now records beside its files."""
+
+    num_updates: int
+    num_experts: Dict[str, int]  # expert parameter name -> experts over all workers
+    set_id: Optional[str]  # this worker's id of the save (see set_identity.py)
+
+
+def save_rank_files(save_dir: str, suffix: str, comm: Collectives, describe: SetDescription,
+                    write: Callable[[], Tuple[Result, List[str]]]) -> Result:
+    """Run ``write`` (this worker's part of the save, returning its result and the paths it would
+    have pruned) inside the transaction; ``suffix`` ends the names of this worker's files."""
+    before = own_files(save_dir, suffix)
+    protect_previous_generation(save_dir, comm)
+    result, pruned = write()
+    written = [dict(describe_file(os.path.join(save_dir, name)), rank=comm.rank, set_id=describe.set_id)
+               for name in changed_files(save_dir, suffix, before)]
+    reports = comm.all_gather((written, [os.path.basename(p) for p in pruned]))
+    if comm.rank == 0:
+        write_manifests(save_dir, reports, describe)
+        remove_previous_generations(save_dir)
+    # No worker deletes a file of a pruned set before rank 0 has dropped the manifest listing it:
+    # a crash in between leaves unlisted files (pruned again by the next save), never a manifest
+    # that lists missing files, which no later save would ever clean up.
+    comm.barrier()
+    for path in pruned:
+        if os.path.lexists(path):
+            os.remove(path)
+    return result
+
+
+def save_single_file(save_dir: str, suffix: str, write: Callable[[], Result]) -> Result:
+    """A one-worker save of an MoE model: fairseq's own file, holding every expert. What an earlier
+    run with another world size left under the same name goes (two layouts for one name)."""
+    before = own_files(save_dir, suffix)
+    result = write()
+    for name in changed_files(save_dir, suffix, before):
+        remove_other_layouts(base_of(os.path.join(save_dir, name)), world_size=1)
+    return result
+
+
+def protect_previous_generation(save_dir: str, comm: Collectives) -> None:
+    """Hard-link every worker's files of every complete set to ``<name>.prev`` and write the ``.prev``
+    manifests, before any worker overwrites one of them. The barriers make it hold across workers:
+    without them one worker could overwrite its file before another had linked its own, and a kill
+    then would leave neither generation complete."""
+    manifests = comm.broadcast(sets_to_protect(save_dir) if comm.rank == 0 else None)
+    for manifest in manifests:
+        link_previous_generation(manifest, comm.rank, comm.world_size)
+    comm.barrier()
+    if comm.rank == 0:
+        for manifest in manifests:
+            write_previous_manifest(manifest, comm.world_size)
+    comm.barrier()
+
+
+def write_manifests(save_dir: str, reports: List[Tuple[List[Dict], List[str]]], describe: SetDescription) -> None:
+    """Rank 0: one manifest for every set all workers wrote, none for the sets they pruned."""
+    world = len(reports)
+    by_base = collections.defaultdict(list)
+    for written, _ in reports:
+        for entry in written:
+            by_base[base_of(os.path.join(save_dir, entry["name"]))].append(entry)
+    for base, entries in by_base.items():
+        if sorted(e["rank"] for e in entries) == list(range(world)):
+            write_manifest(base, world, describe.num_updates, entries, describe.num_experts,
+                           agreed_set_id(base, entries))
+            remove_other_layouts(base, world)
+        else:
+            logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")
+    for _, removed in reports:
+        for name in removed:
+            manifest = manifest_path(base_of(os.path.join(save_dir, name)))
+            if os.path.exists(manifest):
+                os.remove(manifest)
+
+
+def own_files(save_dir: str, suffix: str) -> Dict[str, Tuple[int, int, int]]:
+    """This worker's checkpoint files (names ending in ``suffix.pt``), with what tells a rewrite."""
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return {}
+    ending = suffix + ".pt"
+    files = {}
+    for name in names:
+        if name.endswith(ending):
+            st = os.stat(os.path.join(save_dir, name))
+            files[name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return files
+
+
+def changed_files(save_dir: str, suffix: str, before: Dict[str, Tuple[int, int, int]]) -> List[str]:
+    """The files of this worker written since ``before`` (new, or rewritten in place or by rename).
+    The ``.prev`` links made by protect_previous_generation are the old generation, not this save's."""
+    return [name for name, stamp in own_files(save_dir, suffix).items()
+            if before.get(name) != stamp and not base_of(name).endswith(PREVIOUS)]

@@ -1,0 +1,173 @@
+"""Every place where this plugin reaches into fairseq internals, in one table.
+
+Checked against fairseq 0.12.3 (ve-fairseq==0.12.3, the same sources as fairseq-fixed==0.12.3.1) and
+torch 2.13. ``install()`` runs when fairseq imports the ``--user-dir`` package, which happens before
+argument parsing and before distributed initialisation, in every worker and in every fairseq CLI.
+``HOOKS`` below is the table: ``install()`` patches what it lists, this docstring's list is printed
+from it, and ``tests/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
+of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
+fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9), saving.py (5, 6: adapters around the
+transaction in checkpoint/save.py), cli.py (10), precision.py (11-15). The state they share between
+calls is one object, process_state.STATE.
+
+Hooks:
+"""
+
+import importlib
+import inspect
+import hashlib
+import textwrap
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+import fairseq
+
+from ..checkpoint import CHECKPOINT_SAFE_GLOBALS, UnsafeCheckpointError  # noqa: F401  (re-exported)
+from . import cli, loading, precision, saving, training
+
+CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
+
+
+@dataclass(frozen=True)
+class Hook:
+    number: int
+    target: str  # qualified name of the fairseq (or argparse) attribute replaced
+    wrap: Callable  # fairseq's object -> ours; for a property, its getter -> our getter
+    why: str
+
+
+HOOKS = (
+    Hook(1, "fairseq.checkpoint_utils.load_checkpoint_to_cpu", loading.wrap_load_checkpoint_to_cpu,
+         "torch >= 2.6 unpickles with weights_only=True; fairseq checkpoints hold a few plain Python types "
+         "beyond tensors. Exactly those are allowed (checkpoint.CHECKPOINT_SAFE_GLOBALS) during fairseq's load, "
+         "the check stays on, and torch's multi-line refusal becomes one line naming the type. A single file "
+         "is first checked whole (torch.load verifies none of the CRC-32s torch.save writes), and a file "
+         "holding no fairseq checkpoint is refused in one line (NotACheckpointError)."),
+    Hook(2, "fairseq.distributed.utils._infer_torch_distributed_launch_init", training.wrap_torchrun_init,
+         "under torchrun it computes rank % torch.cuda.device_count() (ZeroDivisionError on CPU). Without "
+         "CUDA every worker uses device 0 (the CPU) and the default nccl backend becomes gloo."),
+    Hook(3, "fairseq.models.DistributedFairseqModel", training.wrap_distributed_model,
+         "for models with expert parameters: check the backend, verify shared parameters agree across "
+         "workers, keep experts out of torch DDP's broadcast and all-reduce (its documented ignore list), and "
+         "wrap the result so expert gradients are scaled to match the single-process update. For any model, "
+         "c10d/pytorch_ddp on CPU gets no device_ids (torch refuses them for CPU modules) and keeps "
+         "fairseq's --heartbeat-timeout watchdog."),
+    Hook(4, "fairseq.utils.clip_grad_norm_", training.wrap_clip_grad_norm,
+         "called by every fairseq optimizer: with expert parameters present the norm is the global one "
+         "(distributed.global_grad_norm); fairseq's own leaves experts out."),
+    Hook(5, "fairseq.trainer.Trainer.checkpoint_suffix", saving.wrap_checkpoint_suffix,
+         "in multi-worker MoE training every worker saves, under a -rank-R-of-W suffix; fairseq's naming, "
+         "--save-interval*, --keep-* and best/last logic are kept."),
+    Hook(5, "fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank", saving.wrap_should_save,
+         "every worker of a multi-worker MoE run saves (its own experts)."),
+    Hook(5, "fairseq.trainer.Trainer.state_dict", saving.wrap_trainer_state_dict,
+         "only rank 0 stores the shared state; state['moe'] makes each file self-describing (rank, world "
+         "size, experts_held, the save's set_id from set_identity.py)."),
+    Hook(6, "fairseq.checkpoint_utils.save_checkpoint", saving.wrap_save_checkpoint,
+         "fairseq's save runs as the write step of the checkpoint-set transaction (checkpoint/save.py: "
+         "previous generation kept as .prev, manifests last, pruning deferred behind a barrier), with "
+         "fairseq's in-place copies made copy + rename and its os.remove recorded instead of done."),
+    Hook(7, "fairseq.trainer.Trainer.load_checkpoint", loading.wrap_trainer_load_checkpoint,
+         "fairseq-train calls it before reading any batch: it first refuses set-ups that would fail inside "
+         "train_step, claims --save-dir (training_save_dir), then resolves the name to a complete set or a "
+         "single file (restore_choice: checkpoint_last falls back to the newest complete set), merges it and "
+         "slices it for this worker, at any world size dividing the experts."),
+    Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
+         "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
+         "conversion step; models are built with every expert local."),
+    Hook(9, "fairseq.trainer.Trainer._prepare_sample", training.wrap_prepare_sample,
+         "records whether the batch about to run is fairseq's dummy batch, so MoE layers route none of its "
+         "tokens while still joining the all-to-all."),
+    Hook(10, "argparse.ArgumentParser.error", cli.wrap_argparse_error,
+         "fairseq adds a model's and a criterion's options only for the --arch and --criterion given, so an "
+         "MoE option beside a dense architecture is 'unrecognized'; the message also says whose it is."),
+    Hook(11, "fairseq.options.parse_args_and_arch", precision.wrap_parse_args_and_arch,
+         "--bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays on only for an explicit --tpu "
+         "with torch_xla installed."),
+    Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
+         "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
+         "batch runs (flattening drops the expert marker the global norm needs)."),
+    Hook(13, "fairseq.optim.amp_optimizer.AMPOptimizer.clip_grad_norm", precision.wrap_amp_clip_grad_norm,
+         "--amp: the global gradient norm decides whether every worker skips the step."),
+    Hook(13, "fairseq.optim.amp_optimizer.AMPOptimizer.step", precision.wrap_amp_step,
+         "--amp: the torch optimizer unscaled in clip_grad_norm is the one stepped (gradients unscaled once), "
+         "and a global overflow skips the step on every worker."),
+    Hook(14, "fairseq.trainer.Trainer.save_checkpoint", precision.wrap_trainer_save_checkpoint,
+         "crash.pt of a multi-worker MoE run is crash-rank-R-of-W.pt."),
+    Hook(15, "fairseq.nan_detector.NanDetector.add_hooks", precision.wrap_nan_detector_add_hooks,
+         "the backward hook goes on the grad_fn of the first tensor of any output (torch's legacy hook "
+         "indexes output[0], which fails on the router's Routing and on fairseq's encoder dict)."),
+    Hook(15, "fairseq.nan_detector.NanDetector._apply", precision.wrap_nan_detector_apply,
+         "a dataclass output's tensors are checked, so the detector names the module where a NaN/inf appeared."),
+)
+
+# fairseq internals the plugin relies on without wrapping them: the MoE layers replace fc1/fc2 and
+# the activation inside these forwards, legacy DDP must keep skipping `expert` parameters, the
+# trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches.
+RELIED_ON = (
+    "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward",
+    "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward",
+    "fairseq.distributed.legacy_distributed_data_parallel.LegacyDistributedDataParallel.all_reduce_grads",
+    "fairseq.trainer.Trainer.train_step",
+    "fairseq.distributed.utils.infer_init_method",
+    # precision.mark_overflow fills the found-inf record step() reads (hook 13).
+    "torch.amp.grad_scaler.GradScaler.step",
+)
+
+ORIGINALS: Dict[str, object] = {}  # hook target -> fairseq's own object, as found by install()
+
+__doc__ += "\n".join(
+    textwrap.fill(f"{hook.target.split('.', 1)[1] if hook.target.startswith('fairseq.') else hook.target}: {hook.why}",
+                  width=100, break_on_hyphens=False, initial_indent=f"{hook.number:3d}. ", subsequent_indent="     ")
+    for hook in HOOKS
+)
+
+
+def install() -> None:
+    """Install every hook of the table; a hook already installed is left as it is."""
+    if not fairseq.__version__.startswith(CHECKED_FAIRSEQ_VERSIONS):
+        raise ImportError(
+            f"fairseq_moe_ext was checked against fairseq {', '.join(CHECKED_FAIRSEQ_VERSIONS)}, found "
+            f"{fairseq.__version__}: install ve-fairseq==0.12.3 (see README)"
+        )
+    for hook in HOOKS:
+        owner_name, name = hook.target.rsplit(".", 1)
+        _patch(resolve_qualified(owner_name), name, hook)
+
+
+def _patch(owner, name: str, hook: Hook) -> None:
+    current = getattr(owner, name)
+    is_property = isinstance(current, property)
+    function = current.fget if is_property else current
+    if getattr(function, "__wrapped_by_moe_ext__", False):
+        return
+    ORIGINALS[hook.target] = current
+    patched = hook.wrap(function)
+    patched.__wrapped_by_moe_ext__ = True
+    setattr(owner, name, property(patched) if is_property else patched)
+
+
+def resolve_qualified(qualified: str):
+    """The object named ``package.module.Class.attribute``: the longest importable module prefix, then
+    attributes."""
+    parts = qualified.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(qualified)
+
+
+def source_fingerprints() -> Dict[str, str]:
+    """sha256 of the source of every hooked or relied-on function, by qualified name."""
+    objects = {hook.target: ORIGINALS.get(hook.target) for hook in HOOKS}
+    objects.update({qualified: resolve_qualified(qualified) for qualified in RELIED_ON})
+    fingerprints = {}
+    for name, obj in objects.items():
+        target = obj.fget if isinstance(obj, property) else obj
+        fingerprints[name] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
+    return fingerprints

@@ -1,0 +1,123 @@
+"""Hooks 1, 7 and 8: fairseq's checkpoint loads read per-rank sets, safely, at any world size."""
+
+import functools
+import logging
+import os
+import pickle
+
+import torch
+from omegaconf import open_dict
+
+from .. import checkpoint as moe_ckpt
+from .. import distributed as moe_dist
+from ..checkpoint.compat import check_resumable
+from ..models.moe_config import moe_freq
+from ..process_state import STATE, LoadTarget
+from ..restore_choice import resolve_restore
+from ..training_save_dir import claim_save_dir
+from .saving import is_expert_parallel_trainer
+from .training import check_training_setup, flag
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_load_checkpoint_to_cpu(original):
+    def load_one(path, arg_overrides=None, verified=False, **kwargs):
+        """fairseq's load of one file; ``verified``: its sha256 was just checked against a manifest."""
+        if not verified:
+            moe_ckpt.check_file_intact(path)
+        with torch.serialization.safe_globals(moe_ckpt.CHECKPOINT_SAFE_GLOBALS):
+            try:
+                return original(path, arg_overrides, **kwargs)
+            except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
+                one_line = moe_ckpt.unloadable_error(path, error)
+                if one_line is None:
+                    moe_ckpt.refuse_if_not_a_checkpoint(path)
+                    raise
+                raise one_line from None
+            except (KeyError, TypeError, AttributeError, IndexError):
+                # fairseq's upgrade of old checkpoints indexes whatever torch.load returned
+                moe_ckpt.refuse_if_not_a_checkpoint(path)
+                raise
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
+        return load_moe_checkpoint(load_one, path, arg_overrides, **kwargs)
+
+    return load_checkpoint_to_cpu
+
+
+def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
+    """A manifest path gives the merged set; inside Trainer.load_checkpoint, this worker's slice."""
+    if not os.path.exists(path) or names_a_rank_file(path):
+        # A set named without its rank suffix, or by one of its rank files (which alone holds only
+        # one worker's experts): the whole set.
+        resolved = moe_ckpt.resolve(path, fallback=False)
+        path = resolved.path if resolved is not None else path
+    if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
+        full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
+    else:
+        full = original_load(path, arg_overrides, **kwargs)
+        if "moe" in full:
+            moe_ckpt.check_whole(full, path)  # a rank file copied out of its set, under any name
+        if "moe" not in full or not STATE.load_targets:
+            return full
+    if not STATE.load_targets:
+        return full
+    target = STATE.load_targets[-1]
+    state = moe_ckpt.shard_state(full, target.rank, target.world_size)
+    check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
+    return state
+
+
+def names_a_rank_file(path) -> bool:
+    return moe_ckpt.split_rank_suffix(path)[1] is not None
+
+
+def wrap_trainer_load_checkpoint(original):
+    @functools.wraps(original)
+    def load_checkpoint(self, filename, *args, **kwargs):
+        check_training_setup(self)  # fairseq-train calls this first, before any batch is read
+        checkpoint_cfg = self.cfg.checkpoint
+        claim_save_dir(checkpoint_cfg.save_dir, checkpoint_cfg.no_save, self.data_parallel_rank,
+                       self.data_parallel_world_size, every_rank_saves=is_expert_parallel_trainer(self))
+        if not moe_dist.has_experts(self._model):
+            return original(self, filename, *args, **kwargs)
+        resolved = resolve_restore(filename, checkpoint_cfg, self.checkpoint_suffix,
+                                   allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback")))
+        if resolved is None:
+            return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
+        world = self.data_parallel_world_size
+        rank = self.data_parallel_rank if world > 1 else 0
+        logger.info(f"loading {resolved.kind} {resolved.path} as worker {rank} of {world}")
+        STATE.load_targets.append(LoadTarget(rank, world, self._model, self.cfg.model))
+        try:
+            # Every worker builds its own slice, so nothing is broadcast from rank 0.
+            with open_dict(self.cfg.checkpoint):
+                previous = self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks
+                self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
+            try:
+                return original(self, resolved.path, *args, **kwargs)
+            finally:
+                with open_dict(self.cfg.checkpoint):
+                    self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = previous
+        finally:
+            STATE.load_targets.pop()
+
+    return load_checkpoint
+
+
+def wrap_load_model_ensemble_and_task(original):
+    @functools.wraps(original)
+    def load_model_ensemble_and_task(filenames, *args, **kwargs):
+        resolved = []
+        for name in filenames:
+            # No fallback here: generating from another checkpoint than the one named would mislead.
+            # A rank file stands for its whole set (alone it holds one worker's experts).
+            named_set = not os.path.exists(name) or names_a_rank_file(name)
+            found = moe_ckpt.resolve(name, fallback=False) if named_set else None
+            resolved.append(found.path if found is not None else name)
+        with moe_dist.all_experts_local():
+            return original(resolved, *args, **kwargs)
+
+    return load_model_ensemble_and_task

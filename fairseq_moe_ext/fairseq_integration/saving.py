@@ -1,0 +1,151 @@
+"""Hooks 5 and 6: in multi-worker MoE training every worker saves its own rank file, and fairseq's
+save runs inside the checkpoint-set transaction (``checkpoint/save.py``)."""
+
+import contextlib
+import functools
+import os
+
+import torch
+from fairseq import checkpoint_utils
+
+from .. import checkpoint as moe_ckpt
+from .. import distributed as moe_dist
+from ..checkpoint.save import Collectives, SetDescription, save_rank_files, save_single_file
+from ..process_state import STATE
+from ..set_identity import save_set_id
+
+
+def is_expert_parallel_trainer(trainer) -> bool:
+    """Does every worker of this trainer save its own rank file? (Several workers, expert parameters.)"""
+    cached = STATE.expert_parallel_trainers.get(trainer)
+    if cached is None:
+        cached = trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
+        STATE.expert_parallel_trainers[trainer] = cached
+    return cached
+
+
+def wrap_checkpoint_suffix(original_fget):
+    def checkpoint_suffix(self):
+        suffix = original_fget(self)
+        if is_expert_parallel_trainer(self):
+            suffix += moe_ckpt.rank_suffix(self.data_parallel_rank, self.data_parallel_world_size)
+        return suffix
+
+    return checkpoint_suffix
+
+
+def wrap_should_save(original_fget):
+    def should_save_checkpoint_on_current_rank(self):
+        return is_expert_parallel_trainer(self) or original_fget(self)
+
+    return should_save_checkpoint_on_current_rank
+
+
+def wrap_trainer_state_dict(original):
+    @functools.wraps(original)
+    def state_dict(self):
+        state = original(self)
+        if not moe_dist.has_experts(self._model):
+            return state
+        world = self.data_parallel_world_size
+        rank = self.data_parallel_rank if world > 1 else 0
+        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
+        state["moe"] = moe_ckpt.moe_metadata(
+            names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates(),
+            set_id=save_set_id(self, world), experts_per_worker=int(experts[0].shape[0]) if experts else None,
+        )
+        if rank > 0:
+            moe_ckpt.strip_shared_state(state)
+        return state
+
+    return state_dict
+
+
+def wrap_save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        if cfg.no_save or not moe_dist.has_experts(trainer._model):
+            return original(cfg, trainer, epoch_itr, val_loss)
+        if not is_expert_parallel_trainer(trainer):
+            return save_single_file(cfg.save_dir, trainer.checkpoint_suffix,
+                                    lambda: original(cfg, trainer, epoch_itr, val_loss))
+
+        def write():
+            with _atomic_copies(), _removals_deferred() as pruned:
+                return original(cfg, trainer, epoch_itr, val_loss), pruned
+
+        world = trainer.data_parallel_world_size
+        describe = SetDescription(
+            num_updates=trainer.get_num_updates(),
+            num_experts={n: int(p.shape[0]) * world for n, p in trainer._model.named_parameters()
+                         if moe_dist.is_expert(p)},
+            set_id=save_set_id(trainer, world),
+        )
+        return save_rank_files(cfg.save_dir, trainer.checkpoint_suffix, torch_collectives(trainer), describe, write)
+
+    return save_checkpoint
+
+
+def torch_collectives(trainer) -> Collectives:
+    """The save's collectives over fairseq's default process group (objects travel by pickle)."""
+
+    def broadcast(value):
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(value):
+        gathered = [None] * trainer.data_parallel_world_size
+        torch.distributed.all_gather_object(gathered, value)
+        return gathered
+
+    return Collectives(trainer.data_parallel_rank, trainer.data_parallel_world_size, broadcast, all_gather,
+                       torch.distributed.barrier)
+
+
+@contextlib.contextmanager
+def _atomic_copies():
+    """fairseq copies checkpoint N-1 times with PathManager.copy, which rewrites the destination in
+    place; copy to a temporary name and rename instead, so no reader ever sees a half-written file
+    and the ``.prev`` hard links keep their contents."""
+    inner = checkpoint_utils.PathManager
+
+    class AtomicCopyPathManager:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        @staticmethod
+        def copy(src, dst, overwrite=False):
+            tmp = dst + ".tmp"
+            ok = inner.copy(src, tmp, overwrite=True)
+            os.replace(tmp, dst)
+            return ok
+
+    checkpoint_utils.PathManager = AtomicCopyPathManager()
+    try:
+        yield
+    finally:
+        checkpoint_utils.PathManager = inner
+
+
+@contextlib.contextmanager
+def _removals_deferred():
+    """fairseq prunes old checkpoints (--keep-interval-updates, --keep-last-epochs,
+    --keep-best-checkpoints) with ``os.remove`` inside save_checkpoint, each worker on its own
+    schedule; collect those paths instead, so the transaction removes them after the manifests."""
+    real_os, pruned = checkpoint_utils.os, []
+
+    class RemovalDeferringOs:
+        def __getattr__(self, name):
+            return getattr(real_os, name)
+
+        @staticmethod
+        def remove(path):
+            pruned.append(path)
+
+    checkpoint_utils.os = RemovalDeferringOs()
+    try:
+        yield pruned
+    finally:
+        checkpoint_utils.os = real_os

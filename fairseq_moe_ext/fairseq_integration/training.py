@@ -1,0 +1,121 @@
+"""Hooks 2, 3, 4 and 9: fairseq's distributed training keeps experts apart, and its set-up errors
+surface before the first batch."""
+
+import functools
+import logging
+import os
+
+import torch
+from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
+
+from .. import distributed as moe_dist
+from ..checkpoint.compat import flag
+from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
+from ..process_state import STATE
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_torchrun_init(original):
+    @functools.wraps(original)
+    def infer_torch_distributed_launch_init(cfg):
+        if torch.cuda.device_count() > 0:
+            return original(cfg)
+        cfg.distributed_init_method = "env://"
+        cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+        cfg.distributed_rank = int(os.environ["RANK"])
+        cfg.device_id = 0  # infer_init_method calls torch.cuda.set_device for any id > 0
+        cfg.distributed_no_spawn = True
+        if cfg.distributed_backend == "nccl":
+            logger.info("no CUDA device: using the gloo backend for torchrun workers")
+            cfg.distributed_backend = "gloo"
+
+    return infer_torch_distributed_launch_init
+
+
+def wrap_distributed_model(original):
+    @functools.wraps(original)
+    def distributed_fairseq_model(args, model, process_group, device):
+        backend = args.ddp_backend
+        moe = moe_dist.has_experts(model)
+        if moe:
+            if backend not in moe_dist.SUPPORTED_DDP_BACKENDS:
+                raise moe_dist.unsupported_backend_error(backend)
+            model = model.to(device)
+            moe_dist.check_shared_parameters_agree(model, process_group)
+            if backend in ("c10d", "pytorch_ddp"):
+                torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    model, moe_dist.expert_parameter_names(model)
+                )
+        if backend in ("c10d", "pytorch_ddp") and device.type == "cpu":
+            # fairseq passes device_ids=[device_id], which torch refuses for CPU modules.
+            wrapped = ModuleProxyWrapper(
+                torch.nn.parallel.DistributedDataParallel(
+                    module=model.to(device),
+                    broadcast_buffers=args.broadcast_buffers,
+                    bucket_cap_mb=args.bucket_cap_mb,
+                    process_group=process_group,
+                    find_unused_parameters=args.find_unused_parameters,
+                    gradient_as_bucket_view=args.gradient_as_bucket_view,
+                )
+            )
+            if getattr(args, "heartbeat_timeout", -1) > 0:  # fairseq's own branch adds its watchdog too
+                wrapped = DistributedTimeoutWrapper(wrapped, timeout=args.heartbeat_timeout)
+        else:
+            wrapped = original(args, model, process_group, device)
+        if not moe:
+            return wrapped
+        STATE.expert_parallel_training = True
+        return moe_dist.ExpertParallelModel(wrapped, torch.distributed.get_world_size(process_group))
+
+    return distributed_fairseq_model
+
+
+def wrap_clip_grad_norm(original):
+    @functools.wraps(original)
+    def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None):
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if any(moe_dist.is_expert(p) for p in params):
+            if aggregate_norm_fn is not None:
+                raise moe_dist.unsupported_backend_error("fully_sharded")
+            return moe_dist.clip_grad_norm_(params, max_norm)
+        if STATE.expert_parallel_training and params:
+            raise RuntimeError(
+                "the optimizer's parameters lost the expert marker (--fp16 flattens gradients into one "
+                "buffer), so expert gradients would be clipped per worker: add --fp16-no-flatten-grads"
+            )
+        return original(params, max_norm, aggregate_norm_fn)
+
+    return clip_grad_norm_
+
+
+def wrap_prepare_sample(original):
+    @functools.wraps(original)
+    def _prepare_sample(self, *args, **kwargs):
+        sample, is_dummy = original(self, *args, **kwargs)
+        STATE.dummy_batch = bool(is_dummy)
+        return sample, is_dummy
+
+    return _prepare_sample
+
+
+def check_training_setup(trainer) -> None:
+    """Configuration errors that would otherwise surface inside Trainer.train_step, where fairseq
+    answers an error by writing crash.pt (and the batch-prefetching thread may still be running)."""
+    model_cfg = trainer.cfg.model
+    arch = flag(model_cfg, "arch") or flag(model_cfg, "_name")
+    # The unwrapped model and criterion: touching trainer.model would build the DDP wrapper here.
+    if isinstance(trainer._criterion, MoELossMixin) and find_moe_cache(trainer._model) is None:
+        criterion = flag(trainer.cfg.criterion, "_name")
+        raise ValueError(
+            f"MoE criterions need an MoE model: --criterion {criterion} collects MoE balance losses, but "
+            f"--arch {arch} has no MoE layers; use --arch moe_transformer* / moe_transformer_lm*, or a non-MoE "
+            f"criterion such as cross_entropy"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and not torch.distributed.is_initialized() and moe_dist.has_experts(trainer._model):
+        raise ValueError(
+            f"the launcher started {launched} workers (WORLD_SIZE={launched}) but fairseq runs each of them as "
+            f"a 1-worker job, so every worker would train its own copy of every expert and write the same "
+            f"checkpoint files: add --distributed-world-size {launched}"
+        )

@@ -1,0 +1,51 @@
+"""The plugin's process-wide state, in one object.
+
+fairseq calls our hooks separately (a trainer method here, a checkpoint function there) and passes
+none of its arguments between them, so a few facts must outlive one call. They all live here, each
+field saying who writes it and who reads it; nothing else in the plugin keeps state in module
+globals, class attributes or other objects' ``__dict__``. Importing this module imports nothing
+of fairseq's.
+"""
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """The worker a checkpoint is being loaded for, while fairseq's Trainer.load_checkpoint runs."""
+
+    rank: int
+    world_size: int
+    model: Any  # the unwrapped model being resumed (its parameter shapes judge the checkpoint)
+    model_cfg: Any  # its cfg.model (the flags that decide which parameters it has)
+
+
+@dataclass
+class PluginState:
+    # Writer: the models' build_model (--moe-comm-timeout, via distributed.set_comm_timeout).
+    # Reader: distributed.expert_parallel_group, when it creates a group. None: torch's default.
+    comm_timeout_s: Optional[float] = None
+    # Writer and reader: distributed.expert_parallel_group (one group per default group and timeout).
+    expert_groups: Dict[Any, Any] = field(default_factory=dict)
+    # Writer: distributed.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
+    # generation builds models holding every expert). Reader: distributed.expert_parallel_group.
+    all_experts_local_depth: int = 0
+    # Writer: the DistributedFairseqModel hook, once it wraps an MoE model for several workers.
+    # Reader: the clip_grad_norm_ hook (gradients that lost the expert marker are refused then).
+    expert_parallel_training: bool = False
+    # Writer: the Trainer._prepare_sample hook (fairseq's dummy batch). Reader: MoEFeedForward.forward.
+    dummy_batch: bool = False
+    # Writer: the Trainer.load_checkpoint hook (pushed around fairseq's load, popped after).
+    # Reader: the load_checkpoint_to_cpu hook, which slices a set for the innermost target.
+    load_targets: List[LoadTarget] = field(default_factory=list)
+    # Writer and reader: fairseq_integration.saving.is_expert_parallel_trainer (a per-trainer
+    # cache: does every worker of this trainer save its own rank file?).
+    expert_parallel_trainers: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    # Writer: the AMPOptimizer.clip_grad_norm hook (did the global gradient norm overflow?).
+    # Reader: the AMPOptimizer.step hook of the same optimizer, which consumes it.
+    amp_overflow: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+
+
+STATE = PluginState()
