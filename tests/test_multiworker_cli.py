@@ -177,7 +177,7 @@ def _rewrite_rank_file(save_dir, rank, edit):
     from fairseq_moe_ext import checkpoint as moe_ckpt
 
     path = save_dir / f"checkpoint_last-rank-{rank}-of-2.pt"
-    state = moe_ckpt._torch_load(str(path))
+    state = moe_ckpt.safe_load(str(path))
     edit(state)
     torch.save(state, path)
     manifest_file = save_dir / "checkpoint_last.set.json"

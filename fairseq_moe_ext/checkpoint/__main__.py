@@ -11,16 +11,11 @@ import sys
 
 import torch
 
-from . import (
-    CheckpointError,
-    CheckpointSetError,
-    base_of,
-    experts_held,
-    inspect_checkpoint,
-    load_full,
-    manifest_path,
-    save_set,
-)
+from .contents import experts_held
+from .errors import CheckpointError, CheckpointSetError
+from .inspection import inspect_checkpoint
+from .names import base_of, manifest_path
+from .reshard import load_full, save_set
 from .staging import write_all_or_nothing
 
 

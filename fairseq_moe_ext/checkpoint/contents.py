@@ -10,6 +10,8 @@ number, the world size and the launch: seed, save dir, rendezvous address and ru
 collective is needed and every copy fairseq makes of the save (checkpoint_last, checkpoint_best,
 checkpointN) carries the same id. It tells saves apart, not contents: the manifest's sha256s do
 that. Files written before set ids existed carry none, and the checks skip them.
+
+Everything here looks at a state already loaded (safe_load.py loads files).
 """
 
 import hashlib
@@ -17,11 +19,8 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
-from . import CheckpointError, CheckpointSetError, split_rank_suffix
-
-
-class NotACheckpointError(CheckpointError):
-    """A .pt file that loads but holds something other than a fairseq checkpoint."""
+from .errors import CheckpointSetError, NotACheckpointError
+from .names import split_rank_suffix
 
 
 def derive_set_id(num_updates: int, world_size: int, launch: Sequence) -> str:
@@ -85,33 +84,6 @@ def check_belongs_to_set(meta: Dict, name: str, manifest: Dict) -> None:
             f"{name} belongs to set {own}, but the manifest's set is {listed}: a file from another save; restore "
             f"the set's own file from a backup, or point --path / --restore-file at another checkpoint"
         )
-
-
-def refuse_if_not_a_checkpoint(path: str) -> None:
-    """After fairseq failed on a file: one line if the file holds no fairseq checkpoint at all
-    (fairseq's upgrade of old checkpoints indexes whatever torch.load returned)."""
-    from . import _torch_load
-
-    try:
-        state = _torch_load(path, verify=False)
-    except Exception:  # noqa: BLE001 - fairseq's own error stands
-        return
-    check_is_checkpoint(state, path)
-
-
-def peek_metadata(path: str) -> Optional[Dict]:
-    """``state["moe"]`` of a file, read without loading its tensors (None if unreadable): for error messages."""
-    import torch
-
-    from . import CHECKPOINT_SAFE_GLOBALS
-
-    try:
-        with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        meta = state.get("moe") if isinstance(state, dict) else None
-        return meta if isinstance(meta, dict) else None
-    except Exception:  # noqa: BLE001 - only a message depends on it
-        return None
 
 
 def check_rank_states(manifest: Dict, states: List, directory: str) -> None:

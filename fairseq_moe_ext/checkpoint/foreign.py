@@ -9,7 +9,8 @@ at every interval, and one warning per save would bury the log.
 import logging
 from typing import Dict, Optional
 
-from . import CheckpointSetError, read_manifest
+from .errors import CheckpointSetError
+from .manifest import read_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""A checkpoint set's manifest, read as untrusted input.
+"""A checkpoint set's manifest: written last and atomically, read as untrusted input, and checked
+against the files it lists (present, the recorded size, the recorded sha256).
 
 A manifest decides which files are opened and trusted, so every field is checked before any rank
 file is opened: a hand-edited or foreign ``*.set.json`` must end in one ``CheckpointSetError``
@@ -7,17 +8,54 @@ line naming the manifest and the field, never in a traceback or in loading a fil
 set's own naming gives its rank (``<manifest base>-rank-R-of-W.pt``), which also rules out paths.
 """
 
+import hashlib
 import json
 import os
 import re
-from typing import Dict
+from typing import Dict, List, Optional
 
-from . import MANIFEST_FORMAT, MANIFEST_SUFFIX, CheckpointSetError, rank_file
+from .errors import CheckpointSetError
+from .names import MANIFEST_SUFFIX, manifest_path, rank_file
 
+MANIFEST_FORMAT = "fairseq-moe-ext checkpoint set v1"
 SHA256_RE = re.compile(r"[0-9a-f]{64}\Z")
 SET_ID_RE = re.compile(r"[0-9a-f]{16}\Z")
 # Bigger manifests than this are not ours (a 1024-worker set's manifest is ~200 kB).
 MAX_MANIFEST_BYTES = 16 << 20
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe_file(path: str) -> Dict:
+    return {"name": os.path.basename(path), "bytes": os.path.getsize(path), "sha256": file_digest(path)}
+
+
+def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dict], experts: Dict[str, int],
+                   set_id: Optional[str] = None) -> str:
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "name": os.path.basename(base),
+        "world_size": world_size,
+        "num_updates": num_updates,
+        "num_experts": experts,
+        "files": sorted(files, key=lambda f: f["rank"]),
+    }
+    if set_id is not None:
+        manifest["set_id"] = set_id
+    path = manifest_path(base)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
 
 
 def read_manifest(path: str) -> Dict:
@@ -89,6 +127,39 @@ def _check_entry(path, base, world, i, entry, seen):
     digest = entry.get("sha256")
     if not isinstance(digest, str) or not SHA256_RE.match(digest):
         _refuse(path, f"{field}.sha256", f"64 lowercase hex digits, got {_short(digest)}")
+
+
+def validate_set(manifest_file: str, check_digests: bool = True) -> Dict:
+    """The manifest if every rank file is present and intact, else CheckpointSetError saying why."""
+    manifest = read_manifest(manifest_file)
+    directory = os.path.dirname(manifest_file)
+    world = manifest["world_size"]
+    ranks = sorted(f["rank"] for f in manifest["files"])
+    if ranks != list(range(world)):
+        raise CheckpointSetError(f"{manifest_file} lists ranks {ranks}, expected 0..{world - 1}")
+    for entry in manifest["files"]:
+        path = os.path.join(directory, entry["name"])
+        if not os.path.isfile(path):
+            what = "missing" if not os.path.lexists(path) else "not a regular file"
+            raise CheckpointSetError(f"rank {entry['rank']} file {path} is {what}")
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointSetError(
+                f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated, or replaced by "
+                f"another run's file)"
+            )
+        if check_digests and _digest_or_refuse(path) != entry["sha256"]:
+            raise CheckpointSetError(
+                f"{path} does not match its sha256 in the manifest (corrupted, or replaced by another run's file)"
+            )
+    return manifest
+
+
+def _digest_or_refuse(path: str) -> str:
+    try:
+        return file_digest(path)
+    except OSError as e:  # a scan of the save dir during a save must not raise anything else
+        raise CheckpointSetError(f"cannot read {path}: {e}") from None
 
 
 def _refuse(path, field, expectation, foreign=False):

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from typing import Callable, List
 
-from . import CheckpointSetError
+from .errors import CheckpointSetError
 
 STAGING_PREFIX = ".moe-ckpt-staging-"
 

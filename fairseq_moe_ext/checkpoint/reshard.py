@@ -1,0 +1,155 @@
+"""Between layouts: a set is merged into one full state (all experts, ids in rank order), and a
+full state is sliced for worker r of W' (experts ``r*E/W' ...``, optimizer state alike) or written
+as a W'-file set. ``load_full`` loads either layout whole, for the checkpoint tool.
+"""
+
+import copy
+import functools
+import os
+import secrets
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .contents import check_is_checkpoint, check_rank_states, check_whole, experts_held, is_dense
+from .errors import CheckpointSetError
+from .manifest import describe_file, read_manifest, validate_set, write_manifest
+from .names import base_of, manifest_path, rank_file
+from .rank_state import strip_shared_state
+from .resolve import resolve
+from .safe_load import safe_load
+from .staging import write_all_or_nothing
+
+
+def load_set(manifest_file: str, load_fn: Optional[Callable[[str], Dict]] = None, check: bool = True) -> Dict:
+    """Merge a set into one full state (what a single process holding every expert would save)."""
+    manifest = validate_set(manifest_file, check_digests=check) if check else read_manifest(manifest_file)
+    if load_fn is None:
+        load_fn = functools.partial(safe_load, verified=check)
+    directory = os.path.dirname(manifest_file)
+    states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
+    check_rank_states(manifest, states, directory)
+    return merge_states(states)
+
+
+def merge_states(states: List[Dict]) -> Dict:
+    """Rank states (rank order) -> full state: shared parts from rank 0, experts concatenated."""
+    full = copy.copy(states[0])
+    meta = full["moe"]
+    full["model"] = dict(states[0]["model"])
+    for key in meta["expert_keys"]:
+        full["model"][key] = torch.cat([s["model"][key] for s in states])
+    optimizer = states[0].get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        merged = dict(optimizer)
+        merged["state"] = dict(optimizer["state"])
+        for slot in meta["optimizer_expert_slots"]:
+            per_rank = [s["last_optimizer_state"]["state"].get(slot) for s in states]
+            if all(p is not None for p in per_rank):
+                merged["state"][slot] = _concat_slot(per_rank, states, meta, slot)
+        full["last_optimizer_state"] = merged
+    full["moe"] = dict(meta, world_size=1, rank=0)
+    if "experts_held" in meta:
+        full["moe"]["experts_held"] = experts_held(0, _experts_in(full))
+    return full
+
+
+def _experts_in(full: Dict) -> int:
+    counts = [int(full["model"][k].shape[0]) for k in full["moe"]["expert_keys"] if k in full["model"]]
+    return counts[0] if counts else 0
+
+
+def _concat_slot(per_rank, states, meta, slot):
+    name = meta["optimizer_param_names"][slot]
+    local_rows = states[0]["model"][name].shape[0] if name in states[0]["model"] else None
+    out = {}
+    for key, value in per_rank[0].items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == local_rows:
+            out[key] = torch.cat([p[key] for p in per_rank])
+        else:
+            out[key] = value
+    return out
+
+
+def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
+    """Full state -> what worker ``rank`` of ``world_size`` loads (its experts, shared parts)."""
+    meta = full["moe"]
+    state = copy.copy(full)
+    state["model"] = dict(full["model"])
+    rows = {}
+    for key in meta["expert_keys"]:
+        tensor = full["model"][key]
+        total = tensor.shape[0]
+        if total % world_size:
+            raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world size dividing {total}")
+        per = total // world_size
+        rows[key] = (total, per)
+        state["model"][key] = tensor[rank * per : (rank + 1) * per].clone()
+    optimizer = full.get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        sliced = dict(optimizer)
+        sliced["state"] = dict(optimizer["state"])
+        for slot in meta["optimizer_expert_slots"]:
+            entry = optimizer["state"].get(slot)
+            name = meta["optimizer_param_names"][slot]
+            if entry is None or name not in rows:
+                continue
+            total, per = rows[name]
+            sliced["state"][slot] = {
+                k: (v[rank * per : (rank + 1) * per].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == total else v)
+                for k, v in entry.items()
+            }
+        state["last_optimizer_state"] = sliced
+    state["moe"] = dict(meta, world_size=world_size, rank=rank)
+    state["moe"]["experts_held"] = experts_held(rank, _experts_in(full) // world_size)
+    return state
+
+
+def save_set(full: Dict, base: str, world_size: int) -> str:
+    """Write ``full`` as a W-file set (the format training writes) and return the manifest path."""
+    if world_size < 1:
+        raise CheckpointSetError(f"a set needs a positive number of workers, got {world_size}")
+    for key, total in experts_per_key(full).items():  # before the first file is written
+        if total % world_size:
+            raise CheckpointSetError(
+                f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world "
+                f"size dividing {total}"
+            )
+    set_id = secrets.token_hex(8)  # one writer, no workers to agree with
+
+    def write(staging_dir):
+        staged_base = os.path.join(staging_dir, os.path.basename(base))
+        files = []
+        for rank in range(world_size):
+            state = shard_state(full, rank, world_size)
+            state["moe"]["set_id"] = set_id
+            if rank > 0:
+                state = strip_shared_state(state)
+            path = rank_file(staged_base, rank, world_size)
+            torch.save(state, path)
+            files.append(dict(describe_file(path), rank=rank))
+        written = write_manifest(staged_base, world_size, full["moe"]["num_updates"], files, experts_per_key(full),
+                                 set_id)
+        return [f["name"] for f in files] + [os.path.basename(written)]
+
+    write_all_or_nothing(os.path.dirname(base), f"the {world_size}-file set {manifest_path(base)}", write)
+    return manifest_path(base)
+
+
+def experts_per_key(full: Dict) -> Dict[str, int]:
+    return {k: int(full["model"][k].shape[0]) for k in full["moe"]["expert_keys"]}
+
+
+def load_full(path: str, load_fn: Optional[Callable[[str], Dict]] = None) -> Dict:
+    resolved = resolve(path, fallback=False)
+    if resolved is None:
+        raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest {manifest_path(base_of(path))})")
+    if resolved.kind == "set":
+        return load_set(resolved.path, load_fn)
+    state = check_is_checkpoint((load_fn or safe_load)(resolved.path), resolved.path)
+    if is_dense(state):
+        raise CheckpointSetError(
+            f"{resolved.path} is a dense fairseq checkpoint (no MoE layers): there are no experts to merge or "
+            f"reshard; use the file as it is"
+        )
+    return check_whole(state, resolved.path)
