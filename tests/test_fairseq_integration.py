@@ -15,7 +15,7 @@ from fairseq_moe_ext.process_state import STATE
 # sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3 (and the one
 # argparse method hooked, from Python 3.11, and torch 2.13's GradScaler.step, whose found-inf record
 # hook 13 fills). If one of them changes, re-read it, re-check the hook in
-# fairseq_integration.py, then update here.
+# fairseq_integration/ (the HOOKS table names the module), then update here.
 CHECKED_SOURCES = {
     "argparse.ArgumentParser.error": "6e52beacb0a82831",
     "fairseq.checkpoint_utils.load_checkpoint_to_cpu": "96f7d33cde8e1582",
@@ -50,6 +50,16 @@ def test_every_hooked_fairseq_function_is_the_version_the_hooks_were_checked_aga
     changed = {name: sha for name, sha in found.items() if CHECKED_SOURCES.get(name) != sha}
     assert not changed, f"fairseq changed under these hooks, re-check them: {sorted(changed)}"
     assert found.keys() == CHECKED_SOURCES.keys()
+
+
+def test_every_row_of_the_hook_table_is_installed_pinned_and_listed_in_the_docstring():
+    for hook in fairseq_integration.HOOKS:
+        installed = fairseq_integration.resolve_qualified(hook.target)
+        function = installed.fget if isinstance(installed, property) else installed
+        assert getattr(function, "__wrapped_by_moe_ext__", False), f"{hook.target} is not hooked"
+        assert hook.target in CHECKED_SOURCES, f"{hook.target} has no pinned fingerprint"
+        listed = hook.target.split(".", 1)[1] if hook.target.startswith("fairseq.") else hook.target
+        assert f"{hook.number:3d}. {listed}: " in fairseq_integration.__doc__
 
 
 def test_installing_twice_wraps_nothing_twice():

@@ -3,7 +3,7 @@ CRC-32s checked first, and every failure to load told as one line.
 
 ``safe_load`` is the one protocol every loader of a checkpoint file goes through, whether it loads
 with torch.load (the checkpoint tool, merging a set) or with fairseq's ``load_checkpoint_to_cpu``
-(training and generation; see fairseq_integration.py).
+(training and generation; see fairseq_integration/loading.py).
 """
 
 import argparse
@@ -13,6 +13,7 @@ import re
 import zipfile
 from typing import Callable, Dict, Optional
 
+import numpy
 import torch
 
 from .contents import check_is_checkpoint
@@ -21,8 +22,6 @@ from .errors import CheckpointError, DamagedCheckpointError, UnsafeCheckpointErr
 
 def _numpy_array_globals():
     """--eval-bleu keeps its BLEU counters as numpy arrays and scalars in the checkpoint's metrics."""
-    import numpy
-
     multiarray = getattr(numpy, "_core", None) or numpy.core
     dtype_classes = {type(numpy.dtype(t)) for t in (numpy.bool_, numpy.int32, numpy.int64, numpy.float32, numpy.float64)}
     return [multiarray.multiarray._reconstruct, multiarray.multiarray.scalar, numpy.ndarray, numpy.dtype,

@@ -22,19 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
-from . import (
-    PREVIOUS,
-    base_of,
-    describe_file,
-    link_previous_generation,
-    manifest_path,
-    remove_other_layouts,
-    remove_previous_generations,
-    sets_to_protect,
-    write_manifest,
-    write_previous_manifest,
-)
 from ..set_identity import agreed_set_id
+from .generations import link_previous_generation, remove_previous_generations, sets_to_protect, write_previous_manifest
+from .manifest import describe_file, write_manifest
+from .names import PREVIOUS, base_of, manifest_path
+from .resolve import remove_other_layouts
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,7 @@
 import functools
 import logging
 import os
-import pickle
 
-import torch
 from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
@@ -24,21 +22,7 @@ logger = logging.getLogger(__name__)
 def wrap_load_checkpoint_to_cpu(original):
     def load_one(path, arg_overrides=None, verified=False, **kwargs):
         """fairseq's load of one file; ``verified``: its sha256 was just checked against a manifest."""
-        if not verified:
-            moe_ckpt.check_file_intact(path)
-        with torch.serialization.safe_globals(moe_ckpt.CHECKPOINT_SAFE_GLOBALS):
-            try:
-                return original(path, arg_overrides, **kwargs)
-            except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
-                one_line = moe_ckpt.unloadable_error(path, error)
-                if one_line is None:
-                    moe_ckpt.refuse_if_not_a_checkpoint(path)
-                    raise
-                raise one_line from None
-            except (KeyError, TypeError, AttributeError, IndexError):
-                # fairseq's upgrade of old checkpoints indexes whatever torch.load returned
-                moe_ckpt.refuse_if_not_a_checkpoint(path)
-                raise
+        return moe_ckpt.safe_load(path, lambda p: original(p, arg_overrides, **kwargs), verified=verified)
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
