@@ -3,7 +3,7 @@
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.utils import safe_getattr
 
+from ..distributed import SUPPORTED_DDP_BACKENDS, set_comm_timeout, unsupported_backend_error
 from ..moe.router import ROUTER_TYPES
 
 logger = logging.getLogger(__name__)
@@ -101,29 +102,46 @@ class MoEEncoderDecoderConfig(MoEConfig):
     )
 
 
+# Every --moe-* option of either architecture (the translation config is the larger one).
+_MOE_FIELDS = {f.name: f for f in fields(MoEEncoderDecoderConfig) if f.name != "_name"}
+MOE_OPTIONS = tuple(_MOE_FIELDS)
+
+
+def moe_default(name: str):
+    """The default of option ``name``: the dataclass field is the only place defaults are written."""
+    spec = _MOE_FIELDS[name]
+    # A default_factory makes a fresh value per call, so no two namespaces share a mutable default.
+    return spec.default_factory() if spec.default is MISSING else spec.default
+
+
+def moe_option(args, name: str):
+    """``args.<name>``, or the option's default where ``args`` lacks it."""
+    return safe_getattr(args, name, moe_default(name))
+
+
 def moe_freq(args, side: str) -> int:
-    value = safe_getattr(args, f"{side}_moe_freq", None)
-    return safe_getattr(args, "moe_freq", 2) if value is None else value
+    value = moe_option(args, f"{side}_moe_freq")  # None: the side follows --moe-freq
+    return moe_option(args, "moe_freq") if value is None else value
 
 
 def check_moe_args(args) -> None:
     """Fail before anything is built, with one line that names the flag and the fix."""
-    experts = safe_getattr(args, "moe_expert_count", 8)
+    experts = moe_option(args, "moe_expert_count")
     if not isinstance(experts, int) or experts < 1:
         raise ValueError(f"--moe-expert-count must be a positive integer, got {experts!r}: use 1 or more experts")
-    k = safe_getattr(args, "moe_top_k", 2)
+    k = moe_option(args, "moe_top_k")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"--moe-top-k must be >= 1, got {k!r}: use 1 <= --moe-top-k <= {experts}")
     if k > experts:
         raise ValueError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
     for name in ("moe_capacity_factor", "moe_eval_capacity_factor"):
-        value = safe_getattr(args, name, 0.0)
+        value = moe_option(args, name)
         if value is None or not math.isfinite(float(value)):
             raise ValueError(
                 f"--{name.replace('_', '-')} must be a finite number, got {value!r}: use 0 for dropless routing, "
                 f"> 0 for a fixed capacity, < 0 for a bounded dropless one"
             )
-    noise = safe_getattr(args, "moe_gate_noise", 0.0)
+    noise = moe_option(args, "moe_gate_noise")
     noise_fix = "use 0 (no noise) or a standard deviation > 0"
     if noise is None or not math.isfinite(float(noise)):
         raise ValueError(f"--moe-gate-noise must be a finite number, got {noise!r}: {noise_fix}")
@@ -136,12 +154,13 @@ def check_moe_args(args) -> None:
                 f"--{side}-moe-freq / --moe-freq must be an integer >= 0, got {freq!r}: use N for an MoE layer "
                 f"every N layers, or 0 for none"
             )
-    timeout = safe_getattr(args, "moe_comm_timeout", 1800.0)
+    timeout = moe_option(args, "moe_comm_timeout")
     if timeout is None or not math.isfinite(float(timeout)) or timeout <= 0:
         raise ValueError(
-            f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}: use e.g. 1800 (the default)"
+            f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}: use e.g. "
+            f"{moe_default('moe_comm_timeout'):g} (the default)"
         )
-    dim = safe_getattr(args, "moe_expert_ffn_dim", None)
+    dim = moe_option(args, "moe_expert_ffn_dim")
     if dim is not None and dim < 1:
         raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}: drop it to use the layer's ffn dim")
 
@@ -155,7 +174,7 @@ def check_moe_layers_placed(args, sides) -> None:
         return
     given = []
     for side in sides:
-        own = safe_getattr(args, f"{side}_moe_freq", None) is not None
+        own = moe_option(args, f"{side}_moe_freq") is not None
         flag = f"--{side}-moe-freq {freqs[side]}" if own else f"--moe-freq {freqs[side]}"
         if flag not in given:
             given.append(flag)
@@ -168,11 +187,10 @@ def check_moe_layers_placed(args, sides) -> None:
     )
 
 
-def check_moe_world_size(args) -> None:
-    """Experts are split evenly over the workers that train them (none when every expert is local)."""
-    from ..distributed import expert_parallel_world_size
-
-    experts, world = safe_getattr(args, "moe_expert_count", 8), expert_parallel_world_size()
+def check_moe_world_size(args, world: int) -> None:
+    """Experts are split evenly over the ``world`` workers of the expert-parallel group (1 when every
+    expert is local)."""
+    experts = moe_option(args, "moe_expert_count")
     if experts % world:
         raise ValueError(
             f"--moe-expert-count {experts} cannot be split evenly over {world} workers: use a multiple of "
@@ -183,8 +201,6 @@ def check_moe_world_size(args) -> None:
 def check_ddp_backend(args) -> None:
     """fairseq builds fully_sharded models differently before any MoE code runs, so the backend is
     checked while the command line is parsed (the architecture functions see every flag)."""
-    from ..distributed import SUPPORTED_DDP_BACKENDS, unsupported_backend_error
-
     backend = safe_getattr(args, "ddp_backend", None)
     if backend is not None and str(backend) not in SUPPORTED_DDP_BACKENDS:
         raise unsupported_backend_error(str(backend))
@@ -193,10 +209,8 @@ def check_ddp_backend(args) -> None:
 def apply_runtime_options(args) -> None:
     """Process-wide settings the MoE flags ask for; called when a model is built, before any
     expert-parallel group exists."""
-    from ..distributed import set_comm_timeout
-
-    set_comm_timeout(float(safe_getattr(args, "moe_comm_timeout", 1800.0)))
-    if safe_getattr(args, "moe_deterministic", False):
+    set_comm_timeout(float(moe_option(args, "moe_comm_timeout")))
+    if moe_option(args, "moe_deterministic"):
         # cuBLAS picks reduction orders per workspace unless told otherwise; the variable must be
         # set before its first use, which is after model construction.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

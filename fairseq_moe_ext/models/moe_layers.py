@@ -16,10 +16,9 @@ from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.utils import safe_getattr
 
-from ..distributed import expert_parallel_group
 from ..moe import MoELayer
 from ..process_state import STATE
-from .moe_config import moe_freq
+from .moe_config import moe_freq, moe_option
 
 
 class MoEFeedForward(MoELayer):
@@ -43,24 +42,25 @@ class MoEFeedForward(MoELayer):
         return super().forward(x, mask)
 
 
-def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int) -> MoEFeedForward:
+def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group) -> MoEFeedForward:
+    """``group``: the expert-parallel process group the experts are spread over (None: all local)."""
     activation_dropout = safe_getattr(args, "activation_dropout", 0.0) or safe_getattr(args, "relu_dropout", 0.0) or 0.0
     return MoEFeedForward(
         model_dim=model_dim,
-        hidden_dim=safe_getattr(args, "moe_expert_ffn_dim", None) or ffn_dim,
+        hidden_dim=moe_option(args, "moe_expert_ffn_dim") or ffn_dim,
         num_experts=args.moe_expert_count,
         k=args.moe_top_k,
         capacity_factor=args.moe_capacity_factor,
         eval_capacity_factor=args.moe_eval_capacity_factor,
         router_type=str(args.moe_router),
-        fp32_router=not safe_getattr(args, "moe_gating_no_fp32", False),
+        fp32_router=not moe_option(args, "moe_gating_no_fp32"),
         gate_noise=args.moe_gate_noise,
         normalize_gates=args.moe_normalize_gate,
         batch_prioritized=args.moe_batch_prioritized_routing,
         activation=utils.get_activation_fn(safe_getattr(args, "activation_fn", "relu")),
         activation_dropout=float(activation_dropout),
         seed=layer_seed,
-        group=expert_parallel_group(),
+        group=group,
     )
 
 
@@ -128,8 +128,9 @@ def is_moe_layer(index: int, freq: int) -> bool:
     return freq > 0 and (index + 1) % freq == 0
 
 
-def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, no_encoder_attn=False) -> int:
-    """Replace every ``freq``-th layer of a built encoder/decoder ``stack`` by its MoE version.
+def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, group, no_encoder_attn=False) -> int:
+    """Replace every ``freq``-th layer of a built encoder/decoder ``stack`` by its MoE version, with
+    its experts spread over the expert-parallel ``group`` (None: every expert local).
 
     Returns how many layers were replaced. Layers are rebuilt (not converted) so the dense FFN
     weights never exist for them.
@@ -141,7 +142,7 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, no_enc
     for i in range(len(stack.layers)):
         if not is_moe_layer(i, freq):
             continue
-        ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i)
+        ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i, group=group)
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))
         else:

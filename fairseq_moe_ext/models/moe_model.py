@@ -1,0 +1,84 @@
+"""What every MoE model does around fairseq's own ``build_model`` and ``forward``.
+
+A model class lists :class:`MoEModelMixin` before its fairseq base and states only what is its own:
+which stacks (sides) get MoE layers, and any refusal of its own once the expert-parallel world size
+is known. The mixin checks the flags, builds fairseq's dense model, rebuilds every ``--moe-freq``-th
+layer of each side with an MoE feed-forward block, and owns the loss cache that MoE layers write to
+and MoE criterions read from.
+"""
+
+from typing import Sequence
+
+import torch
+from fairseq.models.transformer.transformer_config import TransformerConfig
+from fairseq.utils import safe_getattr
+
+from ..distributed import expert_parallel_group
+from ..moe import MoEAuxCache, MoELayer
+from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed, check_moe_world_size
+from .moe_layers import install_moe_layers
+
+# Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.
+ENCODER_SEED_OFFSET, DECODER_SEED_OFFSET = 0, 1000
+SEED_OFFSETS = {"encoder": ENCODER_SEED_OFFSET, "decoder": DECODER_SEED_OFFSET}
+
+
+def attach_moe_cache(model) -> MoEAuxCache:
+    cache = MoEAuxCache(scoped=True)
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            module.cache = cache
+            module.name = name
+    return cache
+
+
+def moe_layer_names(model):
+    return [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def base_seed(args) -> int:
+    seed = safe_getattr(args, "seed", None)
+    if seed is None:
+        # Models registered with a dataclass (moe_transformer_lm, and any model under
+        # fairseq-hydra-train) get only their own config section, which has no seed. fairseq seeds
+        # torch with --seed / common.seed right before building the model, so read it back there;
+        # falling back to a constant made every --seed start from the same experts.
+        seed = torch.initial_seed()
+    # No `or 1`: --seed 0 is a seed of its own, not an alias of --seed 1.
+    return int(seed) * 100_003
+
+
+class MoEModelMixin:
+    """Goes before a fairseq transformer model class in its bases (``super()`` is that class)."""
+
+    @classmethod
+    def build_moe_model(cls, args, task, sides: Sequence[str], no_encoder_attn: bool = False):
+        """fairseq's model for ``args``, with MoE layers in each of ``sides`` ("encoder", "decoder")."""
+        check_moe_args(args)
+        check_moe_layers_placed(args, sides)
+        # First: it sets the timeout the expert-parallel group is created with, just below.
+        apply_runtime_options(args)
+        # The group is read from process state once, here, and handed to everything built below.
+        group = expert_parallel_group()
+        world = 1 if group is None else torch.distributed.get_world_size(group)
+        check_moe_world_size(args, world)
+        cls.check_expert_parallel_world(args, world)
+        model = super().build_model(args, task)
+        cfg = TransformerConfig.from_namespace(args)
+        seed = base_seed(args)
+        for side in sides:
+            install_moe_layers(getattr(model, side), cfg, args, side, seed + SEED_OFFSETS[side], group=group,
+                               no_encoder_attn=no_encoder_attn)
+        model.moe_cache = attach_moe_cache(model)
+        return model
+
+    @classmethod
+    def check_expert_parallel_world(cls, args, world: int) -> None:
+        """A model's own refusals once it is known how many workers share the experts (``world``);
+        none by default."""
+
+    def forward(self, *args, **kwargs):
+        # The cache is scoped: MoE layers record their losses only inside the model's own forward, not
+        # in the encoder/decoder steps fairseq's generators run directly (see moe/cache.py).
+        with self.moe_cache.forward_pass():
+            return super().forward(*args, **kwargs)
