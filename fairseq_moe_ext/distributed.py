@@ -16,6 +16,7 @@ expert's gradient is already the sum over every worker's tokens. Three consequen
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, List
 
@@ -64,6 +65,34 @@ def expert_parallel_group():
         timeout = None if STATE.comm_timeout_s is None else timedelta(seconds=STATE.comm_timeout_s)
         STATE.expert_groups[key] = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
     return STATE.expert_groups[key]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """PROVISIONAL (the expert-parallel size lands separately): P = W."""
+
+    world_size: int
+    parallel_size: int
+    rank: int
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.parallel_size
+
+    @property
+    def replica_index(self) -> int:
+        return self.rank // self.parallel_size
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.parallel_size
+
+
+def expert_layout() -> ExpertLayout:
+    group = expert_parallel_group()
+    if group is None:
+        return ExpertLayout(1, 1, 0)
+    return ExpertLayout(dist.get_world_size(), dist.get_world_size(group), dist.get_rank())
 
 
 def expert_parallel_world_size() -> int:

@@ -471,9 +471,9 @@ CASES = [
          "checkpoint_last.pt is damaged or incomplete (Bad CRC-32 for file",
          "restore it from a backup, or point --path"),
     # -- the checkpoint tool never overwrites and never writes half a set
-    Case("reshard-to-a-world-size-not-dividing-the-experts", checkpoint_tool,
-         checkpoint_tool_on("reshard", "--world-size", "3"), "error",
-         "holds 4 experts, which cannot be split over 3 workers", "use a world size dividing 4"),
+    Case("reshard-to-an-expert-parallel-size-not-dividing-the-experts", checkpoint_tool,
+         checkpoint_tool_on("reshard", "--world-size", "3", "--expert-parallel-size", "3"), "error",
+         "--expert-parallel-size 3 must divide both --world-size 3 and the 4 experts", "use one of [1]"),
     Case("reshard-to-zero-workers", checkpoint_tool, checkpoint_tool_on("reshard", "--world-size", "0"), "error",
          "--world-size must be a positive number of workers, got 0",
          "use the number of workers that will resume from the set"),

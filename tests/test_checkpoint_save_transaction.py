@@ -207,3 +207,38 @@ def test_a_one_worker_save_replaces_the_rank_files_an_earlier_multi_worker_run_l
 def test_the_transaction_runs_at_any_world_size(tmp_path, world):
     assert run_save(str(tmp_path), updates=1, world=world) == [None] * world
     assert len(moe_ckpt.validate_set(str(tmp_path / "checkpoint_last.set.json"))["files"]) == world
+
+
+def test_with_more_workers_than_shards_the_first_replica_of_each_shard_writes_and_the_manifest_records_the_replicas(
+        tmp_path):
+    from fairseq_moe_ext.checkpoint.save import WorkerShare
+
+    workers, shards = 4, 2
+    group, errors = ThreadGroup(workers), [None] * workers
+
+    def worker(rank):
+        shard, replica = rank % shards, rank // shards
+        suffix = moe_ckpt.rank_suffix(shard, shards)
+
+        def write():
+            if replica == 0:  # fairseq's save returns at once on the other replicas (should_save is False)
+                write_file(str(tmp_path / f"checkpoint_last{suffix}.pt"), f"shard {shard}".encode())
+            return None, []
+
+        share = WorkerShare(shard, shards, writes=replica == 0, expert_digest=f"{shard:064x}")
+        try:
+            save_rank_files(str(tmp_path), suffix, group.for_rank(rank), SetDescription(5, {"experts": 12}, "0" * 16),
+                            write, share)
+        except BaseException as error:  # noqa: B036
+            errors[rank] = error
+            group.sync.abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(workers)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == [None] * workers
+    manifest = moe_ckpt.validate_set(str(tmp_path / "checkpoint_last.set.json"))
+    assert (manifest["world_size"], manifest["workers"]) == (2, 4)
+    assert manifest["replicas"] == [[f"{0:064x}"] * 2, [f"{1:064x}"] * 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint_last-rank-0-of-2.pt", "checkpoint_last-rank-1-of-2.pt", "checkpoint_last.set.json"]

@@ -6,6 +6,7 @@ yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integra
 
 import argparse
 import glob
+import math
 import os
 import sys
 
@@ -15,7 +16,7 @@ from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
-from .reshard import load_full, save_set
+from .reshard import experts_per_key, load_full, save_set
 from .staging import write_all_or_nothing
 
 
@@ -31,7 +32,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("reshard", help="write the checkpoint as a set of W rank files")
     p.add_argument("checkpoint")
     p.add_argument("output", help="output name, e.g. new_dir/checkpoint_best.pt")
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True, help="the workers that will resume from the set (W)")
+    p.add_argument("--expert-parallel-size", type=int, default=None,
+                   help="P: the set's rank files (expert shards); W / P workers hold replicas of each (default: the "
+                        "largest P dividing both W and the expert count, as fairseq-train's default)")
     p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
     p.add_argument("checkpoint")
     args = parser.parse_args(argv)
@@ -51,11 +55,24 @@ def main(argv=None) -> int:
         if args.command == "merge":
             print(f"wrote {write_merged(full, args.output)}")
         else:
-            print(f"wrote {save_set(full, base_of(args.output), args.world_size)}")
+            shards = expert_parallel_size(full, args.world_size, args.expert_parallel_size)
+            print(f"wrote {save_set(full, base_of(args.output), shards, workers=args.world_size)}")
         return 0
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def expert_parallel_size(full, workers: int, given) -> int:
+    """P for a set that ``workers`` workers resume: the one given, or gcd(W, E); P must divide both."""
+    experts = max(experts_per_key(full).values(), default=1)
+    if given is None:
+        return math.gcd(workers, experts)
+    if given < 1 or workers % given or experts % given:
+        raise CheckpointSetError(
+            f"--expert-parallel-size {given} must divide both --world-size {workers} and the {experts} experts: use "
+            f"one of {[p for p in range(1, workers + 1) if workers % p == 0 and experts % p == 0]}")
+    return given
 
 
 def write_merged(full, output) -> str:

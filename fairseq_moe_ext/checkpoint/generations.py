@@ -69,7 +69,7 @@ def write_previous_manifest(manifest_file: str, world_size: int) -> None:
     previous_base = base_of(manifest_file) + PREVIOUS
     files = [dict(e, name=os.path.basename(rank_file(previous_base, e["rank"], world_size))) for e in manifest["files"]]
     write_manifest(previous_base, world_size, manifest["num_updates"], files, manifest["num_experts"],
-                   manifest.get("set_id"))
+                   manifest.get("set_id"), manifest.get("workers"), manifest.get("replicas"))
 
 
 def _same_world_manifest(manifest_file: str, world_size: int) -> Optional[Dict]:

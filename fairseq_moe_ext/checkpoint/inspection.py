@@ -10,7 +10,7 @@ import torch
 
 from .contents import check_is_checkpoint, check_rank_states, check_whole, is_dense
 from .errors import CheckpointSetError
-from .manifest import read_manifest, validate_set
+from .manifest import differing_replicas, read_manifest, validate_set
 from .resolve import resolve
 from .safe_load import safe_load
 
@@ -50,6 +50,7 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
     experts = set(meta["expert_keys"])
     for key, n in manifest["num_experts"].items():
         lines.append(f"  {key}: {n} experts, {n // manifest['world_size']} per rank")
+    lines.extend(replica_findings(manifest))
     shared_in_other_ranks = [(r, k) for r, s in enumerate(states[1:], 1) for k in s["model"] if k not in experts]
     for r, key in shared_in_other_ranks:
         if not torch.equal(states[r]["model"][key], states[0]["model"][key]):
@@ -70,6 +71,27 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
         )
     if not duplicates:
         lines.append("VERDICT OK: every expert is distinct")
+    return lines
+
+
+def replica_findings(manifest: Dict) -> List[str]:
+    """Replicas (workers holding the same experts when W > P) must be identical; distinct experts
+    that are identical are the other, separate finding below."""
+    workers, shards = manifest.get("workers", manifest["world_size"]), manifest["world_size"]
+    if workers == shards:
+        return []
+    lines = [f"  saved by {workers} workers: each of the {shards} expert shards had {workers // shards} replicas "
+             f"(stored once)"]
+    if "replicas" not in manifest:
+        return lines + ["VERDICT OK: replicas stored once (resharded by the checkpoint tool: no replica digests)"]
+    differing = differing_replicas(manifest)
+    for shard in differing:
+        digests = manifest["replicas"][shard]
+        odd = [i for i, d in enumerate(digests) if d != digests[0]]
+        lines.append(f"VERDICT PROBLEM: the replicas of expert shard {shard} differed when saved (replica(s) {odd} != "
+                     f"replica 0; a bug: replicas must stay identical; the set keeps replica 0's experts)")
+    if not differing:
+        lines.append("VERDICT OK: every shard's replicas were identical when saved")
     return lines
 
 

@@ -37,7 +37,10 @@ def describe_file(path: str) -> Dict:
 
 
 def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dict], experts: Dict[str, int],
-                   set_id: Optional[str] = None) -> str:
+                   set_id: Optional[str] = None, workers: Optional[int] = None,
+                   replicas: Optional[List[List[str]]] = None) -> str:
+    """``world_size``: the set's files (expert shards); ``workers``: the run's W when it was larger (each
+    shard then had W / world_size replicas, ``replicas[s]`` their expert digests, in replica order)."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "name": os.path.basename(base),
@@ -48,6 +51,10 @@ def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dic
     }
     if set_id is not None:
         manifest["set_id"] = set_id
+    if workers is not None and workers != world_size:
+        manifest["workers"] = workers
+    if replicas is not None:
+        manifest["replicas"] = replicas
     path = manifest_path(base)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -100,12 +107,35 @@ def check_manifest(manifest, path: str) -> None:
     for key, count in experts.items():
         if not _is_int(count) or count < 1 or count % world:
             _refuse(path, f"num_experts[{key!r}]", f"an integer >= 1 divisible by world_size {world}, got {_short(count)}")
+    _check_replicas(manifest, path, world)
     files = manifest.get("files")
     if not isinstance(files, list) or len(files) != world:
         _refuse(path, "files", f"a list of world_size = {world} entries, got {_short(files)}")
     seen = set()
     for i, entry in enumerate(files):
         _check_entry(path, base, world, i, entry, seen)
+
+
+def _check_replicas(manifest, path, world):
+    """``workers`` (the run's W, a multiple of the set's shards) and ``replicas`` (per shard, the
+    digest of each replica's experts) are optional: sets saved with one worker per shard have neither."""
+    workers = manifest.get("workers", world)
+    if not _is_int(workers) or workers < world or workers % world:
+        _refuse(path, "workers", f"an integer multiple of world_size {world}, got {_short(workers)}")
+    if "replicas" not in manifest:
+        return
+    replicas, copies = manifest["replicas"], workers // world
+    if not isinstance(replicas, list) or len(replicas) != world:
+        _refuse(path, "replicas", f"a list of world_size = {world} lists, got {_short(replicas)}")
+    for shard, digests in enumerate(replicas):
+        if not (isinstance(digests, list) and len(digests) == copies
+                and all(isinstance(d, str) and SHA256_RE.match(d) for d in digests)):
+            _refuse(path, f"replicas[{shard}]", f"{copies} sha256 digests (one per replica), got {_short(digests)}")
+
+
+def differing_replicas(manifest: Dict) -> List[int]:
+    """The shards whose replicas held different experts when the set was saved (a training bug)."""
+    return [s for s, digests in enumerate(manifest.get("replicas") or []) if len(set(digests)) > 1]
 
 
 def _check_entry(path, base, world, i, entry, seen):

@@ -73,19 +73,25 @@ def _concat_slot(per_rank, states, meta, slot):
 
 def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
     """Full state -> what worker ``rank`` of ``world_size`` loads (its experts, shared parts)."""
-    meta = full["moe"]
-    state = copy.copy(full)
-    state["model"] = dict(full["model"])
     rows = {}
-    for key in meta["expert_keys"]:
-        tensor = full["model"][key]
-        total = tensor.shape[0]
+    for key in full["moe"]["expert_keys"]:
+        total = full["model"][key].shape[0]
         if total % world_size:
             raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world size dividing {total}")
-        per = total // world_size
-        rows[key] = (total, per)
-        state["model"][key] = tensor[rank * per : (rank + 1) * per].clone()
-    optimizer = full.get("last_optimizer_state")
+        rows[key] = (total, rank * (total // world_size), total // world_size)
+    return take_expert_rows(full, rows, rank, world_size)
+
+
+def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size: int) -> Dict:
+    """``state`` with each expert tensor ``key`` (and its optimizer state) cut to ``count`` experts from
+    ``start``, where ``rows[key] = (experts the tensor holds now, start, count)``; described as the
+    part of worker ``rank`` of ``world_size``."""
+    meta = state["moe"]
+    out = copy.copy(state)
+    out["model"] = dict(state["model"])
+    for key, (_, start, count) in rows.items():
+        out["model"][key] = state["model"][key][start : start + count].clone()
+    optimizer = state.get("last_optimizer_state")
     if isinstance(optimizer, dict) and "state" in optimizer:
         sliced = dict(optimizer)
         sliced["state"] = dict(optimizer["state"])
@@ -94,19 +100,21 @@ def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
             name = meta["optimizer_param_names"][slot]
             if entry is None or name not in rows:
                 continue
-            total, per = rows[name]
+            held, start, count = rows[name]
             sliced["state"][slot] = {
-                k: (v[rank * per : (rank + 1) * per].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == total else v)
+                k: (v[start : start + count].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v)
                 for k, v in entry.items()
             }
-        state["last_optimizer_state"] = sliced
-    state["moe"] = dict(meta, world_size=world_size, rank=rank)
-    state["moe"]["experts_held"] = experts_held(rank, _experts_in(full) // world_size)
-    return state
+        out["last_optimizer_state"] = sliced
+    counts = [count for _, _, count in rows.values()]
+    out["moe"] = dict(meta, world_size=world_size, rank=rank)
+    out["moe"]["experts_held"] = experts_held(rank, counts[0] if counts else 0)
+    return out
 
 
-def save_set(full: Dict, base: str, world_size: int) -> str:
-    """Write ``full`` as a W-file set (the format training writes) and return the manifest path."""
+def save_set(full: Dict, base: str, world_size: int, workers: Optional[int] = None) -> str:
+    """Write ``full`` as a set of ``world_size`` rank files (expert shards: the format training writes)
+    for ``workers`` workers (default: one per shard) and return the manifest path."""
     if world_size < 1:
         raise CheckpointSetError(f"a set needs a positive number of workers, got {world_size}")
     for key, total in experts_per_key(full).items():  # before the first file is written
@@ -129,7 +137,7 @@ def save_set(full: Dict, base: str, world_size: int) -> str:
             torch.save(state, path)
             files.append(dict(describe_file(path), rank=rank))
         written = write_manifest(staged_base, world_size, full["moe"]["num_updates"], files, experts_per_key(full),
-                                 set_id)
+                                 set_id, workers=workers)
         return [f["name"] for f in files] + [os.path.basename(written)]
 
     write_all_or_nothing(os.path.dirname(base), f"the {world_size}-file set {manifest_path(base)}", write)

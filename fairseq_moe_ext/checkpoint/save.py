@@ -1,7 +1,9 @@
 """The save of a checkpoint set, as one transaction read top to bottom.
 
-Every worker of a W-worker run writes its own rank file; rank 0 then writes the set's manifest.
-The order below is what keeps a run loadable whenever a worker is killed:
+A set has one file per expert shard: with W workers and expert-parallel size P, the P workers of the
+first replica group each write their shard's file (when W > P the other workers hold replicas and
+write nothing, but report a digest of their experts); rank 0 then writes the set's manifest. The
+order below is what keeps a run loadable whenever a worker is killed:
 
 1. protect: every complete set the save may overwrite is hard-linked as ``<name>.prev`` (rank 0
    decides which, so all workers link the same sets), a barrier, rank 0 writes the ``.prev``
@@ -53,18 +55,30 @@ class SetDescription:
     set_id: Optional[str]  # this worker's id of the save (see set_identity.py)
 
 
+@dataclass(frozen=True)
+class WorkerShare:
+    """This worker's part of the set."""
+
+    shard: int  # the expert shard it holds, 0..shards-1 (its rank within its expert-parallel group)
+    shards: int  # the set's files: the expert-parallel size P
+    writes: bool  # the first replica of each shard writes the shard's file
+    expert_digest: Optional[str] = None  # sha256 of its experts, when shards have several replicas
+
+
 def save_rank_files(save_dir: str, suffix: str, comm: Collectives, describe: SetDescription,
-                    write: Callable[[], Tuple[Result, List[str]]]) -> Result:
+                    write: Callable[[], Tuple[Result, List[str]]], share: Optional[WorkerShare] = None) -> Result:
     """Run ``write`` (this worker's part of the save, returning its result and the paths it would
-    have pruned) inside the transaction; ``suffix`` ends the names of this worker's files."""
-    before = own_files(save_dir, suffix)
-    protect_previous_generation(save_dir, comm)
+    have pruned) inside the transaction; ``suffix`` ends the names of this worker's files. Without
+    ``share``, every worker writes its own shard (P = W)."""
+    share = share or WorkerShare(comm.rank, comm.world_size, writes=True)
+    before = own_files(save_dir, suffix) if share.writes else {}
+    protect_previous_generation(save_dir, comm, share)
     result, pruned = write()
-    written = [dict(describe_file(os.path.join(save_dir, name)), rank=comm.rank, set_id=describe.set_id)
-               for name in changed_files(save_dir, suffix, before)]
-    reports = comm.all_gather((written, [os.path.basename(p) for p in pruned]))
+    written = [dict(describe_file(os.path.join(save_dir, name)), rank=share.shard, set_id=describe.set_id)
+               for name in changed_files(save_dir, suffix, before)] if share.writes else []
+    reports = comm.all_gather((written, [os.path.basename(p) for p in pruned], (share.shard, share.expert_digest)))
     if comm.rank == 0:
-        write_manifests(save_dir, reports, describe)
+        write_manifests(save_dir, reports, describe, share.shards)
         remove_previous_generations(save_dir)
     # No worker deletes a file of a pruned set before rank 0 has dropped the manifest listing it:
     # a crash in between leaves unlisted files (pruned again by the next save), never a manifest
@@ -86,36 +100,39 @@ def save_single_file(save_dir: str, suffix: str, write: Callable[[], Result]) ->
     return result
 
 
-def protect_previous_generation(save_dir: str, comm: Collectives) -> None:
+def protect_previous_generation(save_dir: str, comm: Collectives, share: WorkerShare) -> None:
     """Hard-link every worker's files of every complete set to ``<name>.prev`` and write the ``.prev``
     manifests, before any worker overwrites one of them. The barriers make it hold across workers:
     without them one worker could overwrite its file before another had linked its own, and a kill
     then would leave neither generation complete."""
     manifests = comm.broadcast(sets_to_protect(save_dir) if comm.rank == 0 else None)
-    for manifest in manifests:
-        link_previous_generation(manifest, comm.rank, comm.world_size)
+    if share.writes:
+        for manifest in manifests:
+            link_previous_generation(manifest, share.shard, share.shards)
     comm.barrier()
     if comm.rank == 0:
         for manifest in manifests:
-            write_previous_manifest(manifest, comm.world_size)
+            write_previous_manifest(manifest, share.shards)
     comm.barrier()
 
 
-def write_manifests(save_dir: str, reports: List[Tuple[List[Dict], List[str]]], describe: SetDescription) -> None:
-    """Rank 0: one manifest for every set all workers wrote, none for the sets they pruned."""
-    world = len(reports)
+def write_manifests(save_dir: str, reports: List[Tuple], describe: SetDescription, shards: int) -> None:
+    """Rank 0: one manifest for every set all shards wrote, none for the sets they pruned."""
+    workers = len(reports)
+    replicas = [[digest for _, _, (shard, digest) in reports if shard == s] for s in range(shards)]
+    replicas = replicas if workers > shards and all(d is not None for r in replicas for d in r) else None
     by_base = collections.defaultdict(list)
-    for written, _ in reports:
+    for written, _, _ in reports:
         for entry in written:
             by_base[base_of(os.path.join(save_dir, entry["name"]))].append(entry)
     for base, entries in by_base.items():
-        if sorted(e["rank"] for e in entries) == list(range(world)):
-            write_manifest(base, world, describe.num_updates, entries, describe.num_experts,
-                           agreed_set_id(base, entries))
-            remove_other_layouts(base, world)
+        if sorted(e["rank"] for e in entries) == list(range(shards)):
+            write_manifest(base, shards, describe.num_updates, entries, describe.num_experts,
+                           agreed_set_id(base, entries), workers=workers, replicas=replicas)
+            remove_other_layouts(base, shards)
         else:
             logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")
-    for _, removed in reports:
+    for _, removed, _ in reports:
         for name in removed:
             manifest = manifest_path(base_of(os.path.join(save_dir, name)))
             if os.path.exists(manifest):

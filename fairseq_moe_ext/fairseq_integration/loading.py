@@ -4,11 +4,13 @@ import functools
 import logging
 import os
 
+import torch
 from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
+from ..checkpoint.share import load_share
 from ..models.moe_config import moe_freq
 from ..process_state import STATE, LoadTarget
 from ..restore_choice import resolve_restore
@@ -38,6 +40,13 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         # one worker's experts): the whole set.
         resolved = moe_ckpt.resolve(path, fallback=False)
         path = resolved.path if resolved is not None else path
+    if path.endswith(moe_ckpt.MANIFEST_SUFFIX) and STATE.load_targets:
+        # Resuming: the set was validated by the resolve this load follows; read only this worker's share.
+        target = STATE.load_targets[-1]
+        state = load_share(path, target.rank, target.world_size,
+                           lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
+        check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
+        return state
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
         full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
     else:
@@ -67,14 +76,15 @@ def wrap_trainer_load_checkpoint(original):
                        self.data_parallel_world_size, every_rank_saves=is_expert_parallel_trainer(self))
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
-        resolved = resolve_restore(filename, checkpoint_cfg, self.checkpoint_suffix,
-                                   allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback")))
+        resolved = decided_on_rank_0(lambda: resolve_restore(
+            filename, checkpoint_cfg, self.checkpoint_suffix,
+            allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback"))))
         if resolved is None:
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
-        world = self.data_parallel_world_size
-        rank = self.data_parallel_rank if world > 1 else 0
-        logger.info(f"loading {resolved.kind} {resolved.path} as worker {rank} of {world}")
-        STATE.load_targets.append(LoadTarget(rank, world, self._model, self.cfg.model))
+        layout = moe_dist.expert_layout()
+        logger.info(f"loading {resolved.kind} {resolved.path} as expert shard {layout.ep_rank} of "
+                    f"{layout.parallel_size} (worker {layout.rank} of {layout.world_size})")
+        STATE.load_targets.append(LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model))
         try:
             # Every worker builds its own slice, so nothing is broadcast from rank 0.
             with open_dict(self.cfg.checkpoint):
@@ -89,6 +99,26 @@ def wrap_trainer_load_checkpoint(original):
             STATE.load_targets.pop()
 
     return load_checkpoint
+
+
+def decided_on_rank_0(decide):
+    """``decide()`` run by rank 0 alone, its answer (or its one-line refusal) shared with every worker:
+    the set is validated (every file hashed) once instead of once per worker, and every worker resumes
+    from the same choice."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_world_size() == 1:
+        return decide()
+    outcome = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            outcome = [("resolved", decide())]
+        except Exception as refused:  # noqa: BLE001  (every worker must stop with rank 0's error)
+            outcome = [("refused", refused)]
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "refused":
+        raise value from None
+    return value
 
 
 def wrap_load_model_ensemble_and_task(original):

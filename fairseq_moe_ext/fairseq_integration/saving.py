@@ -3,6 +3,7 @@ save runs inside the checkpoint-set transaction (``checkpoint/save.py``)."""
 
 import contextlib
 import functools
+import hashlib
 import os
 
 import torch
@@ -10,16 +11,17 @@ from fairseq import checkpoint_utils
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.save import Collectives, SetDescription, save_rank_files, save_single_file
+from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..process_state import STATE
 from ..set_identity import save_set_id
 
 
 def is_expert_parallel_trainer(trainer) -> bool:
-    """Does every worker of this trainer save its own rank file? (Several workers, expert parameters.)"""
+    """Are this trainer's experts split over several workers, each shard saved in its own rank file?"""
     cached = STATE.expert_parallel_trainers.get(trainer)
     if cached is None:
-        cached = trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
+        cached = (trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
+                  and moe_dist.expert_layout().parallel_size > 1)
         STATE.expert_parallel_trainers[trainer] = cached
     return cached
 
@@ -28,7 +30,8 @@ def wrap_checkpoint_suffix(original_fget):
     def checkpoint_suffix(self):
         suffix = original_fget(self)
         if is_expert_parallel_trainer(self):
-            suffix += moe_ckpt.rank_suffix(self.data_parallel_rank, self.data_parallel_world_size)
+            layout = moe_dist.expert_layout()
+            suffix += moe_ckpt.rank_suffix(layout.ep_rank, layout.parallel_size)
         return suffix
 
     return checkpoint_suffix
@@ -36,7 +39,9 @@ def wrap_checkpoint_suffix(original_fget):
 
 def wrap_should_save(original_fget):
     def should_save_checkpoint_on_current_rank(self):
-        return is_expert_parallel_trainer(self) or original_fget(self)
+        if is_expert_parallel_trainer(self):
+            return moe_dist.expert_layout().replica_index == 0  # one file per expert shard
+        return original_fget(self)
 
     return should_save_checkpoint_on_current_rank
 
@@ -47,13 +52,14 @@ def wrap_trainer_state_dict(original):
         state = original(self)
         if not moe_dist.has_experts(self._model):
             return state
-        world = self.data_parallel_world_size
-        rank = self.data_parallel_rank if world > 1 else 0
+        layout = moe_dist.expert_layout()
+        world, rank = (layout.parallel_size, layout.ep_rank) if is_expert_parallel_trainer(self) else (1, 0)
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
         experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
         state["moe"] = moe_ckpt.moe_metadata(
             names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates(),
-            set_id=save_set_id(self, world), experts_per_worker=int(experts[0].shape[0]) if experts else None,
+            set_id=save_set_id(self, self.data_parallel_world_size),
+            experts_per_worker=int(experts[0].shape[0]) if experts else None,
         )
         if rank > 0:
             moe_ckpt.strip_shared_state(state)
@@ -68,6 +74,8 @@ def wrap_save_checkpoint(original):
         if cfg.no_save or not moe_dist.has_experts(trainer._model):
             return original(cfg, trainer, epoch_itr, val_loss)
         if not is_expert_parallel_trainer(trainer):
+            if trainer.data_parallel_rank > 0:  # every expert on every worker: rank 0 saves them
+                return original(cfg, trainer, epoch_itr, val_loss)
             return save_single_file(cfg.save_dir, trainer.checkpoint_suffix,
                                     lambda: original(cfg, trainer, epoch_itr, val_loss))
 
@@ -75,16 +83,29 @@ def wrap_save_checkpoint(original):
             with _atomic_copies(), _removals_deferred() as pruned:
                 return original(cfg, trainer, epoch_itr, val_loss), pruned
 
-        world = trainer.data_parallel_world_size
+        layout = moe_dist.expert_layout()
         describe = SetDescription(
             num_updates=trainer.get_num_updates(),
-            num_experts={n: int(p.shape[0]) * world for n, p in trainer._model.named_parameters()
+            num_experts={n: int(p.shape[0]) * layout.parallel_size for n, p in trainer._model.named_parameters()
                          if moe_dist.is_expert(p)},
-            set_id=save_set_id(trainer, world),
+            set_id=save_set_id(trainer, trainer.data_parallel_world_size),
         )
-        return save_rank_files(cfg.save_dir, trainer.checkpoint_suffix, torch_collectives(trainer), describe, write)
+        share = WorkerShare(layout.ep_rank, layout.parallel_size, writes=layout.replica_index == 0,
+                            expert_digest=expert_digest(trainer._model) if layout.num_replicas > 1 else None)
+        return save_rank_files(cfg.save_dir, trainer.checkpoint_suffix, torch_collectives(trainer), describe, write,
+                               share)
 
     return save_checkpoint
+
+
+def expert_digest(model) -> str:
+    """sha256 of this worker's expert parameters (replicas of one shard must give the same)."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if moe_dist.is_expert(p):
+            digest.update(name.encode())
+            digest.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def torch_collectives(trainer) -> Collectives:

@@ -1,0 +1,74 @@
+"""Resume reads only a worker's share of a set: the first file (the shared state) and the files that
+hold the worker's experts, instead of merging every file and then slicing.
+
+A set of S files splits E experts evenly (file f holds experts f*E/S ...); worker r of W' takes
+experts r*E/W' ... . When the layout is unchanged (W' = S) that is file 0 and file r. The files'
+sizes and sha256s were checked once, by whoever resolved the set (rank 0 in training, which shares
+its verdict), so nothing here hashes or re-reads a file.
+"""
+
+import copy
+import os
+from typing import Callable, Dict
+
+from .contents import check_rank_states
+from .errors import CheckpointSetError
+from .manifest import differing_replicas, read_manifest
+from .reshard import merge_states, take_expert_rows
+
+
+def files_holding(shards: int, rank: int, world_size: int) -> range:
+    """The files of an S-file set that hold the experts of worker ``rank`` of ``world_size``."""
+    first = rank * shards // world_size
+    last = -(-(rank + 1) * shards // world_size) - 1
+    return range(first, last + 1)
+
+
+def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable[[str], Dict]) -> Dict:
+    """What worker ``rank`` of ``world_size`` loads from the set: shard_state(load_set(...), rank,
+    world_size), reading only the files it needs."""
+    manifest = read_manifest(manifest_file)
+    differing = differing_replicas(manifest)
+    if differing:
+        raise CheckpointSetError(
+            f"{manifest_file}: the replicas of expert shard(s) {differing} differed when the set was saved (a bug in "
+            f"training, reported by inspect): resume from an earlier set, or merge this one (python -m "
+            f"fairseq_moe_ext.checkpoint merge, which keeps replica 0's experts) and pass the merged file as --restore-file")
+    shards, directory = manifest["world_size"], os.path.dirname(manifest_file)
+    entries = {entry["rank"]: entry for entry in manifest["files"]}
+    span = files_holding(shards, rank, world_size)
+    rows = {}
+    for key, total in manifest["num_experts"].items():  # refused before any file is read
+        if total % world_size:
+            raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: "
+                                     f"use a world size dividing {total}")
+        per_file, per_worker = total // shards, total // world_size
+        rows[key] = (len(span) * per_file, rank * per_worker - span.start * per_file, per_worker)
+    needed = sorted({0, *span})
+    loaded = {f: load_fn(os.path.join(directory, entries[f]["name"])) for f in needed}
+    check_rank_states(dict(manifest, files=[entries[f] for f in needed]), [loaded[f] for f in needed], directory)
+    held = merge_states([loaded[f] for f in span])
+    if set(rows) != set(held["moe"]["expert_keys"]) or any(
+            tuple(held["model"][key].shape[:1]) != (rows[key][0],) for key in rows):
+        raise CheckpointSetError(
+            f"{manifest_file}: its num_experts {manifest['num_experts']} do not match the experts its files hold: the "
+            f"manifest was edited or damaged; restore it from a backup, or move the set out of the directory")
+    return take_expert_rows(_shared_with_experts_of(loaded[0], held), rows, rank, world_size)
+
+
+def _shared_with_experts_of(first: Dict, held: Dict) -> Dict:
+    """File 0's state (shared parameters, optimizer and training state) with ``held``'s experts."""
+    meta = first["moe"]
+    state = copy.copy(first)
+    state["model"] = dict(first["model"])
+    for key in meta["expert_keys"]:
+        state["model"][key] = held["model"][key]
+    optimizer = first.get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        merged = dict(optimizer)
+        merged["state"] = dict(optimizer["state"])
+        for slot in meta["optimizer_expert_slots"]:
+            if slot in held["last_optimizer_state"]["state"]:
+                merged["state"][slot] = held["last_optimizer_state"]["state"][slot]
+        state["last_optimizer_state"] = merged
+    return state
