@@ -82,8 +82,8 @@ def wrap_trainer_load_checkpoint(original):
         if resolved is None:
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
         layout = moe_dist.expert_layout()
-        logger.info(f"loading {resolved.kind} {resolved.path} as expert shard {layout.ep_rank} of "
-                    f"{layout.parallel_size} (worker {layout.rank} of {layout.world_size})")
+        logger.info(f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
+                    f"(expert shard {layout.ep_rank} of {layout.parallel_size})")
         STATE.load_targets.append(LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model))
         try:
             # Every worker builds its own slice, so nothing is broadcast from rank 0.
