@@ -28,6 +28,7 @@ Modules:
     keep_copy.py    hard link, or durable copy where the filesystem has no hard links
     reshard.py      merging a set, slicing a full state, writing a set, loading either layout whole
     save.py         the save of a set in training, as one transaction with the collectives as values
+    share.py        a worker's share of a set, read without the files that hold other workers' experts
     compat.py       whether a checkpoint fits the model being resumed, and which flag to change if not
     inspection.py   the checkpoint tool's ``inspect`` report
     staging.py      the checkpoint tool's output appears whole or not at all

@@ -56,10 +56,10 @@ HOOKS = (
          "called by every fairseq optimizer: with expert parameters present the norm is the global one "
          "(distributed.global_grad_norm); fairseq's own leaves experts out."),
     Hook(5, "fairseq.trainer.Trainer.checkpoint_suffix", saving.wrap_checkpoint_suffix,
-         "in multi-worker MoE training every worker saves, under a -rank-R-of-W suffix; fairseq's naming, "
-         "--save-interval*, --keep-* and best/last logic are kept."),
+         "with experts split over P > 1 workers, each expert shard is saved under a -rank-R-of-P suffix; "
+         "fairseq's naming, --save-interval*, --keep-* and best/last logic are kept."),
     Hook(5, "fairseq.trainer.Trainer.should_save_checkpoint_on_current_rank", saving.wrap_should_save,
-         "every worker of a multi-worker MoE run saves (its own experts)."),
+         "the first replica of each expert shard saves it (replicas on the other W - P workers save nothing)."),
     Hook(5, "fairseq.trainer.Trainer.state_dict", saving.wrap_trainer_state_dict,
          "only rank 0 stores the shared state; state['moe'] makes each file self-describing (rank, world "
          "size, experts_held, the save's set_id from set_identity.py)."),
@@ -69,9 +69,10 @@ HOOKS = (
          "fairseq's in-place copies made copy + rename and its os.remove recorded instead of done."),
     Hook(7, "fairseq.trainer.Trainer.load_checkpoint", loading.wrap_trainer_load_checkpoint,
          "fairseq-train calls it before reading any batch: it first refuses set-ups that would fail inside "
-         "train_step, claims --save-dir (training_save_dir), then resolves the name to a complete set or a "
-         "single file (restore_choice: checkpoint_last falls back to the newest complete set), merges it and "
-         "slices it for this worker, at any world size dividing the experts."),
+         "train_step, claims --save-dir (training_save_dir); rank 0 then resolves the name to a complete set "
+         "or a single file (restore_choice: checkpoint_last falls back to the newest complete set) and shares "
+         "its answer, and each worker reads only the files holding its share (checkpoint/share.py), at any "
+         "layout that divides the experts."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local."),
