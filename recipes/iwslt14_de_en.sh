@@ -57,6 +57,7 @@ elif [ "$DRY_RUN" = 1 ]; then
 else
   examples=$(fairseq_examples)
   # The script works in its current directory: clones, downloads and writes iwslt14.tokenized.de-en/ there.
+  mkdir -p "$WORK/data"
   (cd "$WORK/data" && bash "$examples/translation/prepare-iwslt14.sh")
   # It exits 0 on failed downloads; check what it was meant to leave.
   [ -s "$TEXT/test.en" ] || { echo "prepare-iwslt14.sh did not produce $TEXT/test.en (see its output above)" >&2; exit 1; }
