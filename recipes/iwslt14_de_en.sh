@@ -21,40 +21,31 @@
 # Knobs (environment; defaults in brackets):
 #   WORK [./work-dirs/iwslt14_de_en, --dry-run: ./work-dirs/iwslt14_de_en-dry-run]
 #   GPUS [1]        GPUs to train on (torchrun workers when > 1)
-#   EVAL_BLEU [0]   1: the README's --eval-bleu ... --best-checkpoint-metric bleu flags (needs
-#                   `pip install sacremoses` for --eval-bleu-detok moses). Off because (a) the plugin's
-#                   checkpoint loader currently refuses the checkpoints these flags produce (the saved
-#                   BLEU meters are numpy arrays, outside its weights_only allowlist), so generation and
-#                   resuming fail; (b) with GPUS>1 BLEU validation runs fairseq's generator on every
-#                   worker and deadlocks when experts are sharded over workers.
+#   EVAL_BLEU [0]   1: the README's --eval-bleu ... --best-checkpoint-metric bleu flags. Off because
+#                   they need `pip install sacremoses` (for --eval-bleu-detok moses; not in the pinned
+#                   requirements) and one worker: BLEU validation generates on every worker, which MoE
+#                   layers with experts sharded over the workers cannot follow, so the plugin refuses
+#                   --eval-bleu in multi-worker MoE training and this recipe refuses EVAL_BLEU=1 with
+#                   GPUS>1 (DENSE=1 aside). Their checkpoints load like any other (the plugin's loader
+#                   allows the numpy arrays of the saved BLEU counters).
 #   EXPERTS [8] TOPK [2] MOE_FREQ [2] CAPACITY_FACTOR [1.25] GATE_LOSS_WT [0.01]
 #   MAX_EPOCH [60] MAX_TOKENS [4096] LR [5e-4] WARMUP [4000] SEED [1]
 #   DENSE [0]       1: train fairseq's dense transformer_iwslt_de_en instead (into WORK/dense)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-DRY_RUN=${TINY:-0}
-for arg in "$@"; do
-  case $arg in
-    --dry-run) DRY_RUN=1 ;;
-    -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
-    *) echo "$0: unknown argument $arg (try --help)" >&2; exit 2 ;;
-  esac
-done
+source recipes/lib/common.sh
+recipe_args "$@"
 
 if [ "$DRY_RUN" = 1 ]; then
   : "${WORK:=./work-dirs/iwslt14_de_en-dry-run}" "${MAX_EPOCH:=2}" "${WARMUP:=10}" "${EXPERTS:=4}"
 fi
-: "${WORK:=./work-dirs/iwslt14_de_en}" "${GPUS:=1}" "${EXPERTS:=8}" "${TOPK:=2}" "${MOE_FREQ:=2}"
-: "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}" "${MAX_EPOCH:=60}" "${MAX_TOKENS:=4096}"
-: "${LR:=5e-4}" "${WARMUP:=4000}" "${SEED:=1}" "${DENSE:=0}" "${EVAL_BLEU:=0}"
+: "${WORK:=./work-dirs/iwslt14_de_en}" "${GPUS:=1}" "${EXPERTS:=8}" "${MAX_EPOCH:=60}" "${MAX_TOKENS:=4096}"
+: "${LR:=5e-4}" "${WARMUP:=4000}" "${DENSE:=0}" "${EVAL_BLEU:=0}"
+shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
 
 STAGES=5
 echo "==> [1/$STAGES] environment$([ "$DRY_RUN" = 1 ] && echo ' (dry run: tiny local corpus, CPU, tiny model)')"
-source recipes/lib/venv.sh
-source recipes/lib/common.sh
-mkdir -p "$WORK"
-WORK=$(cd "$WORK" && pwd)
+setup_environment
 TEXT=$WORK/data/iwslt14.tokenized.de-en
 BIN=$WORK/data-bin/iwslt14.tokenized.de-en
 
@@ -64,8 +55,9 @@ if [ -s "$TEXT/test.en" ]; then
 elif [ "$DRY_RUN" = 1 ]; then
   python recipes/tiny_corpus.py translation "$TEXT" --src de --tgt en --splits train,valid,test --sizes 600 40 40
 else
-  examples=$(python -c 'import fairseq, os; print(os.path.join(os.path.dirname(fairseq.__file__), "examples"))')
+  examples=$(fairseq_examples)
   # The script works in its current directory: clones, downloads and writes iwslt14.tokenized.de-en/ there.
+  mkdir -p "$WORK/data"
   (cd "$WORK/data" && bash "$examples/translation/prepare-iwslt14.sh")
   # It exits 0 on failed downloads; check what it was meant to leave.
   [ -s "$TEXT/test.en" ] || { echo "prepare-iwslt14.sh did not produce $TEXT/test.en (see its output above)" >&2; exit 1; }

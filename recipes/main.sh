@@ -50,25 +50,23 @@
 #   DENSE_MATCHED [1]         0: skip the compute-matched dense baseline (hidden size TOPK x FFN_DIM)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source recipes/lib/common.sh
 
 if [ "${TINY:-0}" = 1 ]; then
   : "${TRAIN_PER_DOMAIN:=40}" "${VALID_PER_DOMAIN:=4}" "${TEST_PER_DOMAIN:=4}"
   : "${MAX_UPDATE:=12}" "${MAX_TOKENS:=600}" "${WARMUP:=4}" "${SRC_VOCAB:=200}" "${TGT_VOCAB:=100}" "${BEAM:=2}"
 fi
 : "${WORK:=./work-dirs/main}"
-: "${WORKERS:=2}" "${EXPERTS:=8}" "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}"
-: "${EMBED_DIM:=64}" "${FFN_DIM:=128}" "${LAYERS:=2}" "${HEADS:=4}"
-: "${MAX_UPDATE:=600}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}"
+: "${WORKERS:=2}" "${EXPERTS:=8}" "${EMBED_DIM:=64}" "${FFN_DIM:=128}" "${LAYERS:=2}" "${HEADS:=4}"
+: "${MAX_UPDATE:=600}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}"
 : "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=1000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
 : "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
 : "${SYNONYMS:=1}" "${DENSE_MATCHED:=1}"
+shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
 
 STAGES=10
 echo "==> [1/$STAGES] environment"
-source recipes/lib/venv.sh
-source recipes/lib/common.sh
-mkdir -p "$WORK"
-WORK=$(cd "$WORK" && pwd)
+setup_environment
 DATA=$WORK/data
 echo "    WORK=$WORK  workers=$WORKERS  experts=$EXPERTS  k=$TOPK  max_update=$MAX_UPDATE  seed=$SEED"
 

@@ -26,23 +26,21 @@
 #   WARMUP [100] DROPOUT [0.1] SEED [1]   DENSE [1] (0: skip the dense baseline)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source recipes/lib/common.sh
 
 if [ "${QUICK:-${TINY:-0}}" = 1 ]; then
   : "${FILES_PERCENT:=4}" "${HELDOUT_PERCENT:=12}" "${VOCAB:=256}" "${MAX_UPDATE:=8}" "${WARMUP:=4}"
   : "${EMBED_DIM:=32}" "${FFN_DIM:=64}" "${LAYERS:=2}" "${TOKENS_PER_SAMPLE:=64}" "${CONTEXT_WINDOW:=32}" "${MAX_TOKENS:=512}"
 fi
 : "${WORK:=./work-dirs/python_stdlib_lm}" "${WORKERS:=2}" "${FILES_PERCENT:=60}" "${HELDOUT_PERCENT:=3}" "${VOCAB:=2048}"
-: "${EXPERTS:=8}" "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}"
-: "${EMBED_DIM:=128}" "${FFN_DIM:=256}" "${LAYERS:=4}" "${HEADS:=4}"
+: "${EXPERTS:=8}" "${EMBED_DIM:=128}" "${FFN_DIM:=256}" "${LAYERS:=4}" "${HEADS:=4}"
 : "${TOKENS_PER_SAMPLE:=128}" "${CONTEXT_WINDOW:=64}" "${MAX_TOKENS:=2048}" "${MAX_UPDATE:=600}" "${LR:=2e-3}"
-: "${WARMUP:=100}" "${DROPOUT:=0.1}" "${SEED:=1}" "${DENSE:=1}"
+: "${WARMUP:=100}" "${DROPOUT:=0.1}" "${DENSE:=1}"
+shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
 
 STAGES=8
 echo "==> [1/$STAGES] environment"
-source recipes/lib/venv.sh
-source recipes/lib/common.sh
-mkdir -p "$WORK"
-WORK=$(cd "$WORK" && pwd)
+setup_environment
 DATA=$WORK/data
 
 stage 2 "corpus: Python standard library sources ($FILES_PERCENT% of the files, $HELDOUT_PERCENT% each held out for valid and test)"

@@ -25,31 +25,22 @@
 #   LR [0.0005] WARMUP [4000] CONTEXT_WINDOW [400] SEED [1]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-DRY_RUN=${TINY:-0}
-for arg in "$@"; do
-  case $arg in
-    --dry-run) DRY_RUN=1 ;;
-    -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
-    *) echo "$0: unknown argument $arg (try --help)" >&2; exit 2 ;;
-  esac
-done
+source recipes/lib/common.sh
+recipe_args "$@"
 
 if [ "$DRY_RUN" = 1 ]; then
   : "${WORK:=./work-dirs/wikitext103_lm-dry-run}" "${MAX_UPDATE:=6}" "${WARMUP:=4}" "${EXPERTS:=4}"
   : "${TOKENS_PER_SAMPLE:=64}" "${MAX_TOKENS:=256}" "${UPDATE_FREQ:=1}" "${CONTEXT_WINDOW:=32}"
 fi
-: "${WORK:=./work-dirs/wikitext103_lm}" "${GPUS:=2}" "${ARCH:=moe_transformer_lm}" "${DENSE:=0}"
-: "${EXPERTS:=8}" "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}"
+: "${WORK:=./work-dirs/wikitext103_lm}" "${GPUS:=2}" "${ARCH:=moe_transformer_lm}" "${DENSE:=0}" "${EXPERTS:=8}"
 : "${MAX_UPDATE:=50000}" "${TOKENS_PER_SAMPLE:=512}" "${MAX_TOKENS:=2048}" "${UPDATE_FREQ:=$((GPUS >= 32 ? 1 : 32 / GPUS))}"
-: "${LR:=0.0005}" "${WARMUP:=4000}" "${CONTEXT_WINDOW:=400}" "${SEED:=1}"
+: "${LR:=0.0005}" "${WARMUP:=4000}" "${CONTEXT_WINDOW:=400}"
+shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
 
 STAGES=5
 echo "==> [1/$STAGES] environment$([ "$DRY_RUN" = 1 ] && echo ' (dry run: tiny local corpus, 2 CPU workers, tiny model)')"
-source recipes/lib/venv.sh
-source recipes/lib/common.sh
-mkdir -p "$WORK/data"
-WORK=$(cd "$WORK" && pwd)
+setup_environment
+mkdir -p "$WORK/data"  # prepare-wikitext-103.sh runs in it
 TEXT=$WORK/data/wikitext-103
 BIN=$WORK/data-bin/wikitext-103
 
@@ -59,7 +50,7 @@ if [ -s "$TEXT/wiki.test.tokens" ]; then
 elif [ "$DRY_RUN" = 1 ]; then
   python recipes/tiny_corpus.py lm "$TEXT" --sizes 150 10 10
 else
-  examples=$(python -c 'import fairseq, os; print(os.path.join(os.path.dirname(fairseq.__file__), "examples"))')
+  examples=$(fairseq_examples)
   # The script downloads and unzips into its current directory (leaving wikitext-103/ there).
   (cd "$WORK/data" && bash "$examples/language_model/prepare-wikitext-103.sh")
   [ -s "$TEXT/wiki.test.tokens" ] || { echo "prepare-wikitext-103.sh did not produce $TEXT/wiki.test.tokens" >&2; exit 1; }

@@ -46,31 +46,21 @@ if [ -f "$(dirname "$0")/lib/venv.sh" ]; then
 else  # sbatch runs a copy of this file from its spool directory
   cd "${SLURM_SUBMIT_DIR:?cannot find the repository: submit from its root}"
 fi
-
-DRY_RUN=${TINY:-0}
-for arg in "$@"; do
-  case $arg in
-    --dry-run) DRY_RUN=1 ;;
-    -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
-    *) echo "$0: unknown argument $arg (try --help)" >&2; exit 2 ;;
-  esac
-done
+source recipes/lib/common.sh
+recipe_args "$@"
 
 if [ "$DRY_RUN" = 1 ]; then
   : "${WORK:=./work-dirs/wmt16_en_de-dry-run}" "${GPUS_PER_NODE:=2}" "${MAX_UPDATE:=6}" "${WARMUP:=4}"
   : "${EXPERTS:=4}" "${MAX_TOKENS:=600}" "${UPDATE_FREQ:=1}" "${LAUNCHER:=torchrun}"
 fi
 : "${WORK:=./work-dirs/wmt16_en_de}" "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=29500}"
-: "${EXPERTS:=16}" "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}"
-: "${MAX_UPDATE:=50000}" "${MAX_TOKENS:=3584}" "${LR:=0.001}" "${WARMUP:=4000}" "${DROPOUT:=0.1}"
-: "${DENSE:=0}" "${SEED:=1}" "${PREPARE_ONLY:=0}"
+: "${EXPERTS:=16}" "${MAX_UPDATE:=50000}" "${MAX_TOKENS:=3584}" "${LR:=0.001}" "${WARMUP:=4000}" "${DROPOUT:=0.1}"
+: "${DENSE:=0}" "${PREPARE_ONLY:=0}"
+shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
 
 STAGES=5
 echo "==> [1/$STAGES] environment$([ "$DRY_RUN" = 1 ] && echo ' (dry run: tiny local corpus, 2 CPU workers, tiny model)')"
-source recipes/lib/venv.sh
-source recipes/lib/common.sh
-mkdir -p "$WORK"
-WORK=$(cd "$WORK" && pwd)
+setup_environment
 : "${WMT16_TARBALL:=$WORK/wmt16_en_de.tar.gz}"
 : "${LAUNCHER:=$([ -n "${SLURM_JOB_ID:-}" ] && [ "${SLURM_NTASKS:-1}" -gt 1 ] && echo slurm || echo torchrun)}"
 [ "$LAUNCHER" = slurm ] && NNODES=$SLURM_NNODES

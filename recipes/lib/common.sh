@@ -1,28 +1,62 @@
-# Sourced by the recipes after they set their knobs: stage banners, stage skipping, and the fairseq
-# launchers every recipe uses. Requires the venv to be active (recipes/lib/venv.sh).
+# shellcheck shell=bash
+# Sourced by every recipe right after it changes to the repository root: the command line of the
+# real-data recipes, the knob defaults all recipes share, the environment stage every recipe starts
+# with, stage banners, stage skipping, and the fairseq launchers. Sourcing it runs nothing that
+# needs the venv; setup_environment creates and activates it, and the functions after it need it.
 
 RECIPES=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-USER_DIR=$(python -m fairseq_moe_ext --user-dir)
-FAIRSEQ_BIN=$(dirname "$(command -v python)")
-# fairseq, hydra and fairscale print pages of deprecation warnings per process; the logs keep
-# everything fairseq itself says.
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
-export PYTHONUNBUFFERED=1
-# One intra-op thread per worker: on a small machine the workers are the parallelism, and more
-# threads per worker only makes them fight for cores.
-export OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
+
+# recipe_args "$@": the real-data recipes' command line. --dry-run (or TINY=1 in the environment)
+# sets DRY_RUN=1; -h/--help prints the script's header comment (up to its `set -euo pipefail`) and
+# exits 0; any other argument exits 2.
+# shellcheck disable=SC2034  # the recipes read DRY_RUN
+recipe_args() {
+  DRY_RUN=${TINY:-0}
+  local arg
+  for arg in "$@"; do
+    case $arg in
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+      *) echo "$0: unknown argument $arg (try --help)" >&2; exit 2 ;;
+    esac
+  done
+}
+
+# shared_knob_defaults: the defaults every recipe's header lists alike (each recipe sets EXPERTS).
+shared_knob_defaults() {
+  : "${TOPK:=2}" "${MOE_FREQ:=2}" "${CAPACITY_FACTOR:=1.25}" "${GATE_LOSS_WT:=0.01}" "${SEED:=1}"
+}
+
+# setup_environment: the work of stage 1 (the recipe prints its banner): creates or reuses the venv
+# (recipes/lib/venv.sh) and activates it, finds the plugin and fairseq's commands, sets the process
+# environment of every later stage, and creates WORK and makes it absolute.
+setup_environment() {
+  # shellcheck source=recipes/lib/venv.sh
+  source "$RECIPES/lib/venv.sh"
+  # shellcheck disable=SC2034  # the recipes pass it to fairseq
+  USER_DIR=$(python -m fairseq_moe_ext --user-dir)
+  FAIRSEQ_BIN=$(dirname "$(command -v python)")
+  # fairseq, hydra and fairscale print pages of deprecation warnings per process; the logs keep
+  # everything fairseq itself says.
+  export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+  export PYTHONUNBUFFERED=1
+  # One intra-op thread per worker: on a small machine the workers are the parallelism, and more
+  # threads per worker only makes them fight for cores.
+  export OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
+  mkdir -p "$WORK"
+  WORK=$(cd "$WORK" && pwd)
+}
 
 # bash's SECONDS counts from the start of the recipe, so stage 1 includes creating the venv.
 _recipe_start=0
 _stage_start=0
-_stage_total=${STAGES:-?}
 
 # stage N "title": a numbered banner with the time the previous stage took.
 stage() {
   local elapsed=$((SECONDS - _stage_start))
   [ "$1" = 1 ] || echo "    (stage took ${elapsed}s)"
   _stage_start=$SECONDS
-  printf '\n==> [%s/%s] %s\n' "$1" "$_stage_total" "$2"
+  printf '\n==> [%s/%s] %s\n' "$1" "${STAGES:-?}" "$2"
 }
 
 finish() {
@@ -42,6 +76,11 @@ needs_run() {
 }
 
 mark_done() { mkdir -p "$(dirname "$1")" && printf '%s' "$2" > "$1"; }
+
+# fairseq_examples: the examples/ directory of the installed fairseq package (its data scripts).
+fairseq_examples() {
+  python -c 'import fairseq, os; print(os.path.join(os.path.dirname(fairseq.__file__), "examples"))'
+}
 
 # fairseq_tool NAME ARGS...: fairseq-NAME from the venv.
 fairseq_tool() {
