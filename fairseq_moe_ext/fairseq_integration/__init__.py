@@ -49,9 +49,9 @@ HOOKS = (
     Hook(3, "fairseq.models.DistributedFairseqModel", training.wrap_distributed_model,
          "for models with expert parameters: check the backend, verify shared parameters agree across "
          "workers, keep experts out of torch DDP's broadcast and all-reduce (its documented ignore list), and "
-         "wrap the result so expert gradients are scaled to match the single-process update. For any model, "
-         "c10d/pytorch_ddp on CPU gets no device_ids (torch refuses them for CPU modules) and keeps "
-         "fairseq's --heartbeat-timeout watchdog."),
+         "wrap the result so expert gradients are summed over their replicas (never the world) and scaled "
+         "to match the single-process update. For any model, c10d/pytorch_ddp on CPU gets no device_ids "
+         "(torch refuses them for CPU modules) and keeps fairseq's --heartbeat-timeout watchdog."),
     Hook(4, "fairseq.utils.clip_grad_norm_", training.wrap_clip_grad_norm,
          "called by every fairseq optimizer: with expert parameters present the norm is the global one "
          "(distributed.global_grad_norm); fairseq's own leaves experts out."),
