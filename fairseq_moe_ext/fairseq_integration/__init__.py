@@ -103,7 +103,8 @@ HOOKS = (
 
 # fairseq internals the plugin relies on without wrapping them: the MoE layers replace fc1/fc2 and
 # the activation inside these forwards, legacy DDP must keep skipping `expert` parameters, the
-# trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches.
+# trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches and
+# what lets the norm count each expert once (replicas are summed in all-reduce, before the clip).
 RELIED_ON = (
     "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward",
     "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward",
