@@ -1,16 +1,19 @@
-"""Expert-aware data parallelism: what is shared, what is not, and how gradients line up.
+"""Expert-aware data parallelism: where experts live, what is shared, how gradients line up.
 
 Shared parameters (attention, embeddings, routers, ...) are replicated: identical on every worker,
-gradients averaged. Expert parameters (``p.expert = True``) are owned by one worker each: never
-broadcast, never averaged. Tokens reach their experts through the MoE layers' all-to-all, so an
-expert's gradient is already the sum over every worker's tokens. Three consequences, handled here:
+gradients averaged over the world. Expert parameters (``p.expert = True``) are sharded over an
+expert-parallel group of P workers and replicated over the W/P groups (``ExpertLayout``): never
+broadcast, and summed only over the replicas of the same experts. Tokens reach their experts
+through the MoE layers' all-to-all within the expert-parallel group, so after backward an expert's
+gradient is the sum over that group's tokens. Consequences, handled here:
 
-* fairseq multiplies every gradient by ``world_size / sample_size`` after the all-reduce (which
-  averaged the shared ones); expert gradients were never averaged, so they are first divided by
-  ``world_size``. The update then equals the single-process update.
-* The gradient norm used for clipping and logging is the global one: shared norm squared plus the
-  sum over workers of their expert norms squared. Every worker computes the same number, so
-  clipping never makes workers diverge and fairseq's consistency check holds.
+* Summing it over the replica group makes it the sum over every worker's tokens. fairseq then
+  multiplies every gradient by ``world_size / sample_size`` (shared ones were averaged), so expert
+  gradients are first divided by ``world_size``. The update then equals the single-process update.
+* The gradient norm used for clipping and logging is the global one: shared norm squared plus each
+  expert's norm squared counted once (all-reduced over the expert-parallel group only: the
+  replicas hold the same gradients by then). Every worker computes the same number, so clipping
+  never makes workers diverge and fairseq's consistency check holds.
 * Shared parameters must agree across workers before training starts; they are compared once and a
   mismatch is an error (with ``legacy_ddp`` nothing would ever re-synchronise them).
 """
@@ -18,12 +21,14 @@ expert's gradient is already the sum over every worker's tokens. Three consequen
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, List
+from typing import Any, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
+# Re-exported: the layout and the groups made from it are used together (models, checkpoints).
+from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .process_state import STATE
@@ -49,55 +54,93 @@ def all_experts_local():
         STATE.all_experts_local_depth -= 1
 
 
-def expert_parallel_group():
-    """The process group experts are spread over: every worker of the job, or ``None`` in a single
-    process (then every expert is local).
-
-    A dedicated group (same members as the default one) keeps the MoE all-to-alls in their own
-    queue, separate from the gradient all-reduces that data-parallel wrappers issue asynchronously.
-    """
-    if STATE.all_experts_local_depth or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    # A new default group (re-initialised job) or another timeout needs a new MoE group.
-    key = (id(dist.group.WORLD), STATE.comm_timeout_s)
-    if key not in STATE.expert_groups:
-        STATE.expert_groups.clear()
-        timeout = None if STATE.comm_timeout_s is None else timedelta(seconds=STATE.comm_timeout_s)
-        STATE.expert_groups[key] = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
-    return STATE.expert_groups[key]
+def set_expert_parallel_size(size: int) -> None:
+    """The P that ``expert_layout`` and the groups use from now on (``--moe-expert-parallel-size``
+    or its default, resolved when a model is built)."""
+    STATE.expert_parallel_size = int(size)
 
 
-@dataclass(frozen=True)
-class ExpertLayout:
-    """PROVISIONAL (the expert-parallel size lands separately): P = W."""
-
-    world_size: int
-    parallel_size: int
-    rank: int
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank % self.parallel_size
-
-    @property
-    def replica_index(self) -> int:
-        return self.rank // self.parallel_size
-
-    @property
-    def num_replicas(self) -> int:
-        return self.world_size // self.parallel_size
+def expert_world_size() -> int:
+    """How many workers share the experts of models built now: 1 in one process or inside
+    ``all_experts_local()``, else torch.distributed's world size."""
+    if STATE.all_experts_local_depth or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
 
 
 def expert_layout() -> ExpertLayout:
-    group = expert_parallel_group()
-    if group is None:
+    """This worker's layout; P is the one the last model build resolved (W if none did)."""
+    world = expert_world_size()
+    if world == 1:
         return ExpertLayout(1, 1, 0)
-    return ExpertLayout(dist.get_world_size(), dist.get_world_size(group), dist.get_rank())
+    return ExpertLayout(world, STATE.expert_parallel_size or world, dist.get_rank())
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This worker's process groups for one layout; ``None`` where the group would be one worker
+    (``parallel`` when P == 1) or where there is nothing to reduce (``replica`` when W == P)."""
+
+    parallel: Any
+    replica: Any
+    statistics: Any
+
+
+def _expert_groups() -> Optional[ExpertGroups]:
+    layout = expert_layout()
+    if layout.world_size == 1:
+        return None
+    # A new default group (re-initialised job), another timeout or another P needs new groups.
+    key = (id(dist.group.WORLD), STATE.comm_timeout_s, layout.parallel_size)
+    if key not in STATE.expert_groups:
+        STATE.expert_groups.clear()
+        STATE.expert_groups[key] = _new_expert_groups(layout)
+    return STATE.expert_groups[key]
+
+
+def _new_expert_groups(layout: ExpertLayout) -> ExpertGroups:
+    """torch's ``new_group`` must be called by every rank for every group, in the same order: every
+    rank walks the same list (all EP groups, all replica groups, the world), making each membership
+    once. Dedicated groups, even for the world's membership, keep the MoE collectives in their own
+    queue, apart from the gradient all-reduces that data-parallel wrappers issue asynchronously."""
+    timeout = None if STATE.comm_timeout_s is None else timedelta(seconds=STATE.comm_timeout_s)
+    world = tuple(range(layout.world_size))
+    wanted = layout.all_parallel_groups() if layout.parallel_size > 1 else []
+    wanted += layout.all_replica_groups() if layout.num_replicas > 1 else []
+    made = {}
+    for ranks in wanted + [world]:
+        if ranks not in made:
+            made[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    return ExpertGroups(
+        parallel=made[layout.parallel_group_ranks] if layout.parallel_size > 1 else None,
+        replica=made[layout.replica_group_ranks] if layout.num_replicas > 1 else None,
+        statistics=made[world],
+    )
+
+
+def expert_parallel_group():
+    """The P workers this worker's experts are sharded over (tokens reach them by all-to-all), or
+    ``None`` when every expert is local (P == 1, one process, ``all_experts_local()``)."""
+    groups = _expert_groups()
+    return None if groups is None else groups.parallel
+
+
+def expert_replica_group():
+    """The W/P workers holding the same experts as this one (their gradients are summed), or
+    ``None`` when there are no replicas (W == P, one process)."""
+    groups = _expert_groups()
+    return None if groups is None else groups.replica
+
+
+def moe_statistics_group():
+    """Every worker of the job: routing statistics are totalled over it, so the balance loss, z-loss
+    and capacity are those of the whole world's batch. ``None`` in one process."""
+    groups = _expert_groups()
+    return None if groups is None else groups.statistics
 
 
 def expert_parallel_world_size() -> int:
-    group = expert_parallel_group()
-    return 1 if group is None else dist.get_world_size(group)
+    return expert_layout().parallel_size
 
 
 def is_expert(p) -> bool:
@@ -113,7 +156,12 @@ def expert_parameter_names(module: torch.nn.Module) -> List[str]:
 
 
 def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """sqrt(shared norm^2 + sum over workers of expert norm^2), identical on every worker.
+    """sqrt(shared norm^2 + each expert's norm^2 counted once), identical on every worker.
+
+    Called after ``ExpertParallelModel.all_reduce_grads`` (fairseq's Trainer: all-reduce, multiply,
+    clip), when every replica of an expert holds the same gradient: the expert part is summed over
+    the expert-parallel group alone, which holds each expert once (over the world, an expert with
+    R replicas would count R times).
 
     Everything stays on the gradients' device (fp64 sums, in parameter order) and the expert part
     is all-reduced on the group's device: no host read at all, where a ``.cpu()`` per parameter
@@ -135,6 +183,40 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             dist.all_reduce(summed, group=group)
         expert_sq = summed.to(device)
     return (shared_sq + expert_sq).sqrt().float()
+
+
+# Elements per all-reduce of expert gradients: one bucket for small models, bounded extra memory
+# (256 MB of fp32) for large ones.
+EXPERT_GRAD_BUCKET_NUMEL = 1 << 26
+
+
+def sum_expert_grads_over_replicas(params: Iterable[torch.Tensor], group) -> None:
+    """Each replica of an expert saw only its expert-parallel group's tokens; summing over ``group``
+    (the replica group) gives every replica the gradient of the whole world's tokens.
+
+    Gradients go in flat buckets (per dtype and device, in parameter order, the same on every
+    replica), one all-reduce each, not one per parameter. A missing gradient counts as zeros, as in
+    fairseq's legacy_ddp, so every replica sends buckets of the same layout."""
+    params = [p for p in params if is_expert(p) and p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets = {}
+    for p in params:
+        kind = buckets.setdefault((p.grad.dtype, p.grad.device), [[]])
+        if kind[-1] and sum(g.numel() for g in kind[-1]) + p.grad.numel() > EXPERT_GRAD_BUCKET_NUMEL:
+            kind.append([])
+        kind[-1].append(p.grad)
+    for bucket in (b for kind in buckets.values() for b in kind):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        summed = on_group_device(flat, group)
+        with collective("all-reduce of expert gradients over their replicas", group, [summed]):
+            dist.all_reduce(summed, group=group)
+        summed = summed.to(flat.device)
+        offset = 0
+        for g in bucket:
+            g.copy_(summed[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
@@ -176,15 +258,18 @@ def _fingerprint(p: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelModel(ModuleProxyWrapper):
-    """Wraps fairseq's data-parallel model so expert gradients get the matching scale.
+    """Wraps fairseq's data-parallel model so expert gradients are summed over their replicas and
+    get the matching scale.
 
     Attribute access, ``state_dict`` and ``load_state_dict`` go to the fairseq model, as with
-    fairseq's own wrappers.
+    fairseq's own wrappers. ``replica_group``: ``expert_replica_group()`` when the model was
+    wrapped (None: no replicas).
     """
 
-    def __init__(self, module: torch.nn.Module, world_size: int):
+    def __init__(self, module: torch.nn.Module, world_size: int, replica_group=None):
         super().__init__(module)
         self.world_size = world_size
+        self.replica_group = replica_group
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
@@ -196,10 +281,12 @@ class ExpertParallelModel(ModuleProxyWrapper):
         inner = getattr(self.module, "module", None)
         if inner is not None and hasattr(inner, "all_reduce_grads"):
             inner.all_reduce_grads()  # legacy_ddp / no_c10d reduce here; c10d did it in backward
-        scale = 1.0 / self.world_size
-        grads = [p.grad for p in self.parameters() if is_expert(p) and p.grad is not None]
+        experts = [p for p in self.parameters() if is_expert(p)]
+        if self.replica_group is not None:
+            sum_expert_grads_over_replicas(experts, self.replica_group)
+        grads = [p.grad for p in experts if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, scale)
+            torch._foreach_mul_(grads, 1.0 / self.world_size)
 
 
 def unsupported_backend_error(backend: str) -> ValueError:

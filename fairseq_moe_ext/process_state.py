@@ -25,12 +25,17 @@ class LoadTarget:
 @dataclass
 class PluginState:
     # Writer: the models' build_model (--moe-comm-timeout, via distributed.set_comm_timeout).
-    # Reader: distributed.expert_parallel_group, when it creates a group. None: torch's default.
+    # Reader: distributed._new_expert_groups, when it creates the groups. None: torch's default.
     comm_timeout_s: Optional[float] = None
-    # Writer and reader: distributed.expert_parallel_group (one group per default group and timeout).
+    # Writer: the models' build_model on several workers (--moe-expert-parallel-size, or its default
+    # gcd(W, E), via distributed.set_expert_parallel_size). Reader: distributed.expert_layout.
+    # None: P = W (every worker one shard, the layout before P could be chosen).
+    expert_parallel_size: Optional[int] = None
+    # Writer and reader: distributed._expert_groups (one distributed.ExpertGroups, this rank's
+    # expert-parallel, replica and statistics groups, per default group, timeout and P).
     expert_groups: Dict[Any, Any] = field(default_factory=dict)
     # Writer: distributed.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
-    # generation builds models holding every expert). Reader: distributed.expert_parallel_group.
+    # generation builds models holding every expert). Reader: distributed.expert_world_size.
     all_experts_local_depth: int = 0
     # Writer: the DistributedFairseqModel hook, once it wraps an MoE model for several workers.
     # Reader: the clip_grad_norm_ hook (gradients that lost the expert marker are refused then).

@@ -36,6 +36,9 @@
 #   MASTER_ADDR [localhost] MASTER_PORT [29500]   (multi-node torchrun; slurm uses the port only)
 #   PREPARE_ONLY [0]   1: stop after fairseq-preprocess
 #   EXPERTS [16] TOPK [2] MOE_FREQ [2] CAPACITY_FACTOR [1.25] GATE_LOSS_WT [0.01]
+#   EXPERT_PARALLEL [gcd(EXPERTS, GPUS_PER_NODE)]   --moe-expert-parallel-size: each group of this many
+#     consecutive GPUs holds every expert once (EXPERTS / EXPERT_PARALLEL per GPU) and the groups are
+#     replicas; it must divide EXPERTS and the total GPU count, and the default keeps a group in a node
 #   MAX_UPDATE [50000, a starting point, not a tuned value] MAX_TOKENS [3584] LR [0.001] WARMUP [4000]
 #   DROPOUT [0.1, base size; the README's 0.3 is for big]   UPDATE_FREQ [128 / total GPUs, at least 1]
 #   DENSE [0]   1: the dense transformer_wmt_en_de with the same flags (into WORK/dense)
@@ -66,6 +69,8 @@ setup_environment
 [ "$LAUNCHER" = slurm ] && NNODES=$SLURM_NNODES
 : "${GPUS_PER_NODE:=$(python -c 'import torch; print(torch.cuda.device_count())')}"
 WORLD=$((NNODES * GPUS_PER_NODE))
+# Expert all-to-alls stay within a node (fast links); nodes hold replicas of the experts.
+: "${EXPERT_PARALLEL:=$(python -c "import math; print(math.gcd($EXPERTS, $GPUS_PER_NODE))")}"
 : "${UPDATE_FREQ:=$((WORLD >= 128 ? 1 : 128 / WORLD))}"
 TEXT=$WORK/data/wmt16_en_de_bpe32k
 BIN=$WORK/data-bin/wmt16_en_de_bpe32k
@@ -105,7 +110,7 @@ else
   name=moe
   model_args=(
     --arch moe_transformer_wmt_en_de --criterion moe_label_smoothed_cross_entropy
-    --moe-expert-count "$EXPERTS" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
+    --moe-expert-count "$EXPERTS" --moe-expert-parallel-size "$EXPERT_PARALLEL" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
     --moe-capacity-factor "$CAPACITY_FACTOR" --moe-gate-loss-wt "$GATE_LOSS_WT"
   )
 fi

@@ -19,6 +19,7 @@ import torch
 from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
+    assert_loss_falls,
     assert_shared_identical_experts_distinct_norms_equal,
     fairseq_env,
     json_logs,
@@ -66,6 +67,31 @@ def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct
     assert_shared_identical_experts_distinct_norms_equal(ranks, updates=12)
     records = json_logs(output)
     assert records and all("moe_gate_loss" in r for r in records)
+
+
+def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_experts_apart_and_shared_weights_equal(
+    data, tmp_path
+):
+    """P defaults to gcd(4, 2) = 2: ranks 0 and 2 hold expert 0, ranks 1 and 3 expert 1, after 20 updates
+    of fairseq-train. (Checkpoint sets of replicated experts are not this test's subject: --no-save.)"""
+    probe = tmp_path / "probe"
+    output = torchrun(4, TESTS / "fairseq_rank_probe.py", [
+        probe, *moe_args(data, tmp_path / "ck", 20, "--moe-expert-count", "2", "--ddp-backend", "legacy_ddp",
+                         "--no-save", "--disable-validation"),
+    ])
+    ranks = load_rank_probes(probe, 4)
+    experts = set(ranks[0]["expert_keys"])
+    assert experts and all(ranks[0]["model"][key].shape[0] == 1 for key in experts), "one expert per worker"
+    for key, value in ranks[0]["model"].items():
+        for r in (1, 2, 3):
+            if key in experts and r % 2 == 1:
+                assert not torch.equal(value, ranks[r]["model"][key]), f"experts 0 and 1 equal in {key} (rank {r})"
+            else:
+                assert torch.equal(value, ranks[r]["model"][key]), f"{key} differs between ranks 0 and {r}"
+    for key in experts:
+        assert torch.equal(ranks[1]["model"][key], ranks[3]["model"][key]), f"replicas of expert 1 differ in {key}"
+    assert all(r["grad_norms"] == ranks[0]["grad_norms"] for r in ranks) and len(ranks[0]["grad_norms"]) == 20
+    assert_loss_falls(output)
 
 
 @pytest.fixture(scope="module")

@@ -49,9 +49,9 @@ HOOKS = (
     Hook(3, "fairseq.models.DistributedFairseqModel", training.wrap_distributed_model,
          "for models with expert parameters: check the backend, verify shared parameters agree across "
          "workers, keep experts out of torch DDP's broadcast and all-reduce (its documented ignore list), and "
-         "wrap the result so expert gradients are scaled to match the single-process update. For any model, "
-         "c10d/pytorch_ddp on CPU gets no device_ids (torch refuses them for CPU modules) and keeps "
-         "fairseq's --heartbeat-timeout watchdog."),
+         "wrap the result so expert gradients are summed over their replicas (never the world) and scaled "
+         "to match the single-process update. For any model, c10d/pytorch_ddp on CPU gets no device_ids "
+         "(torch refuses them for CPU modules) and keeps fairseq's --heartbeat-timeout watchdog."),
     Hook(4, "fairseq.utils.clip_grad_norm_", training.wrap_clip_grad_norm,
          "called by every fairseq optimizer: with expert parameters present the norm is the global one "
          "(distributed.global_grad_norm); fairseq's own leaves experts out."),
@@ -104,7 +104,8 @@ HOOKS = (
 
 # fairseq internals the plugin relies on without wrapping them: the MoE layers replace fc1/fc2 and
 # the activation inside these forwards, legacy DDP must keep skipping `expert` parameters, the
-# trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches.
+# trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches and
+# what lets the norm count each expert once (replicas are summed in all-reduce, before the clip).
 RELIED_ON = (
     "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward",
     "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward",

@@ -66,7 +66,8 @@ def wrap_distributed_model(original):
         if not moe:
             return wrapped
         STATE.expert_parallel_training = True
-        return moe_dist.ExpertParallelModel(wrapped, torch.distributed.get_world_size(process_group))
+        return moe_dist.ExpertParallelModel(wrapped, torch.distributed.get_world_size(process_group),
+                                            replica_group=moe_dist.expert_replica_group())
 
     return distributed_fairseq_model
 

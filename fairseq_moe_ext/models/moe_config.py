@@ -11,7 +11,14 @@ import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.utils import safe_getattr
 
-from ..distributed import SUPPORTED_DDP_BACKENDS, set_comm_timeout, unsupported_backend_error
+from ..distributed import (
+    SUPPORTED_DDP_BACKENDS,
+    default_expert_parallel_size,
+    expert_world_size,
+    set_comm_timeout,
+    set_expert_parallel_size,
+    unsupported_backend_error,
+)
 from ..moe.router import ROUTER_TYPES
 
 logger = logging.getLogger(__name__)
@@ -23,6 +30,14 @@ MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
 class MoEConfig(FairseqDataclass):
     moe_expert_count: int = field(
         default=8, metadata={"help": "number of experts in each MoE layer, over all workers (default 8)"}
+    )
+    moe_expert_parallel_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "expert-parallel size P: each group of P consecutive workers holds every expert once "
+                  "(E/P per worker, tokens reach them by all-to-all within the group) and the W/P groups are "
+                  "replicas whose expert gradients are summed; must divide both the number of workers and "
+                  "--moe-expert-count. Larger P: less expert memory per worker, all-to-alls over more workers "
+                  "(keep a group within a node) (default: the largest such P, gcd(workers, experts))"},
     )
     moe_freq: int = field(
         default=2,
@@ -160,6 +175,12 @@ def check_moe_args(args) -> None:
             f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}: use e.g. "
             f"{moe_default('moe_comm_timeout'):g} (the default)"
         )
+    parallel = moe_option(args, "moe_expert_parallel_size")
+    if parallel is not None and (not isinstance(parallel, int) or parallel < 1):
+        raise ValueError(
+            f"--moe-expert-parallel-size must be a positive integer, got {parallel!r}: use a P dividing both the "
+            f"number of workers and --moe-expert-count, or drop it for the default (the largest such P)"
+        )
     dim = moe_option(args, "moe_expert_ffn_dim")
     if dim is not None and dim < 1:
         raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}: drop it to use the layer's ffn dim")
@@ -187,15 +208,26 @@ def check_moe_layers_placed(args, sides) -> None:
     )
 
 
-def check_moe_world_size(args, world: int) -> None:
-    """Experts are split evenly over the ``world`` workers of the expert-parallel group (1 when every
-    expert is local)."""
+def expert_parallel_size(args, world: int) -> int:
+    """P for ``world`` workers: --moe-expert-parallel-size, checked, or by default the largest P
+    dividing both the workers and the experts (P = W wherever E is a multiple of W)."""
     experts = moe_option(args, "moe_expert_count")
-    if experts % world:
-        raise ValueError(
-            f"--moe-expert-count {experts} cannot be split evenly over {world} workers: use a multiple of "
-            f"{world} (e.g. {world * -(-experts // world)}), or a number of workers that divides {experts}"
-        )
+    size = moe_option(args, "moe_expert_parallel_size")
+    if size is None:
+        return default_expert_parallel_size(world, experts)
+    check_expert_parallel_size(size, world, experts)
+    return size
+
+
+def check_expert_parallel_size(size: int, world: int, experts: int) -> None:
+    """P must divide the ``world`` workers (W/P replica groups) and the experts (E/P per worker)."""
+    choices = [str(d) for d in range(1, world + 1) if world % d == 0 and experts % d == 0]
+    listed = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+    fix = f"use a P dividing both {world} and --moe-expert-count {experts} ({listed})"
+    if world % size:
+        raise ValueError(f"--moe-expert-parallel-size {size} does not divide the {world} workers: {fix}")
+    if experts % size:
+        raise ValueError(f"--moe-expert-parallel-size {size} does not divide --moe-expert-count {experts}: {fix}")
 
 
 def check_ddp_backend(args) -> None:
@@ -210,6 +242,9 @@ def apply_runtime_options(args) -> None:
     """Process-wide settings the MoE flags ask for; called when a model is built, before any
     expert-parallel group exists."""
     set_comm_timeout(float(moe_option(args, "moe_comm_timeout")))
+    world = expert_world_size()
+    if world > 1:  # one process (or every expert local): P is 1 whatever the flag says
+        set_expert_parallel_size(expert_parallel_size(args, world))
     if moe_option(args, "moe_deterministic"):
         # cuBLAS picks reduction orders per workspace unless told otherwise; the variable must be
         # set before its first use, which is after model construction.

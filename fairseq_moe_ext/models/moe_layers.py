@@ -42,8 +42,9 @@ class MoEFeedForward(MoELayer):
         return super().forward(x, mask)
 
 
-def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group) -> MoEFeedForward:
-    """``group``: the expert-parallel process group the experts are spread over (None: all local)."""
+def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group, statistics_group) -> MoEFeedForward:
+    """``group``: the expert-parallel process group the experts are spread over (None: all local);
+    ``statistics_group``: the workers routing statistics are totalled over (None: one process)."""
     activation_dropout = safe_getattr(args, "activation_dropout", 0.0) or safe_getattr(args, "relu_dropout", 0.0) or 0.0
     return MoEFeedForward(
         model_dim=model_dim,
@@ -61,6 +62,7 @@ def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group)
         activation_dropout=float(activation_dropout),
         seed=layer_seed,
         group=group,
+        statistics_group=statistics_group,
     )
 
 
@@ -128,9 +130,11 @@ def is_moe_layer(index: int, freq: int) -> bool:
     return freq > 0 and (index + 1) % freq == 0
 
 
-def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, group, no_encoder_attn=False) -> int:
+def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, group, statistics_group,
+                       no_encoder_attn=False) -> int:
     """Replace every ``freq``-th layer of a built encoder/decoder ``stack`` by its MoE version, with
-    its experts spread over the expert-parallel ``group`` (None: every expert local).
+    its experts spread over the expert-parallel ``group`` (None: every expert local) and its routing
+    statistics totalled over ``statistics_group`` (the world; None in one process).
 
     Returns how many layers were replaced. Layers are rebuilt (not converted) so the dense FFN
     weights never exist for them.
@@ -142,7 +146,8 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, gro
     for i in range(len(stack.layers)):
         if not is_moe_layer(i, freq):
             continue
-        ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i, group=group)
+        ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i, group=group,
+                            statistics_group=statistics_group)
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))
         else:

@@ -13,9 +13,9 @@ import torch
 from fairseq.models.transformer.transformer_config import TransformerConfig
 from fairseq.utils import safe_getattr
 
-from ..distributed import expert_parallel_group
+from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
-from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed, check_moe_world_size
+from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed
 from .moe_layers import install_moe_layers
 
 # Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.
@@ -56,26 +56,26 @@ class MoEModelMixin:
         """fairseq's model for ``args``, with MoE layers in each of ``sides`` ("encoder", "decoder")."""
         check_moe_args(args)
         check_moe_layers_placed(args, sides)
-        # First: it sets the timeout the expert-parallel group is created with, just below.
+        # First: it sets the timeout and the expert-parallel size P (checked against the workers)
+        # that the groups are created with, just below.
         apply_runtime_options(args)
-        # The group is read from process state once, here, and handed to everything built below.
-        group = expert_parallel_group()
-        world = 1 if group is None else torch.distributed.get_world_size(group)
-        check_moe_world_size(args, world)
-        cls.check_expert_parallel_world(args, world)
+        # The groups are read from process state once, here, and handed to everything built below:
+        # experts are sharded over the P-worker group, routing statistics are the whole world's.
+        group, statistics_group = expert_parallel_group(), moe_statistics_group()
+        cls.check_expert_parallel_world(args, expert_layout().world_size)
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         seed = base_seed(args)
         for side in sides:
             install_moe_layers(getattr(model, side), cfg, args, side, seed + SEED_OFFSETS[side], group=group,
-                               no_encoder_attn=no_encoder_attn)
+                               statistics_group=statistics_group, no_encoder_attn=no_encoder_attn)
         model.moe_cache = attach_moe_cache(model)
         return model
 
     @classmethod
     def check_expert_parallel_world(cls, args, world: int) -> None:
-        """A model's own refusals once it is known how many workers share the experts (``world``);
-        none by default."""
+        """A model's own refusals once it is known how many workers train it together (``world``,
+        1 when every expert is local); none by default."""
 
     def forward(self, *args, **kwargs):
         # The cache is scoped: MoE layers record their losses only inside the model's own forward, not

@@ -5,11 +5,13 @@ is linear in the number of tokens (no dense ``tokens x experts x capacity`` one-
 dropless routing the sort is a permutation, and dispatch and combine are gathers both ways
 (``dispatch.py``); the experts run as one autograd node (``expert_ffn.py``).
 
-With an expert-parallel ``group`` of W workers each worker holds ``E / W`` experts (global ids
-``rank * E/W ...``). Slots travel to their expert's worker and back with one all-to-all each way,
-with per-rank split sizes, so workers may hold different numbers of tokens. Statistics behind the
-losses and the capacity decision are totalled over the group, which makes a W-worker forward equal
-to one process holding all experts and the concatenated batch.
+With an expert-parallel ``group`` of P workers each worker holds ``E / P`` experts (global ids
+``group rank * E/P ...``). Slots travel to their expert's worker and back with one all-to-all each
+way, with per-rank split sizes, so workers may hold different numbers of tokens. Statistics behind
+the losses and the capacity decision are totalled over ``statistics_group`` (by default the same
+group; fairseq models pass the whole world, of which the expert-parallel group is one of several
+holding the same experts), which makes a W-worker forward equal to one process holding all
+experts and the concatenated batch.
 """
 
 from typing import Callable, Optional, Tuple, Union
@@ -52,6 +54,7 @@ class MoELayer(nn.Module):
         bias: bool = True,
         seed: int = 0,
         group=None,
+        statistics_group=None,
         cache: Optional[MoEAuxCache] = None,
         name: str = "moe",
     ):
@@ -70,6 +73,9 @@ class MoELayer(nn.Module):
         self.num_experts = num_experts
         self.k = k
         self.group = group
+        # Routing statistics (balance loss, z-loss, capacity) are those of every worker that routes
+        # to these experts or to replicas of them, which can be more than the all-to-all reaches.
+        self.statistics_group = group if statistics_group is None else statistics_group
         self.world_size = world
         self.num_local_experts = num_experts // world
         self.cache = cache
@@ -119,26 +125,28 @@ class MoELayer(nn.Module):
 
     def route_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, MoEAux]:
         """The MoE function on ``[N, model_dim]`` real tokens."""
-        n, k, num_experts, group = tokens.shape[0], self.k, self.num_experts, self.group
-        if group is not None and not self._group_checked:
+        n, k, num_experts, statistics_group = tokens.shape[0], self.k, self.num_experts, self.statistics_group
+        if statistics_group is not None and not self._group_checked:
             # Workers built with different flags would exchange rows of different shapes (at best a
             # transport error, at worst a hang): compare once, before the first exchange.
             comm.check_same_on_every_rank(
-                [num_experts, self.num_local_experts, self.world_size, self.model_dim, k],
-                ["experts", "local experts", "world size", "model dim", "top-k"], f"MoE layer {self.name}", group,
+                [num_experts, self.num_local_experts, self.world_size, comm.group_size(statistics_group),
+                 self.model_dim, k],
+                ["experts", "local experts", "expert-parallel size", "world size", "model dim", "top-k"],
+                f"MoE layer {self.name}", statistics_group,
             )
             self._group_checked = True
         routing = self.router(tokens)
         expert_index = routing.expert_index
 
-        # Losses from group-wide sums (see comm.all_reduce_sum for why its backward also sums).
+        # Losses from world-wide sums (see comm.all_reduce_sum for why its backward also sums).
         # Counts stay int64 and sums fp32 whatever the router's dtype: with --moe-gating-no-fp32 an
         # fp16 count overflows at 65,504 tokens per group and bf16 counts 1001 tokens as 1000.
         top1_count = torch.bincount(expert_index[:, 0], minlength=num_experts)
-        counts = comm.all_reduce_sum(torch.cat([top1_count, top1_count.new_tensor([n])]), group)
+        counts = comm.all_reduce_sum(torch.cat([top1_count, top1_count.new_tensor([n])]), statistics_group)
         lse = torch.logsumexp(routing.logits.float(), dim=-1)
         prob_sum = routing.probs.sum(0, dtype=torch.float32)
-        sums = comm.all_reduce_sum(torch.cat([prob_sum, lse.pow(2).sum().view(1)]), group)
+        sums = comm.all_reduce_sum(torch.cat([prob_sum, lse.pow(2).sum().view(1)]), statistics_group)
         total_tokens = counts[-1]
         aux_balance = balance_loss(sums[:num_experts], counts[:num_experts], total_tokens)
         aux_z = z_loss(sums[num_experts], total_tokens)
@@ -183,15 +191,16 @@ class MoELayer(nn.Module):
         return y, MoEAux(aux_balance, aux_z, stats)
 
     def _slots_within_capacity(self, routing, capacity: int) -> torch.Tensor:
-        expert_index, score = routing.expert_index, routing.priority_score
-        if self.group is None:
+        expert_index, score, group = routing.expert_index, routing.priority_score, self.statistics_group
+        if group is None:
             return slots_within_capacity(expert_index, self.num_experts, capacity, score)
-        # Capacity is a property of the whole batch: decide on the gathered routing decisions
-        # exactly as a single process would, then keep this worker's rows.
-        all_index, sizes = comm.all_gather_rows(expert_index, self.group)
-        all_score = comm.all_gather_rows(score, self.group)[0] if score is not None else None
+        # Capacity is a property of the whole batch (every replica's tokens, not only those the
+        # all-to-all brings here): decide on the gathered routing decisions exactly as a single
+        # process would, then keep this worker's rows.
+        all_index, sizes = comm.all_gather_rows(expert_index, group)
+        all_score = comm.all_gather_rows(score, group)[0] if score is not None else None
         keep = slots_within_capacity(all_index, self.num_experts, capacity, all_score)
-        start = sum(sizes[: comm.group_rank(self.group)])
+        start = sum(sizes[: comm.group_rank(group)])
         return keep[start : start + expert_index.shape[0]]
 
     def _run_experts(self, dispatched: torch.Tensor, expert_load: torch.Tensor) -> torch.Tensor:
