@@ -43,10 +43,10 @@ class PluginState:
     # Writer: the Trainer._prepare_sample hook (fairseq's dummy batch). Reader: MoEFeedForward.forward.
     dummy_batch: bool = False
     # Writer: the Trainer.load_checkpoint hook (pushed around fairseq's load, popped after).
-    # Reader: the load_checkpoint_to_cpu hook, which slices a set for the innermost target.
+    # Reader: the load_checkpoint_to_cpu hook, which reads the innermost target's share of a set.
     load_targets: List[LoadTarget] = field(default_factory=list)
     # Writer and reader: fairseq_integration.saving.is_expert_parallel_trainer (a per-trainer
-    # cache: does every worker of this trainer save its own rank file?).
+    # cache: are its experts split over P > 1 workers, each shard saved in its own rank file?).
     expert_parallel_trainers: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     # Writer: the AMPOptimizer.clip_grad_norm hook (did the global gradient norm overflow?).
     # Reader: the AMPOptimizer.step hook of the same optimizer, which consumes it.
