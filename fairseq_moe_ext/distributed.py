@@ -31,6 +31,7 @@ from fairseq.distributed import ModuleProxyWrapper
 from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
+from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
 from .process_state import STATE
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
@@ -141,10 +142,6 @@ def moe_statistics_group():
 
 def expert_parallel_world_size() -> int:
     return expert_layout().parallel_size
-
-
-def is_expert(p) -> bool:
-    return getattr(p, "expert", False) is True
 
 
 def has_experts(module: torch.nn.Module) -> bool:

@@ -4,6 +4,8 @@ of size mismatches, when a run is resumed with other flags than it was trained w
 import argparse
 from typing import Callable, Dict, Tuple
 
+from ..moe.experts import is_expert
+
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, freq_of: Callable) -> None:
     """``state``: the checkpoint already sliced for one of ``world_size`` workers; ``model``: that
@@ -12,7 +14,7 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, f
     mismatched = [k for k, t in state["model"].items() if k in params and tuple(params[k].shape) != tuple(t.shape)]
     for key in mismatched:  # expert counts first: they also change every router's shape
         tensor, param = state["model"][key], params[key]
-        if getattr(param, "expert", False) is True and tensor.shape[1:] == param.shape[1:]:
+        if is_expert(param) and tensor.shape[1:] == param.shape[1:]:
             raise ValueError(
                 f"{path} holds {tensor.shape[0] * world_size} experts in {key.rsplit('.experts', 1)[0]}, this model "
                 f"{param.shape[0] * world_size}: resume with the checkpoint's --moe-expert-count, or use a new --save-dir"

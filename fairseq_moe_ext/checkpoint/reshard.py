@@ -32,14 +32,16 @@ def load_set(manifest_file: str, load_fn: Optional[Callable[[str], Dict]] = None
     return merge_states(states)
 
 
-def merge_states(states: List[Dict]) -> Dict:
-    """Rank states (rank order) -> full state: shared parts from rank 0, experts concatenated."""
-    full = copy.copy(states[0])
+def merge_states(states: List[Dict], shared: Optional[Dict] = None) -> Dict:
+    """Rank states (rank order) -> full state: shared parts from ``shared`` (default: the first,
+    rank 0's), experts concatenated."""
+    shared = states[0] if shared is None else shared
+    full = copy.copy(shared)
     meta = full["moe"]
-    full["model"] = dict(states[0]["model"])
+    full["model"] = dict(shared["model"])
     for key in meta["expert_keys"]:
         full["model"][key] = torch.cat([s["model"][key] for s in states])
-    optimizer = states[0].get("last_optimizer_state")
+    optimizer = shared.get("last_optimizer_state")
     if isinstance(optimizer, dict) and "state" in optimizer:
         merged = dict(optimizer)
         merged["state"] = dict(optimizer["state"])
@@ -71,13 +73,18 @@ def _concat_slot(per_rank, states, meta, slot):
     return out
 
 
+def refuse_unsplittable(key: str, total: int, world_size: int) -> None:
+    if total % world_size:
+        raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a "
+                                 f"world size dividing {total}")
+
+
 def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
     """Full state -> what worker ``rank`` of ``world_size`` loads (its experts, shared parts)."""
     rows = {}
     for key in full["moe"]["expert_keys"]:
         total = full["model"][key].shape[0]
-        if total % world_size:
-            raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world size dividing {total}")
+        refuse_unsplittable(key, total, world_size)
         rows[key] = (total, rank * (total // world_size), total // world_size)
     return take_expert_rows(full, rows, rank, world_size)
 
@@ -118,11 +125,7 @@ def save_set(full: Dict, base: str, world_size: int, workers: Optional[int] = No
     if world_size < 1:
         raise CheckpointSetError(f"a set needs a positive number of workers, got {world_size}")
     for key, total in experts_per_key(full).items():  # before the first file is written
-        if total % world_size:
-            raise CheckpointSetError(
-                f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a world "
-                f"size dividing {total}"
-            )
+        refuse_unsplittable(key, total, world_size)
     set_id = secrets.token_hex(8)  # one writer, no workers to agree with
 
     def write(staging_dir):

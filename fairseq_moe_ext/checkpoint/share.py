@@ -7,14 +7,13 @@ sizes and sha256s were checked once, by whoever resolved the set (rank 0 in trai
 its verdict), so nothing here hashes or re-reads a file.
 """
 
-import copy
 import os
 from typing import Callable, Dict
 
 from .contents import check_rank_states
 from .errors import CheckpointSetError
 from .manifest import differing_replicas, read_manifest
-from .reshard import merge_states, take_expert_rows
+from .reshard import merge_states, refuse_unsplittable, take_expert_rows
 
 
 def files_holding(shards: int, rank: int, world_size: int) -> range:
@@ -39,36 +38,16 @@ def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable
     span = files_holding(shards, rank, world_size)
     rows = {}
     for key, total in manifest["num_experts"].items():  # refused before any file is read
-        if total % world_size:
-            raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: "
-                                     f"use a world size dividing {total}")
+        refuse_unsplittable(key, total, world_size)
         per_file, per_worker = total // shards, total // world_size
         rows[key] = (len(span) * per_file, rank * per_worker - span.start * per_file, per_worker)
     needed = sorted({0, *span})
     loaded = {f: load_fn(os.path.join(directory, entries[f]["name"])) for f in needed}
     check_rank_states(dict(manifest, files=[entries[f] for f in needed]), [loaded[f] for f in needed], directory)
-    held = merge_states([loaded[f] for f in span])
+    held = merge_states([loaded[f] for f in span], shared=loaded[0])
     if set(rows) != set(held["moe"]["expert_keys"]) or any(
             tuple(held["model"][key].shape[:1]) != (rows[key][0],) for key in rows):
         raise CheckpointSetError(
             f"{manifest_file}: its num_experts {manifest['num_experts']} do not match the experts its files hold: the "
             f"manifest was edited or damaged; restore it from a backup, or move the set out of the directory")
-    return take_expert_rows(_shared_with_experts_of(loaded[0], held), rows, rank, world_size)
-
-
-def _shared_with_experts_of(first: Dict, held: Dict) -> Dict:
-    """File 0's state (shared parameters, optimizer and training state) with ``held``'s experts."""
-    meta = first["moe"]
-    state = copy.copy(first)
-    state["model"] = dict(first["model"])
-    for key in meta["expert_keys"]:
-        state["model"][key] = held["model"][key]
-    optimizer = first.get("last_optimizer_state")
-    if isinstance(optimizer, dict) and "state" in optimizer:
-        merged = dict(optimizer)
-        merged["state"] = dict(optimizer["state"])
-        for slot in meta["optimizer_expert_slots"]:
-            if slot in held["last_optimizer_state"]["state"]:
-                merged["state"][slot] = held["last_optimizer_state"]["state"][slot]
-        state["last_optimizer_state"] = merged
-    return state
+    return take_expert_rows(held, rows, rank, world_size)

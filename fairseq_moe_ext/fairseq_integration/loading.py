@@ -9,14 +9,14 @@ from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.compat import check_resumable
+from ..checkpoint.compat import check_resumable, flag
 from ..checkpoint.share import load_share
 from ..models.moe_config import moe_freq
 from ..process_state import STATE, LoadTarget
 from ..restore_choice import resolve_restore
 from ..training_save_dir import claim_save_dir
 from .saving import is_expert_parallel_trainer
-from .training import check_training_setup, flag
+from .training import check_training_setup
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +40,23 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         # one worker's experts): the whole set.
         resolved = moe_ckpt.resolve(path, fallback=False)
         path = resolved.path if resolved is not None else path
-    if path.endswith(moe_ckpt.MANIFEST_SUFFIX) and STATE.load_targets:
-        # Resuming: the set was validated by the resolve this load follows; read only this worker's share.
-        target = STATE.load_targets[-1]
-        state = load_share(path, target.rank, target.world_size,
-                           lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
-        check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
-        return state
+    target = STATE.load_targets[-1] if STATE.load_targets else None
+
+    def load_listed(f):  # a file of a set, whose sha256 the resolve of the set checked
+        return original_load(f, arg_overrides, verified=True, **kwargs)
+
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
-        full = moe_ckpt.load_set(path, lambda f: original_load(f, arg_overrides, verified=True, **kwargs))
+        if target is None:
+            return moe_ckpt.load_set(path, load_listed)
+        state = load_share(path, target.rank, target.world_size, load_listed)  # resuming: this worker's share
     else:
         full = original_load(path, arg_overrides, **kwargs)
-        if "moe" in full:
-            moe_ckpt.check_whole(full, path)  # a rank file copied out of its set, under any name
-        if "moe" not in full or not STATE.load_targets:
+        if "moe" not in full:
             return full
-    if not STATE.load_targets:
-        return full
-    target = STATE.load_targets[-1]
-    state = moe_ckpt.shard_state(full, target.rank, target.world_size)
+        moe_ckpt.check_whole(full, path)  # a rank file copied out of its set, under any name
+        if target is None:
+            return full
+        state = moe_ckpt.shard_state(full, target.rank, target.world_size)
     check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
     return state
 

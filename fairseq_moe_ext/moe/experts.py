@@ -20,6 +20,12 @@ from .expert_ffn import expert_ffn
 from .grouped_mm import check_expert_matmul, default_expert_matmul, grouped_linear, select_expert_matmul
 
 
+def is_expert(p) -> bool:
+    """The marker MoELayer puts on expert parameters (``p.expert = True``): owned by one worker of
+    an expert-parallel group, never broadcast or averaged like shared parameters."""
+    return getattr(p, "expert", False) is True
+
+
 def _gelu_accurate(x):
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
