@@ -67,8 +67,11 @@ def main():
     def train_step(self, *args, **kwargs):
         step["trainer"], step["collectives"] = self, 0
         if report_dir:  # the updates done so far, for a test that kills from outside
-            with open(os.path.join(report_dir, f"updates-rank-{rank}"), "w") as f:
+            # Written aside and renamed: the test polls this file and must never read it half-written.
+            progress = os.path.join(report_dir, f"updates-rank-{rank}")
+            with open(progress + ".tmp", "w") as f:
                 f.write(str(self.get_num_updates()))
+            os.replace(progress + ".tmp", progress)
         return original_train_step(self, *args, **kwargs)
 
     Trainer.train_step = train_step

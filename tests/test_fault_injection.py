@@ -98,8 +98,12 @@ class Job:
     def kill_from_outside(self, rank: int, after_update: int, delay: float, timeout=300):
         """SIGKILL worker ``rank`` ``delay`` seconds after it started the step after ``after_update``."""
         progress, deadline = self.workdir / f"updates-rank-{rank}", time.monotonic() + timeout
-        while not (progress.exists() and progress.read_text().strip().isdigit()
-                   and int(progress.read_text()) >= after_update):
+
+        def updates_done() -> int:  # read once: the worker rewrites the file at every step
+            text = progress.read_text().strip() if progress.exists() else ""
+            return int(text) if text.isdigit() else -1
+
+        while updates_done() < after_update:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the job ended before update {after_update}:\n{tail(self.output(0), 40)}", pytrace=False)
             time.sleep(0.02)
