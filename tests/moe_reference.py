@@ -16,8 +16,9 @@ def reference_capacity(n, num_experts, k, cf):
     return k * int(abs(cf) * math.ceil(n / num_experts))
 
 
-def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None):
-    """Recompute ``layer``'s output from its parameters, token by token. Returns (y, kept)."""
+def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None, choices_out=None):
+    """Recompute ``layer``'s output from its parameters, token by token. Returns (y, kept); each real
+    token's chosen experts are appended to ``choices_out`` when given."""
     training = layer.training if training is None else training
     router, experts = layer.router, layer.experts
     shape = x.shape
@@ -26,16 +27,23 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None)
     real = [t for t in range(flat.shape[0]) if not mask[t]]
     n, num_experts, k = len(real), layer.num_experts, layer.k
 
+    sigmoid = router.router_type == "sigmoid"
+    bias = None if router.balance_bias is None else router.balance_bias.bias
     probs, choices = {}, {}
     for t in real:
         logits = F.linear(flat[t].float(), router.wg.weight.float())
-        p = torch.softmax(logits, dim=-1)
-        order = sorted(range(num_experts), key=lambda e: (-float(logits[e].detach()), e))[:k]
-        g = torch.stack([p[e] for e in order])
-        if router.normalize_gates:
+        # Softmax, or DeepSeek-V3's independent sigmoid per expert.
+        p = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+        # Loss-free balancing chooses by score + bias; without a bias, by logit.
+        choose_by = logits if bias is None else p + bias
+        order = sorted(range(num_experts), key=lambda e: (-float(choose_by[e].detach()), e))[:k]
+        g = torch.stack([p[e] for e in order])  # the gates never see the bias
+        if router.normalize_gates or sigmoid:
             g = g / g.sum()
         probs[t], choices[t] = g, order
 
+    if choices_out is not None:
+        choices_out.extend(choices[t] for t in real)
     cf = layer.capacity_factor if training else layer.eval_capacity_factor
     capacity = reference_capacity(n, num_experts, k, cf)
     service = list(real)
@@ -51,7 +59,7 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None)
 
     out = []
     for t in range(flat.shape[0]):
-        y = torch.zeros(shape[-1], dtype=flat.dtype)
+        y = reference_shared_experts(layer, flat[t], activation)
         if not mask[t]:
             for j in range(k):
                 if (t, j) in kept:
@@ -60,3 +68,29 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None)
                     y = y + probs[t][j].to(flat.dtype) * F.linear(h, experts.batched_fc2_w[e], experts.batched_fc2_b[e])
         out.append(y)
     return torch.stack(out).view(shape), kept
+
+
+def reference_shared_experts(layer, token, activation=F.relu):
+    """The sum of the layer's S shared experts on one token (pad tokens included), each expert a
+    block of the stored width-S*h FFN: rows of fc1, columns of fc2; fc2's bias once for all."""
+    shared = layer.shared_experts
+    if shared is None:
+        return torch.zeros(token.shape[-1], dtype=token.dtype)
+    ffn, h = shared.ffn, shared.hidden_dim
+    y = ffn.batched_fc2_b[0].clone()
+    for s in range(shared.count):
+        block = slice(s * h, (s + 1) * h)
+        hidden = activation(F.linear(token, ffn.batched_fc1_w[0, block], ffn.batched_fc1_b[0, block]))
+        y = y + F.linear(hidden, ffn.batched_fc2_w[0][:, block])
+    return y
+
+
+def reference_bias_update(bias, choices, num_experts, rate):
+    """DeepSeek-V3's rule from per-token choice lists (every micro-batch, every worker):
+    b_i + rate * sign(mean load - load_i)."""
+    load = [0] * num_experts
+    for order in choices:
+        for e in order:
+            load[e] += 1
+    mean = sum(load) / num_experts
+    return torch.tensor([float(b) + rate * ((mean > n) - (mean < n)) for b, n in zip(bias.tolist(), load)])

@@ -81,11 +81,15 @@ def collate(task, pairs):
     return dataset.collater([dataset[i] for i in range(len(pairs))])
 
 
-def one_step(task, trainer, *micro_batches):
+def one_step(task, trainer, *micro_batches, steps=1):
+    """``steps`` updates (each on the same micro-batches), logged together."""
     from fairseq.logging import metrics
 
+    buffers = []
     with metrics.aggregate(new_root=True) as agg:
-        trainer.train_step([collate(task, pairs) for pairs in micro_batches])
+        for _ in range(steps):
+            trainer.train_step([collate(task, pairs) for pairs in micro_batches])
+            buffers.append({n: b.detach().clone() for n, b in trainer.get_model().named_buffers()})
     model = trainer.get_model()
     return {  # meters' raw averages: the smoothed values are rounded for display
         "loss": float(agg["loss"].avg),
@@ -93,6 +97,7 @@ def one_step(task, trainer, *micro_batches):
         "gnorm": float(agg["gnorm"].avg),
         "dropped": float(agg["moe_dropped_frac"].avg),
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": buffers,  # after each step
         "expert_names": [n for n, p in model.named_parameters() if getattr(p, "expert", False)],
     }
 
@@ -102,10 +107,11 @@ def micro_batches(shares, count):
     return [sentence_pairs(sum(shares), seed=i) for i in range(count)]
 
 
-def expert_parallel_worker(rank, world, data_dir, shares, backend, extra, count):
+def expert_parallel_worker(rank, world, data_dir, shares, backend, extra, count, steps=1):
     task, trainer = build_trainer(training_args(data_dir, world, ["--ddp-backend", backend, *extra]))
     start = sum(shares[:rank])
-    return one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, count)])
+    return one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, count)],
+                    steps=steps)
 
 
 @pytest.mark.parametrize(
@@ -130,12 +136,13 @@ def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp
     assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size=2)
 
 
-def assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size):
+def assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size, steps=1):
     """The workers' step (``results`` by rank) equals one process's step on the whole batch. Rank r
     holds the experts of ``ep_rank = r % parallel_size`` (global ids ``ep_rank*E/P ..``); ranks of the
-    same ep_rank hold replicas, which must be bitwise identical."""
+    same ep_rank hold replicas, which must be bitwise identical. Buffers (the balance biases) are
+    shared state: bitwise identical on every worker, and equal to the single process's."""
     task, trainer = build_trainer(training_args(data_dir, 1, extra))
-    reference = one_step(task, trainer, *micro_batches(shares, count))
+    reference = one_step(task, trainer, *micro_batches(shares, count), steps=steps)
     assert (reference["dropped"] > 0) == ("--moe-capacity-factor" in extra)
 
     for r in results:
@@ -154,6 +161,31 @@ def assert_step_equals_one_process(results, data_dir, shares, extra, count, para
         else:
             got = results[0]["params"][name]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+    for step, buffers in enumerate(reference["buffers"]):
+        for name, want in buffers.items():
+            for r in results:
+                assert torch.equal(r["buffers"][step][name], results[0]["buffers"][step][name]), f"{name} differs"
+            torch.testing.assert_close(results[0]["buffers"][step][name], want, rtol=0, atol=1e-7, msg=name)
+
+
+ROUTING_EXTENSIONS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-balance", "bias",
+                      "--moe-bias-update-rate", "0.05", "--update-freq", "2"]
+
+
+def test_two_trainer_steps_with_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one_process(
+        tmp_path):
+    """The first update moves the bias from the load of both micro-batches on both workers, the
+    second chooses experts with it; shared experts are averaged like any shared parameter."""
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    shares = [4, 6]
+    results = run_on_workers(expert_parallel_worker, 2, data_dir, shares, "legacy_ddp", ROUTING_EXTENSIONS, 2, 2)
+
+    assert_step_equals_one_process(results, data_dir, shares, ROUTING_EXTENSIONS, 2, parallel_size=2, steps=2)
+    biases = {n: b for n, b in results[0]["buffers"][0].items() if n.endswith("balance_bias.bias")}
+    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases.values()), "the first update moves each bias"
+    shared = [n for n in results[0]["params"] if ".shared_experts." in n]
+    assert shared and not set(shared) & set(results[0]["expert_names"])
 
 
 # Four workers, P < W: E experts over P-worker groups, W/P replicas of each. Every (E, P) once, each

@@ -96,3 +96,50 @@ def uneven_experts(rank, world):
 def test_an_expert_count_not_divisible_by_the_world_size_is_refused():
     messages = run_on_workers(uneven_experts, 2)
     assert all("3 experts cannot be split evenly over 2 workers" in m for m in messages)
+
+
+def build_extended(group):
+    torch.manual_seed(0)
+    layer = MoELayer(D, H, E, k=2, router_type="sigmoid", shared_expert_count=2, balance_bias_rate=0.05, seed=5,
+                     group=group)
+    layer.router.balance_bias.bias.copy_(torch.tensor([0.2, -0.1, 0.0, 0.15]))  # changes some choices
+    return layer
+
+
+def extended_step(rank, world, sizes):
+    from fairseq_moe_ext.moe.balance_bias import update_balance_biases
+
+    layer = build_extended(dist.group.WORLD)
+    x, upstream = batch(sizes)
+    start = sum(sizes[:rank])
+    rows = slice(start, start + sizes[rank])
+    y, _ = objective(layer, x[rows], upstream[rows], sizes[rank] / sum(sizes))
+    update_balance_biases(layer)
+    shared_grads = {n: p.grad.clone() for n, p in layer.shared_experts.named_parameters()}
+    for g in shared_grads.values():
+        dist.all_reduce(g)
+    return {"y": y, "bias": layer.router.balance_bias.bias.clone(), "shared_grads": shared_grads,
+            "expert_grads": {n: p.grad.clone() for n, p in layer.experts.named_parameters()}}
+
+
+def test_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one_process_with_all_experts():
+    sizes = [5, 21]
+    results = run_on_workers(extended_step, 2, sizes)
+
+    from fairseq_moe_ext.moe.balance_bias import update_balance_biases
+
+    reference = build_extended(None)
+    x, upstream = batch(sizes)
+    y_ref, _ = objective(reference, x, upstream, 1.0)
+    update_balance_biases(reference)
+
+    torch.testing.assert_close(torch.cat([r["y"] for r in results]), y_ref, rtol=1e-5, atol=1e-5)
+    for r in results:
+        # The bias moved by the load of both workers' tokens: identical everywhere, as one process's.
+        assert torch.equal(r["bias"], results[0]["bias"])
+        torch.testing.assert_close(r["bias"], reference.router.balance_bias.bias, rtol=0, atol=1e-7)
+        for name, p in reference.shared_experts.named_parameters():
+            torch.testing.assert_close(r["shared_grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, p in reference.experts.named_parameters():
+        torch.testing.assert_close(torch.cat([r["expert_grads"][name] for r in results]), p.grad, rtol=1e-4,
+                                   atol=1e-6, msg=name)

@@ -44,7 +44,11 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, f
 def layout_flags(cfg, freq_of: Callable) -> Dict[str, Tuple[str, object]]:
     """The flags that decide which parameters an MoE model has (beyond their shapes):
     {what: (flag as the user would pass it, value)}."""
-    flags = {"router": ("--moe-router", flag(cfg, "moe_router"))}
+    flags = {
+        "router": ("--moe-router", flag(cfg, "moe_router")),
+        "shared experts": ("--moe-shared-expert-count", flag(cfg, "moe_shared_expert_count")),
+        "balance": ("--moe-balance", flag(cfg, "moe_balance")),
+    }
     for side in ("encoder", "decoder"):
         side_freq = flag(cfg, f"{side}_moe_freq")
         given = argparse.Namespace(moe_freq=flag(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})

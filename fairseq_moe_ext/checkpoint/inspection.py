@@ -8,6 +8,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from ..moe.balance_bias import BIAS_KEY_SUFFIX
 from .contents import check_is_checkpoint, check_rank_states, check_whole, is_dense
 from .errors import CheckpointSetError
 from .manifest import differing_replicas, read_manifest, validate_set
@@ -29,6 +30,7 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
             return lines
         meta = check_whole(state, resolved.path)["moe"]
         lines.append(f"{resolved.path}: single file, update {_updates(state)}, {len(meta.get('expert_keys', []))} expert tensors")
+        lines.extend(balance_bias_lines(state["model"]))
         lines.append("VERDICT OK: a single-process checkpoint holds every expert")
         return lines
     manifest = read_manifest(resolved.path)
@@ -50,6 +52,7 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
     experts = set(meta["expert_keys"])
     for key, n in manifest["num_experts"].items():
         lines.append(f"  {key}: {n} experts, {n // manifest['world_size']} per rank")
+    lines.extend(balance_bias_lines(states[0]["model"]))
     lines.extend(replica_findings(manifest))
     shared_in_other_ranks = [(r, k) for r, s in enumerate(states[1:], 1) for k in s["model"] if k not in experts]
     for r, key in shared_in_other_ranks:
@@ -72,6 +75,15 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
     if not duplicates:
         lines.append("VERDICT OK: every expert is distinct")
     return lines
+
+
+def balance_bias_lines(model: Dict) -> List[str]:
+    """One line per MoE layer trained with --moe-balance bias: its loss-free balance bias (shared
+    state, stored once)."""
+    return [
+        f"  {key}: balance bias (--moe-balance bias) [{', '.join(f'{v:+.4f}' for v in model[key].tolist())}]"
+        for key in sorted(model) if key.endswith(BIAS_KEY_SUFFIX)
+    ]
 
 
 def replica_findings(manifest: Dict) -> List[str]:

@@ -6,7 +6,7 @@ argument parsing and before distributed initialisation, in every worker and in e
 ``HOOKS`` below is the table: ``install()`` patches what it lists, this docstring's list is printed
 from it, and ``tests/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
-fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9), saving.py (5, 6: adapters around the
+fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 16), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15). The state they share between
 calls is one object, process_state.STATE.
 
@@ -100,6 +100,9 @@ HOOKS = (
          "indexes output[0], which fails on the router's Routing and on fairseq's encoder dict)."),
     Hook(15, "fairseq.nan_detector.NanDetector._apply", precision.wrap_nan_detector_apply,
          "a dataclass output's tensors are checked, so the detector names the module where a NaN/inf appeared."),
+    Hook(16, "fairseq.trainer.Trainer.train_step", training.wrap_train_step,
+         "with --moe-balance bias: after the update's optimizer step, every MoE layer's balance bias moves "
+         "from the expert load of all its micro-batches summed over the workers (a skipped step moves none)."),
 )
 
 # fairseq internals the plugin relies on without wrapping them: the MoE layers replace fc1/fc2 and
@@ -110,7 +113,6 @@ RELIED_ON = (
     "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward",
     "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward",
     "fairseq.distributed.legacy_distributed_data_parallel.LegacyDistributedDataParallel.all_reduce_grads",
-    "fairseq.trainer.Trainer.train_step",
     "fairseq.distributed.utils.infer_init_method",
     # precision.mark_overflow fills the found-inf record step() reads (hook 13).
     "torch.amp.grad_scaler.GradScaler.step",

@@ -1,5 +1,5 @@
-"""Hooks 2, 3, 4 and 9: fairseq's distributed training keeps experts apart, and its set-up errors
-surface before the first batch."""
+"""Hooks 2, 3, 4, 9 and 16: fairseq's distributed training keeps experts apart, its set-up errors
+surface before the first batch, and loss-free balancing biases move after each optimizer step."""
 
 import functools
 import logging
@@ -11,6 +11,7 @@ from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
 from .. import distributed as moe_dist
 from ..checkpoint.compat import flag
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
+from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..process_state import STATE
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,27 @@ def wrap_prepare_sample(original):
         return sample, is_dummy
 
     return _prepare_sample
+
+
+def wrap_train_step(original):
+    @functools.wraps(original)
+    def train_step(self, *args, **kwargs):
+        # fairseq's --amp retry calls train_step again from inside itself: the outermost call decides.
+        if not balance_biases(self._model) or getattr(self, "_moe_in_train_step", False):
+            return original(self, *args, **kwargs)
+        before = self.get_num_updates()
+        self._moe_in_train_step = True
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            self._moe_in_train_step = False
+        # Every worker reaches this point together (a skipped step is skipped everywhere), so the
+        # load all-reduce inside lines up; the load counted over every micro-batch of the update is
+        # spent here, and dropped when the optimizer step was skipped (overflow).
+        update_balance_biases(self._model, stepped=self.get_num_updates() > before)
+        return result
+
+    return train_step
 
 
 def check_training_setup(trainer) -> None:

@@ -19,11 +19,13 @@ from ..distributed import (
     set_expert_parallel_size,
     unsupported_backend_error,
 )
+from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.router import ROUTER_TYPES
 
 logger = logging.getLogger(__name__)
 
 MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
+MOE_BALANCE_CHOICES = ChoiceEnum(["none", "bias"])
 
 
 @dataclass
@@ -74,8 +76,30 @@ class MoEConfig(FairseqDataclass):
     )
     moe_router: MOE_ROUTER_CHOICES = field(
         default="top",
-        metadata={"help": "router: 'top' (linear logits) or 'cosine' (Tutel's cosine_top: projected "
-                  "cosine similarity times a learned temperature clamped at 100) (default top)"},
+        metadata={"help": "router: 'top' (linear logits, softmax), 'cosine' (Tutel's cosine_top: projected "
+                  "cosine similarity times a learned temperature clamped at 100) or 'sigmoid' (DeepSeek-V3: "
+                  "sigmoid scores, gates = the chosen k scores normalised to sum to 1; needs k >= 2) (default top)"},
+    )
+    moe_shared_expert_count: int = field(
+        default=0,
+        metadata={"help": "shared experts (DeepSeek-MoE) per MoE layer: always active, run as one dense FFN beside "
+                  "the routed experts and added to their output; replicated like shared parameters (default 0)"},
+    )
+    moe_shared_expert_ffn_dim: Optional[int] = field(
+        default=None,
+        metadata={"help": "hidden size of each shared expert (default: the routed experts' hidden size)"},
+    )
+    moe_balance: MOE_BALANCE_CHOICES = field(
+        default="none",
+        metadata={"help": "'bias': auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the "
+                  "routing scores for choosing experts only, moved by --moe-bias-update-rate after each update "
+                  "towards the mean global load; the balance loss still applies unless --moe-gate-loss-wt 0 "
+                  "(default none)"},
+    )
+    moe_bias_update_rate: Optional[float] = field(
+        default=None,
+        metadata={"help": f"with --moe-balance bias: b_i += rate * sign(mean load - load_i) after each update "
+                  f"(default {DEFAULT_BIAS_UPDATE_RATE})"},
     )
     moe_expert_ffn_dim: Optional[int] = field(
         default=None, metadata={"help": "hidden size of each expert (default: the layer's ffn dim)"}
@@ -184,6 +208,42 @@ def check_moe_args(args) -> None:
     dim = moe_option(args, "moe_expert_ffn_dim")
     if dim is not None and dim < 1:
         raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}: drop it to use the layer's ffn dim")
+    check_routing_extensions(args, k)
+
+
+def check_routing_extensions(args, k: int) -> None:
+    """Shared experts, loss-free balancing and the sigmoid router."""
+    shared = moe_option(args, "moe_shared_expert_count")
+    if not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"--moe-shared-expert-count must be an integer >= 0, got {shared!r}: use 0 for no shared experts")
+    shared_dim = moe_option(args, "moe_shared_expert_ffn_dim")
+    if shared_dim is not None and (shared == 0 or shared_dim < 1):
+        raise ValueError(
+            f"--moe-shared-expert-ffn-dim {shared_dim} needs --moe-shared-expert-count >= 1 and a positive size: "
+            f"add shared experts or drop the flag"
+        )
+    rate = moe_option(args, "moe_bias_update_rate")
+    if rate is not None:
+        if str(moe_option(args, "moe_balance")) != "bias":
+            raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
+        if not math.isfinite(float(rate)) or rate <= 0:
+            raise ValueError(
+                f"--moe-bias-update-rate must be a finite number > 0, got {rate!r}: use e.g. {DEFAULT_BIAS_UPDATE_RATE} "
+                f"(the default, DeepSeek-V3's)"
+            )
+    if str(moe_option(args, "moe_router")) == "sigmoid" and k < 2:
+        raise ValueError(
+            "--moe-router sigmoid normalises the gates over the chosen experts, so with --moe-top-k 1 every gate is 1 "
+            "and the router never learns: use --moe-top-k 2 or more, or --moe-router top"
+        )
+
+
+def bias_update_rate(args) -> Optional[float]:
+    """The rate of --moe-balance bias, or None without it."""
+    if str(moe_option(args, "moe_balance")) != "bias":
+        return None
+    rate = moe_option(args, "moe_bias_update_rate")
+    return DEFAULT_BIAS_UPDATE_RATE if rate is None else float(rate)
 
 
 def check_moe_layers_placed(args, sides) -> None:

@@ -18,7 +18,7 @@ from fairseq.utils import safe_getattr
 
 from ..moe import MoELayer
 from ..process_state import STATE
-from .moe_config import moe_freq, moe_option
+from .moe_config import bias_update_rate, moe_freq, moe_option
 
 
 class MoEFeedForward(MoELayer):
@@ -46,9 +46,10 @@ def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group,
     """``group``: the expert-parallel process group the experts are spread over (None: all local);
     ``statistics_group``: the workers routing statistics are totalled over (None: one process)."""
     activation_dropout = safe_getattr(args, "activation_dropout", 0.0) or safe_getattr(args, "relu_dropout", 0.0) or 0.0
+    expert_dim = moe_option(args, "moe_expert_ffn_dim") or ffn_dim
     return MoEFeedForward(
         model_dim=model_dim,
-        hidden_dim=moe_option(args, "moe_expert_ffn_dim") or ffn_dim,
+        hidden_dim=expert_dim,
         num_experts=args.moe_expert_count,
         k=args.moe_top_k,
         capacity_factor=args.moe_capacity_factor,
@@ -63,6 +64,9 @@ def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group,
         seed=layer_seed,
         group=group,
         statistics_group=statistics_group,
+        shared_expert_count=moe_option(args, "moe_shared_expert_count"),
+        shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim") or expert_dim,
+        balance_bias_rate=bias_update_rate(args),
     )
 
 

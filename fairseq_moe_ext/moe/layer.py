@@ -30,9 +30,11 @@ from .dispatch import (
     permute_rows,
     served_slot_rows,
 )
+from .balance_bias import BalanceBias
 from .experts import BatchedExperts
 from .losses import balance_loss, z_loss
 from .router import TopKRouter
+from .shared_experts import SharedExperts
 
 
 class MoELayer(nn.Module):
@@ -57,6 +59,9 @@ class MoELayer(nn.Module):
         statistics_group=None,
         cache: Optional[MoEAuxCache] = None,
         name: str = "moe",
+        shared_expert_count: int = 0,
+        shared_expert_dim: Optional[int] = None,
+        balance_bias_rate: Optional[float] = None,
     ):
         super().__init__()
         world = comm.group_size(group)
@@ -85,6 +90,8 @@ class MoELayer(nn.Module):
             model_dim, num_experts, k, router_type=router_type, fp32=fp32_router,
             gate_noise=gate_noise, normalize_gates=normalize_gates,
             batch_prioritized=batch_prioritized,
+            # Loss-free balancing (balance_bias.py): None keeps the routing as it was.
+            balance_bias=None if balance_bias_rate is None else BalanceBias(num_experts, balance_bias_rate),
         )
         self.experts = BatchedExperts(
             model_dim, hidden_dim, self.num_local_experts,
@@ -95,6 +102,14 @@ class MoELayer(nn.Module):
             # The marker stock fairseq already honours (clip_grad_norm_, legacy DDP): this tensor
             # is owned by one worker and must never be broadcast or averaged across workers.
             p.expert = True
+        # Always-active experts (shared_experts.py): shared parameters, never marked as experts.
+        self.shared_experts = None
+        if shared_expert_count:
+            self.shared_experts = SharedExperts(
+                model_dim, hidden_dim if shared_expert_dim is None else shared_expert_dim, shared_expert_count,
+                activation=activation,
+                activation_dropout=activation_dropout, bias=bias, seed=seed,
+            )
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x``: ``[..., model_dim]``; ``padding_mask``: ``x.shape[:-1]``, True at pad tokens.
@@ -110,9 +125,10 @@ class MoELayer(nn.Module):
                 f"MoE layer expects input of shape [..., {self.model_dim}], got {tuple(x.shape)}"
             )
         flat = x.reshape(-1, self.model_dim)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
         if padding_mask is None:
             y, aux = self.route_tokens(flat)
-            return y.view_as(x), aux
+            return _plus(y.view_as(x), shared), aux
         if tuple(padding_mask.shape) != tuple(x.shape[:-1]):
             raise ValueError(
                 f"padding_mask shape {tuple(padding_mask.shape)} does not match the input's token "
@@ -121,7 +137,7 @@ class MoELayer(nn.Module):
         real = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)
         y_real, aux = self.route_tokens(gather_unique_rows(flat, real))
         y = y_real.new_zeros(flat.shape).index_copy(0, real, y_real)
-        return y.view_as(x), aux
+        return _plus(y.view_as(x), shared), aux
 
     def route_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, MoEAux]:
         """The MoE function on ``[N, model_dim]`` real tokens."""
@@ -227,3 +243,7 @@ class MoELayer(nn.Module):
             f"experts={self.num_experts} (local {self.num_local_experts}), k={self.k}, "
             f"capacity_factor={self.capacity_factor}, eval_capacity_factor={self.eval_capacity_factor}"
         )
+
+
+def _plus(routed: torch.Tensor, shared: Optional[torch.Tensor]) -> torch.Tensor:
+    return routed if shared is None else routed + shared

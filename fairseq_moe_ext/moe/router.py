@@ -1,9 +1,17 @@
 """Routers: score every token against every expert and pick its top-k experts.
 
-Two scoring functions, with Tutel's semantics so that migrating users keep their intuition:
-  * ``top``: a linear projection ``d_model -> E``;
+Three scoring functions, the first two with Tutel's semantics so that migrating users keep their
+intuition:
+  * ``top``: a linear projection ``d_model -> E``, softmax scores;
   * ``cosine``: a projection ``d_model -> proj_dim``, cosine similarity against one learned vector
-    per expert, times a learned temperature whose scale is clamped at 100 (``log 100``).
+    per expert, times a learned temperature whose scale is clamped at 100 (``log 100``), softmax;
+  * ``sigmoid`` (DeepSeek-V3): linear logits, per-expert scores ``sigmoid(logits)``, gates = the
+    chosen k scores normalised to sum to 1 (so k >= 2: one normalised gate is always 1 and the
+    router would get no gradient). ``probs`` (behind the balance loss and the entropy statistic) are
+    the scores normalised over all experts, as in DeepSeek-V3's sequence-wise balance loss.
+
+With a ``balance_bias`` (balance_bias.py) the experts are chosen by ``score + bias`` while the gates
+stay functions of the scores alone.
 
 The router runs in fp32 when ``fp32=True`` whatever the activation dtype: autocast is switched off
 inside, because softmax over a handful of bf16 logits decides which expert a token sees and small
@@ -19,7 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-ROUTER_TYPES = ("top", "cosine")
+from .balance_bias import BalanceBias
+
+ROUTER_TYPES = ("top", "cosine", "sigmoid")
 
 
 @dataclass
@@ -67,6 +77,7 @@ class TopKRouter(nn.Module):
         batch_prioritized: bool = False,
         cosine_proj_dim: int = 256,
         cosine_init_temperature: float = 0.5,
+        balance_bias: Optional[BalanceBias] = None,
     ):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts <= 0:
@@ -86,6 +97,11 @@ class TopKRouter(nn.Module):
             raise ValueError(f"model_dim must be a positive integer, got {model_dim!r}")
         if not math.isfinite(gate_noise) or gate_noise < 0:
             raise ValueError(f"gate_noise must be a finite number >= 0, got {gate_noise!r}")
+        if router_type == "sigmoid" and k < 2:
+            raise ValueError(
+                "the sigmoid router normalises gates over the chosen k experts, so with k=1 every gate is 1 and "
+                "the router never learns: use k >= 2, or the 'top' router for k=1"
+            )
         self.num_experts = num_experts
         self.k = k
         self.router_type = router_type
@@ -93,7 +109,8 @@ class TopKRouter(nn.Module):
         self.gate_noise = gate_noise
         self.normalize_gates = normalize_gates
         self.batch_prioritized = batch_prioritized
-        if router_type == "top":
+        self.balance_bias = balance_bias
+        if router_type in ("top", "sigmoid"):
             self.wg = nn.Linear(model_dim, num_experts, bias=False)
         else:
             self.cosine_projector = nn.Linear(model_dim, cosine_proj_dim)
@@ -104,7 +121,7 @@ class TopKRouter(nn.Module):
             )
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.router_type == "top":
+        if self.router_type != "cosine":
             weight = self.wg.weight.float() if self.fp32 else self.wg.weight
             return F.linear(x, weight)
         proj = self.cosine_projector
@@ -117,6 +134,12 @@ class TopKRouter(nn.Module):
         scale = torch.clamp(self.temperature, max=math.log(100.0)).exp()
         return torch.matmul(F.normalize(h, dim=-1), F.normalize(sim, dim=0)) * scale
 
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-expert affinities: softmax over experts, or an independent sigmoid per expert."""
+        if self.router_type == "sigmoid":
+            return torch.sigmoid(logits.float() if self.fp32 else logits)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32 if self.fp32 else None)
+
     def forward(self, x: torch.Tensor) -> Routing:
         """Route ``x`` of shape ``[N, model_dim]``."""
         if x.dim() != 2:
@@ -126,17 +149,24 @@ class TopKRouter(nn.Module):
             if self.fp32:
                 x = x.float()
             logits = self.compute_logits(x)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32 if self.fp32 else None)
+            scores = self.scores(logits)
+            sigmoid = self.router_type == "sigmoid"
+            probs = scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores
             selection_scores = logits
             if self.training and self.gate_noise > 0:
                 # Noise explores alternatives during training; it changes which experts are chosen
                 # but not the gate values, so the output stays a smooth function of the logits.
                 noise = torch.randn_like(logits) * (self.gate_noise / self.num_experts)
                 selection_scores = logits.detach() + noise
+            if self.balance_bias is not None:
+                # The bias shifts scores (not logits), for choosing only.
+                selection_scores = self.scores(selection_scores.detach()) + self.balance_bias.bias
             expert_index = torch.topk(selection_scores, self.k, dim=-1, sorted=True).indices
-            gates = take_chosen(probs, expert_index)
-            if self.normalize_gates:
+            gates = take_chosen(scores, expert_index)
+            if self.normalize_gates or sigmoid:
                 gates = gates / gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
+            if self.balance_bias is not None:
+                self.balance_bias.observe(expert_index)
         # Batch-prioritised routing (Riquelme et al.): when an expert is over capacity, the tokens
         # the router is most confident about are served first.
         priority_score = -gates[:, 0].detach() if self.batch_prioritized else None
