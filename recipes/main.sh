@@ -48,6 +48,12 @@
 #   SYNONYMS [1]              source forms per target word per dialect: the corpus's difficulty knob
 #   DENSE [1]                 0: skip the dense baseline of the expert's hidden size
 #   DENSE_MATCHED [1]         0: skip the compute-matched dense baseline (hidden size TOPK x FFN_DIM)
+#   SHARED_EXPERTS [0]        shared experts per MoE layer (DeepSeek-MoE), always active beside the TOPK routed
+#   BALANCE [loss]            bias: add DeepSeek-V3's loss-free bias balancing (rate BIAS_UPDATE_RATE [0.001]);
+#                             the balance loss stays unless GATE_LOSS_WT=0
+#   ROUTER [top]              top, cosine or sigmoid (DeepSeek-V3's gating; needs TOPK >= 2)
+#                             With SHARED_EXPERTS or BALANCE=bias, moe_base (the same MoE without them) is
+#                             trained too and the summary compares the two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/lib/common.sh
@@ -63,6 +69,8 @@ fi
 : "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
 : "${SYNONYMS:=1}" "${DENSE_MATCHED:=1}"
 shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
+: "${SHARED_EXPERTS:=0}" "${BALANCE:=loss}" "${BIAS_UPDATE_RATE:=0.001}" "${ROUTER:=top}"
+case "$BALANCE" in loss|bias) ;; *) echo "error: BALANCE=$BALANCE: use BALANCE=loss or BALANCE=bias" >&2; exit 2 ;; esac
 
 STAGES=10
 echo "==> [1/$STAGES] environment"
@@ -124,8 +132,12 @@ ffn_args() { echo --encoder-ffn-embed-dim "$1" --decoder-ffn-embed-dim "$1"; }
 moe_args=(
   $(ffn_args "$FFN_DIM") --arch moe_transformer --moe-expert-count "$EXPERTS" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
   --moe-capacity-factor "$CAPACITY_FACTOR" --moe-eval-capacity-factor 0
-  --criterion moe_label_smoothed_cross_entropy --moe-gate-loss-wt "$GATE_LOSS_WT"
+  --criterion moe_label_smoothed_cross_entropy --moe-gate-loss-wt "$GATE_LOSS_WT" --moe-router "$ROUTER"
 )
+# Routing extensions (issue 20): the MoE run gets them; moe_base, the same MoE without them, shows their effect.
+extension_args=()
+[ "$SHARED_EXPERTS" != 0 ] && extension_args+=(--moe-shared-expert-count "$SHARED_EXPERTS")
+[ "$BALANCE" = bias ] && extension_args+=(--moe-balance bias --moe-bias-update-rate "$BIAS_UPDATE_RATE")
 dense_args=(--arch transformer --criterion label_smoothed_cross_entropy)
 # The MoE applies TOPK experts of hidden size FFN_DIM to each token, so a dense FFN of TOPK x FFN_DIM
 # costs the same per token in the MoE layers. (In the layers the MoE keeps dense, MOE_FREQ > 1, this
@@ -154,7 +166,8 @@ train_and_evaluate() {
     --domains "$DATA/raw/test.domain" --hyp-out "$dir/hyp.txt" --json-out "$dir/bleu.json" --name "$name"
 }
 
-train_and_evaluate moe 5 "${moe_args[@]}"
+train_and_evaluate moe 5 "${moe_args[@]}" "${extension_args[@]}"
+[ "${#extension_args[@]}" = 0 ] || train_and_evaluate moe_base 5 "${moe_args[@]}"
 if [ "$DENSE" = 1 ]; then
   train_and_evaluate dense 6 $(ffn_args "$FFN_DIM") "${dense_args[@]}"
 else
@@ -178,6 +191,7 @@ python recipes/plot_expert_load.py "$WORK/moe/train.log" --png "$WORK/plots/expe
 
 stage 10 "summary"
 runs=(--run MoE "$WORK/moe")
+[ "${#extension_args[@]}" = 0 ] || runs+=(--run moe_base "$WORK/moe_base")
 [ "$DENSE" = 1 ] && runs+=(--run dense "$WORK/dense")
 [ "$DENSE_MATCHED" = 1 ] && runs+=(--run dense_matched "$WORK/dense_matched")
 python recipes/summarize_translation.py "${runs[@]}" --routing "$WORK/routing.json" \

@@ -18,7 +18,8 @@ EMBEDDING_KEYS = ("embed_tokens.weight", "embed_positions.weight")
 
 def _is_matrix(key: str, shape: tuple, is_expert: bool) -> bool:
     # Expert tensors are stacked along dim 0 (one slice per expert): a slice is a matrix when 2-D.
-    matrix_shape = shape[1:] if is_expert else shape
+    # Shared experts are stored the same way, as one slice every token uses.
+    matrix_shape = shape[1:] if is_expert or ".shared_experts." in key else shape
     return len(matrix_shape) == 2 and not key.endswith(EMBEDDING_KEYS)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from fairseq import checkpoint_utils
 from fairseq_moe_ext import checkpoint as moe_checkpoint
 from model_cost import model_cost
+from routing_extensions import effect_lines, routing_features
 
 RECORD = re.compile(r"\| (train_inner|valid) \| (\{.*\})\s*$")
 
@@ -43,7 +44,8 @@ def checkpoint_cost(checkpoint: Path) -> dict:
     expert_keys = set(state.get("moe", {}).get("expert_keys", []))
     experts = getattr(model_cfg, "moe_expert_count", None) if expert_keys else None
     k = getattr(model_cfg, "moe_top_k", None) if expert_keys else None
-    return dict(model_cost(tensors, expert_keys, experts, k), experts=experts, k=k)
+    return dict(model_cost(tensors, expert_keys, experts, k), experts=experts, k=k,
+                features=routing_features(model_cfg, state["model"]))
 
 
 def parameter_counts(checkpoint: Path):
@@ -118,7 +120,9 @@ def main(argv=None):
     if moe:
         lines += ["", "forward FLOPs per token: 2 x the weight-matrix elements a token is multiplied by (its k experts,",
                   "not all E); attention scores, biases and norms not counted (recipes/model_cost.py)"]
-        lines += comparisons(moe, [r for r in runs if r is not moe])
+        lines += comparisons(moe, [r for r in runs if not r["experts"]])
+        for base in (r for r in runs if r["experts"] and r is not moe):
+            lines += effect_lines(moe, base)
         last = moe["last"]
         lines += ["", f"{moe['name']} routing over the last log interval of training:"]
         lines.append(f"  balance loss {last.get('moe_gate_loss', '?')} (1.0 = perfectly balanced, E = collapsed onto one expert)")

@@ -88,13 +88,15 @@ def test_the_bias_moves_by_the_rate_towards_the_mean_load_of_every_micro_batch_s
     set_bias(layer, [0.1, -0.1, 0.05, 0.0])
     bias = layer.router.balance_bias.bias.clone()
     choices = []
-    for size in (9, 14):  # two micro-batches of one update
-        x = torch.randn(size, D)
+    g = torch.Generator().manual_seed(4)
+    for size in (30, 3):  # two micro-batches of one update
+        x = torch.randn(size, D, generator=g)
         layer(x)
         reference_moe(layer, x, choices_out=choices)
     update_balance_biases(layer)
     want = reference_bias_update(bias, choices, E, 0.05)
     assert not torch.equal(want, bias)
+    assert not torch.equal(want, reference_bias_update(bias, choices[30:], E, 0.05)), "both micro-batches count"
     torch.testing.assert_close(layer.router.balance_bias.bias, want.float(), rtol=0, atol=1e-7)
     # The load was spent: an update without a forward in between leaves the bias alone.
     update_balance_biases(layer)
