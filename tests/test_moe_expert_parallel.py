@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from fairseq_moe_ext.moe import MoELayer
 from dist_utils import run_on_workers
+from moe_reference import reference_bias_update, reference_moe
 
 D, H, E = 8, 16, 4
 pytestmark = pytest.mark.slow
@@ -102,7 +103,7 @@ def build_extended(group):
     torch.manual_seed(0)
     layer = MoELayer(D, H, E, k=2, router_type="sigmoid", shared_expert_count=2, balance_bias_rate=0.05, seed=5,
                      group=group)
-    layer.router.balance_bias.bias.copy_(torch.tensor([0.2, -0.1, 0.0, 0.15]))  # changes some choices
+    layer.router.balance_bias.bias.copy_(torch.tensor([0.1, -0.05, 0.0, 0.05]))  # changes some choices
     return layer
 
 
@@ -130,8 +131,15 @@ def test_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one
 
     reference = build_extended(None)
     x, upstream = batch(sizes)
+    choices = []
+    reference_moe(reference, x, choices_out=choices)
+    bias = reference.router.balance_bias.bias.clone()
+    local = [reference_bias_update(bias, choices[:5], E, 0.05), reference_bias_update(bias, choices[5:], E, 0.05)]
     y_ref, _ = objective(reference, x, upstream, 1.0)
     update_balance_biases(reference)
+    want = reference_bias_update(bias, choices, E, 0.05)
+    torch.testing.assert_close(reference.router.balance_bias.bias, want.float(), rtol=0, atol=1e-7)
+    assert not any(torch.allclose(want, w) for w in local), "each worker's own load would move the bias otherwise"
 
     torch.testing.assert_close(torch.cat([r["y"] for r in results]), y_ref, rtol=1e-5, atol=1e-5)
     for r in results:

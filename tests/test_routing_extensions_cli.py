@@ -18,13 +18,13 @@ FLAGS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-bal
          "--moe-bias-update-rate", "0.01", "--moe-gate-loss-wt", "0"]
 
 
-def train_args(data, save_dir, max_update):
+def train_args(data, save_dir, max_update, *extra):
     return [
         str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
         "--arch", "moe_transformer_tiny", "--moe-expert-count", "4", *FLAGS,
         "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--max-update", str(max_update),
-        "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1", "--disable-validation",
+        "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1", "--disable-validation", *extra,
     ]
 
 
@@ -35,9 +35,10 @@ def biases(path):
 
 def test_two_workers_train_resume_bit_exactly_inspect_and_generate_with_shared_experts_sigmoid_and_bias(tmp_path):
     data = preprocess_parallel(write_parallel_corpus(tmp_path / "raw"), tmp_path / "bin")
-    full = torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, tmp_path / "full", 8))
-    torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, tmp_path / "ck", 4))
-    resumed = torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, tmp_path / "ck", 8))
+    # Saved at update 4 (mid-epoch) on the way to 8; a second run resumes from that set.
+    full = torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, tmp_path / "full", 8, "--save-interval-updates", "4"))
+    at4 = tmp_path / "full" / "checkpoint_1_4.pt"
+    resumed = torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, tmp_path / "ck", 8, "--restore-file", str(at4)))
 
     want = {int(r["num_updates"]): float(r["loss"]) for r in json_logs(full)}
     got = {int(r["num_updates"]): float(r["loss"]) for r in json_logs(resumed)}
