@@ -94,3 +94,27 @@ def reference_bias_update(bias, choices, num_experts, rate):
             load[e] += 1
     mean = sum(load) / num_experts
     return torch.tensor([float(b) + rate * ((mean > n) - (mean < n)) for b, n in zip(bias.tolist(), load)])
+
+
+def assert_layer_matches_reference(layer, x, mask, upstream):
+    """The layer's output and every gradient (parameters and input, through ``(y * upstream).sum()``)
+    equal the reference's; returns the layer's (y, aux) and the reference's kept slots."""
+    def grads():
+        named = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        named["input"] = x.grad.clone()
+        return named
+
+    y, aux = layer.forward_with_aux(x, mask)
+    (y * upstream).sum().backward()
+    got = grads()
+    layer.zero_grad()
+    x.grad = None
+    y_ref, kept = reference_moe(layer, x, mask)
+    (y_ref * upstream).sum().backward()
+    want = grads()
+
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    return y, aux, kept

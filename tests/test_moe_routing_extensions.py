@@ -7,7 +7,7 @@ import torch
 from fairseq_moe_ext.moe import MoELayer, TopKRouter
 from fairseq_moe_ext.moe.balance_bias import BalanceBias, update_balance_biases
 from fairseq_moe_ext.moe.experts import is_expert
-from moe_reference import reference_bias_update, reference_moe
+from moe_reference import assert_layer_matches_reference, reference_bias_update, reference_moe
 
 D, H, E = 12, 20, 4
 
@@ -20,12 +20,6 @@ def make_layer(router_type="sigmoid", k=2, shared=0, bias_rate=None, num_experts
 
 def set_bias(layer, values):
     layer.router.balance_bias.bias.copy_(torch.tensor(values))
-
-
-def grads(module, x):
-    named = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-    named["input"] = x.grad.clone()
-    return named
 
 
 @pytest.mark.parametrize("router_type", ["top", "sigmoid"])
@@ -41,21 +35,7 @@ def test_layer_with_shared_experts_bias_and_sigmoid_router_equals_a_per_token_re
     x = torch.randn(3, 7, D, requires_grad=True)
     mask = torch.zeros(3, 7, dtype=torch.bool)
     mask[0, 4:] = True
-    upstream = torch.randn(3, 7, D)
-
-    y, _ = layer.forward_with_aux(x, mask)
-    (y * upstream).sum().backward()
-    got = grads(layer, x)
-    layer.zero_grad()
-    x.grad = None
-    y_ref, _ = reference_moe(layer, x, mask)
-    (y_ref * upstream).sum().backward()
-    want = grads(layer, x)
-
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_layer_matches_reference(layer, x, mask, torch.randn(3, 7, D))
     if shared:
         assert layer.shared_experts.ffn.batched_fc1_w.shape == (1, shared * (shared_dim or H), D)
 
