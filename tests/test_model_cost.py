@@ -8,6 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from model_cost import model_cost  # noqa: E402
+from routing_extensions import effect_lines  # noqa: E402
 from summarize_translation import comparisons  # noqa: E402
 
 D, H, E, K = 64, 128, 8, 2
@@ -31,6 +32,18 @@ def test_a_token_counts_k_of_the_e_experts_in_active_parameters_and_flops_and_al
     assert cost["active"] == expert_elements * K // E
     assert cost["encoder_flops"] == 2 * (2 * K * H * D)  # two matrices per expert, k experts, 2 FLOPs each
     assert cost["decoder_flops"] == 0
+
+
+def test_shared_experts_count_fully_in_active_parameters_and_flops_like_a_dense_ffn_of_their_total_width():
+    routed = moe_ffn("encoder.layers.0.fc1.experts")
+    prefix = "encoder.layers.0.fc1.shared_experts.ffn"  # 2 shared experts of width H, stored as one of 2H
+    shared = {f"{prefix}.batched_fc1_w": torch.zeros(1, 2 * H, D), f"{prefix}.batched_fc1_b": torch.zeros(1, 2 * H),
+              f"{prefix}.batched_fc2_w": torch.zeros(1, D, 2 * H), f"{prefix}.batched_fc2_b": torch.zeros(1, D)}
+    without = model_cost(routed, set(routed), E, K)
+    cost = model_cost({**routed, **shared}, set(routed), E, K)
+    dense = model_cost(dense_ffn("encoder.layers.0", 2 * H), set(), None, None)
+    assert cost["active"] - without["active"] == dense["active"]
+    assert cost["encoder_flops"] - without["encoder_flops"] == dense["encoder_flops"] == 2 * 2 * (2 * H * D)
 
 
 def test_embeddings_biases_and_layer_norms_count_as_parameters_but_cost_no_flops():
@@ -84,3 +97,20 @@ def test_the_summary_says_in_words_whether_the_moe_beat_a_dense_model_of_equal_o
     (line,) = comparisons(run("MoE", moe_bleu, 100), [run("dense_matched", dense_bleu, dense_flops)])
     assert line.startswith(f"  MoE - dense_matched: {moe_bleu - dense_bleu:+.2f} BLEU; ")
     assert line.endswith(says) or says + ":" in line
+
+
+def summary_run(name, bleu, imbalance, active, features):
+    return {"name": name, "bleu": {"bleu": bleu}, "active": active, "flops": 2 * active,
+            "last": {"moe_imbalance": imbalance, "moe_gate_loss": 1.0}, "features": features}
+
+
+def test_the_summary_says_what_shared_experts_and_bias_balancing_changed_against_the_same_moe_without_them():
+    with_them = summary_run("MoE", 30.5, 1.12, 300, {"router": "sigmoid", "shared_experts": 1, "balance": "bias",
+                                                     "bias_spread": 0.0125})
+    base = summary_run("moe_base", 30.0, 2.4, 250, {"router": "sigmoid", "shared_experts": 0, "balance": "none",
+                                                   "bias_spread": None})
+    text = "\n".join(effect_lines(with_them, base))
+    assert "MoE (router sigmoid, 1 shared expert(s), loss-free bias balancing (final bias spread 0.0125)) vs " \
+           "moe_base (router sigmoid, no shared experts)" in text
+    assert "+0.50 BLEU; imbalance over the last log interval 1.12 vs 2.4" in text
+    assert "active parameters per token 300 vs 250; FLOPs per token 600 vs 500" in text
