@@ -72,7 +72,8 @@ HOOKS = (
          "train_step, claims --save-dir (training_save_dir); rank 0 then resolves the name to a complete set "
          "or a single file (restore_choice: checkpoint_last falls back to the newest complete set) and shares "
          "its answer, and each worker reads only the files holding its share (checkpoint/share.py), at any "
-         "layout that divides the experts."),
+         "layout that divides the experts. With --moe-upcycle-from and no checkpoint to resume, the model is "
+         "filled from the dense checkpoint instead (upcycling.py), as fairseq's --finetune-from-model would be."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local."),
