@@ -115,6 +115,8 @@ RELIED_ON = (
     "fairseq.distributed.utils.infer_init_method",
     # precision.mark_overflow fills the found-inf record step() reads (hook 13).
     "torch.amp.grad_scaler.GradScaler.step",
+    # --moe-upcycle-from (hook 7) starts a run where this passes save_dir/checkpoint_last and none exists.
+    "fairseq.checkpoint_utils.load_checkpoint",
 )
 
 ORIGINALS: Dict[str, object] = {}  # hook target -> fairseq's own object, as found by install()
