@@ -5,8 +5,8 @@ A dense checkpoint's architecture decides the MoE one (``transformer*`` -> ``moe
 MoE criterion, and the MoE flags given decide which layers become MoE. Two ways in:
 
 * ``python -m fairseq_moe_ext.checkpoint upcycle DENSE OUT --moe-expert-count E ...`` writes the
-  upcycled checkpoint (``upcycled_checkpoint``), which ``fairseq-train --restore-file`` (or
-  ``--finetune-from-model``) continues, and ``fairseq-validate``/``-generate`` load;
+  upcycled checkpoint (``upcycled_checkpoint``), which ``fairseq-train --restore-file`` continues
+  (``--finetune-from-model`` too, for a single file) and ``fairseq-validate``/``-generate`` load;
 * ``fairseq-train --arch moe_transformer* --moe-upcycle-from DENSE ...`` (``load_upcycled``) builds the
   model from its own command line and fills it from DENSE when the save dir has no checkpoint_last,
   as ``--finetune-from-model`` would: fresh optimizer, scheduler, meters and data iterator.
@@ -15,6 +15,8 @@ MoE criterion, and the MoE flags given decide which layers become MoE. Two ways 
 import argparse
 import copy
 import logging
+
+from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
 from . import checkpoint as moe_ckpt
 from . import distributed as moe_dist
@@ -30,12 +32,9 @@ logger = logging.getLogger(__name__)
 MOE_ARCHITECTURE_OF = {"transformer": "moe_transformer", "transformer_lm": "moe_transformer_lm"}
 MOE_CRITERION_OF = {"label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy",
                     "cross_entropy": "moe_cross_entropy"}
-SIDES = {"moe_transformer": ("encoder", "decoder"), "moe_transformer_lm": ("decoder",)}
 
 
 def moe_architecture_of(model_cfg, path: str) -> str:
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-
     arch = flag(model_cfg, "arch") or flag(model_cfg, "_name")
     family = ARCH_MODEL_NAME_REGISTRY.get(arch)
     if family not in MOE_ARCHITECTURE_OF:
@@ -57,7 +56,7 @@ def upcycled_cfg(dense_cfg, path: str, moe_flags: dict):
     cfg = copy.copy(dense_cfg)
     options = {name: moe_default(name) for name in MOE_OPTIONS if name not in NOT_SET_BY_ARCHITECTURE
                and (arch == "moe_transformer" or not name.startswith("encoder_"))}
-    options.update({k: v for k, v in moe_flags.items() if v is not None or k.endswith("_moe_freq")},
+    options.update({k: v for k, v in moe_flags.items() if v is not None},
                    moe_normalize_gate=True, moe_eval_capacity_factor=0.0, arch=arch, _name=arch)
     try:
         check_moe_args(argparse.Namespace(**options))
@@ -117,6 +116,11 @@ def load_upcycled(trainer, path: str) -> None:
     """``--moe-upcycle-from``: fill this worker's model (its share of the experts) from the dense
     checkpoint ``path``; the trainer keeps its fresh optimizer and starts at update 0."""
     model_cfg = trainer.cfg.model
+    if str(moe_option(model_cfg, "moe_router")) != "top":
+        raise ValueError(
+            f"--moe-upcycle-from starts the router at zero (or small random weights), a --moe-router top router; "
+            f"this run has --moe-router {moe_option(model_cfg, 'moe_router')}: use --moe-router top"
+        )
     if not moe_option(model_cfg, "moe_normalize_gate"):
         raise ValueError(
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
