@@ -48,7 +48,7 @@
 #   SYNONYMS [1]              source forms per target word per dialect: the corpus's difficulty knob
 #   DENSE [1]                 0: skip the dense baseline of the expert's hidden size
 #   DENSE_MATCHED [1]         0: skip the compute-matched dense baseline (hidden size TOPK x FFN_DIM)
-#   UPCYCLE [0]               1: sparse upcycling as well: the `dense` run's checkpoint of update UPCYCLE_AT
+#   UPCYCLE [0]               1: sparse upcycling as well: the dense model at update UPCYCLE_AT (upcycle_base/)
 #                             becomes an MoE (every expert a copy of the dense FFN; --moe-upcycle-from) that
 #                             trains on to MAX_UPDATE updates in all (`upcycled/`), so the summary compares
 #                             dense, upcycled and from-scratch MoE at equal updates (needs DENSE=1)
@@ -166,11 +166,8 @@ train_and_evaluate() {
 }
 
 train_and_evaluate moe 5 "${moe_args[@]}"
-# UPCYCLE=1: the dense run also keeps its checkpoint of update UPCYCLE_AT, which the upcycled MoE starts from.
-upcycle_base=()
-[ "$UPCYCLE" = 1 ] && upcycle_base=(--save-interval-updates "$UPCYCLE_AT")
 if [ "$DENSE" = 1 ]; then
-  train_and_evaluate dense 6 $(ffn_args "$FFN_DIM") "${dense_args[@]}" "${upcycle_base[@]}"
+  train_and_evaluate dense 6 $(ffn_args "$FFN_DIM") "${dense_args[@]}"
 else
   stage 6 "dense baseline skipped (DENSE=0)"
 fi
@@ -181,10 +178,20 @@ else
 fi
 
 if [ "$UPCYCLE" = 1 ]; then
-  # Upcycled: the MoE's flags, gates renormalised over the top-k (so it starts as the dense model), the
-  # dense checkpoint of update UPCYCLE_AT, and the updates left to MAX_UPDATE; fresh optimizer.
-  dense_at=$(ls "$WORK"/dense/ckpt/checkpoint_*_"$UPCYCLE_AT".pt | head -n 1)
-  train_and_evaluate upcycled 8 "${moe_args[@]}" --moe-normalize-gate --moe-upcycle-from "$dense_at" \
+  # The dense run's state at update UPCYCLE_AT: the same run stopped there (same flags, seed and batches;
+  # fairseq keeps no checkpoint of an update that ends an epoch under --no-epoch-checkpoints).
+  base=$WORK/upcycle_base
+  base_sig="$spm_sig workers=$WORKERS ${common_args[*]} $(ffn_args "$FFN_DIM") ${dense_args[*]} at=$UPCYCLE_AT"
+  echo "    first the dense model up to update $UPCYCLE_AT, to upcycle ($base/train.log)"
+  if needs_run "$base/.trained" "$base_sig"; then
+    rm -rf "$base"
+    train_workers "$WORKERS" "$base/train.log" "${common_args[@]}" $(ffn_args "$FFN_DIM") "${dense_args[@]}" \
+      --max-update "$UPCYCLE_AT" --save-dir "$base/ckpt" > /dev/null
+    mark_done "$base/.trained" "$base_sig"
+  fi
+  # Upcycled: the MoE's flags, gates renormalised over the top-k (so it starts as the dense model), and
+  # the updates left to MAX_UPDATE; fresh optimizer.
+  train_and_evaluate upcycled 8 "${moe_args[@]}" --moe-normalize-gate --moe-upcycle-from "$base/ckpt/checkpoint_last.pt" \
     --moe-upcycle-router-std "$UPCYCLE_ROUTER_STD" --max-update $(( MAX_UPDATE - UPCYCLE_AT ))
 else
   stage 8 "upcycled MoE skipped (UPCYCLE=0)"
