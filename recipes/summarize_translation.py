@@ -139,15 +139,15 @@ def main(argv=None):
         lines += ["", "forward FLOPs per token: 2 x the weight-matrix elements a token is multiplied by (its k experts,",
                   "not all E); attention scores, biases and norms not counted (recipes/model_cost.py)"]
         lines += comparisons(moe, [r for r in runs if not r["experts"]])
-    upcycled = next((r for r in runs if r["name"] == upcycled_name), None)
-    if upcycled:
-        lines += [""] + upcycled_comparisons(upcycled, dense_updates, [r for r in runs if r is not upcycled])
         last = moe["last"]
         lines += ["", f"{moe['name']} routing over the last log interval of training:"]
         lines.append(f"  balance loss {last.get('moe_gate_loss', '?')} (1.0 = perfectly balanced, E = collapsed onto one expert)")
         lines.append(f"  imbalance {last.get('moe_imbalance', '?')} (busiest expert's share x E; 1.0 = balanced)")
         lines.append(f"  dropped fraction {last.get('moe_dropped_frac', '?')} (token-slots over capacity; the residual carries them)")
         lines.append(f"  router entropy {last.get('moe_router_entropy', '?')} nats per token")
+    upcycled = next((r for r in runs if r["name"] == upcycled_name), None)
+    if upcycled:
+        lines += [""] + upcycled_comparisons(upcycled, dense_updates, [r for r in runs if r is not upcycled])
     if args.routing and args.routing.exists():
         routing = json.loads(args.routing.read_text())
         lines += ["", "routing by domain on the test set (I = mutual information of domain and first-choice expert):"]
