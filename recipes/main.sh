@@ -22,7 +22,7 @@
 #   summary.json               the same, machine-readable
 #   plots/expert_load.png      every MoE layer's per-expert share of tokens over training
 #   plots/routing_by_domain.png  dialect x expert routing matrix per MoE layer (test set)
-#   moe/ dense/ dense_matched/ train.log, ckpt/ (MoE: checkpoint_best-rank-R-of-W.pt + .set.json),
+#   moe/ dense/ dense_matched/ upcycled/ train.log, ckpt/ (MoE: checkpoint_best-rank-R-of-W.pt + .set.json),
 #                              generate.out (fairseq-generate), hyp.txt, bleu.json
 #   data/                      raw/ (text + .domain labels), spm/, tok/, bin/ (fairseq-preprocess)
 # Re-running skips every step whose knobs did not change; remove WORK (or a subdirectory) to redo it.
@@ -54,6 +54,12 @@
 #   ROUTER [top]              top, cosine or sigmoid (DeepSeek-V3's gating; needs TOPK >= 2)
 #                             With SHARED_EXPERTS or BALANCE=bias, moe_base (the same MoE without them) is
 #                             trained too and the summary compares the two.
+#   UPCYCLE [0]               1: sparse upcycling as well: the dense model at update UPCYCLE_AT (upcycle_base/)
+#                             becomes an MoE (every expert a copy of the dense FFN; --moe-upcycle-from) that
+#                             trains on to MAX_UPDATE updates in all (`upcycled/`), so the summary compares
+#                             dense, upcycled and from-scratch MoE at equal updates (needs DENSE=1)
+#   UPCYCLE_AT [MAX_UPDATE/2] the dense update the upcycled MoE starts from
+#   UPCYCLE_ROUTER_STD [0.01] std of the upcycled routers' initial weights (0: zero, every token ties)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/lib/common.sh
@@ -67,12 +73,17 @@ fi
 : "${MAX_UPDATE:=600}" "${MAX_TOKENS:=2048}" "${LR:=3e-3}" "${WARMUP:=100}" "${DROPOUT:=0.1}"
 : "${DIALECTS:=8}" "${TRAIN_PER_DOMAIN:=1000}" "${VALID_PER_DOMAIN:=50}" "${TEST_PER_DOMAIN:=100}"
 : "${SRC_VOCAB:=320}" "${TGT_VOCAB:=320}" "${DOMAIN_TAG:=1}" "${BEAM:=5}" "${DENSE:=1}"
-: "${SYNONYMS:=1}" "${DENSE_MATCHED:=1}"
+: "${SYNONYMS:=1}" "${DENSE_MATCHED:=1}" "${UPCYCLE:=0}" "${UPCYCLE_AT:=$(( MAX_UPDATE / 2 ))}" "${UPCYCLE_ROUTER_STD:=0.01}"
+if [ "$UPCYCLE" = 1 ] && { [ "$DENSE" != 1 ] || [ "$UPCYCLE_AT" -lt 1 ] || [ "$UPCYCLE_AT" -ge "$MAX_UPDATE" ]; }; then
+  echo "UPCYCLE=1 upcycles the dense run at update UPCYCLE_AT: keep DENSE=1 and 1 <= UPCYCLE_AT < MAX_UPDATE" \
+    "(got DENSE=$DENSE UPCYCLE_AT=$UPCYCLE_AT MAX_UPDATE=$MAX_UPDATE)" >&2
+  exit 2
+fi
 shared_knob_defaults  # TOPK, MOE_FREQ, CAPACITY_FACTOR, GATE_LOSS_WT, SEED (see common.sh)
 : "${SHARED_EXPERTS:=0}" "${BALANCE:=loss}" "${BIAS_UPDATE_RATE:=0.001}" "${ROUTER:=top}"
 case "$BALANCE" in loss|bias) ;; *) echo "error: BALANCE=$BALANCE: use BALANCE=loss or BALANCE=bias" >&2; exit 2 ;; esac
 
-STAGES=10
+STAGES=11
 echo "==> [1/$STAGES] environment"
 setup_environment
 DATA=$WORK/data
@@ -179,21 +190,42 @@ else
   stage 7 "compute-matched dense baseline skipped (DENSE_MATCHED=0)"
 fi
 
-stage 8 "routing by domain: which experts each dialect's tokens use (test set, merged set in one process)"
+if [ "$UPCYCLE" = 1 ]; then
+  # The dense run's state at update UPCYCLE_AT: the same run stopped there (same flags, seed and batches;
+  # fairseq keeps no checkpoint of an update that ends an epoch under --no-epoch-checkpoints).
+  base=$WORK/upcycle_base
+  base_sig="$spm_sig workers=$WORKERS ${common_args[*]} $(ffn_args "$FFN_DIM") ${dense_args[*]} at=$UPCYCLE_AT"
+  echo "    first the dense model up to update $UPCYCLE_AT, to upcycle ($base/train.log)"
+  if needs_run "$base/.trained" "$base_sig"; then
+    rm -rf "$base"
+    train_workers "$WORKERS" "$base/train.log" "${common_args[@]}" $(ffn_args "$FFN_DIM") "${dense_args[@]}" \
+      --max-update "$UPCYCLE_AT" --save-dir "$base/ckpt" > /dev/null
+    mark_done "$base/.trained" "$base_sig"
+  fi
+  # Upcycled: the MoE's flags, gates renormalised over the top-k (so it starts as the dense model), and
+  # the updates left to MAX_UPDATE; fresh optimizer.
+  train_and_evaluate upcycled 8 "${moe_args[@]}" --moe-normalize-gate --moe-upcycle-from "$base/ckpt/checkpoint_last.pt" \
+    --moe-upcycle-router-std "$UPCYCLE_ROUTER_STD" --max-update $(( MAX_UPDATE - UPCYCLE_AT ))
+else
+  stage 8 "upcycled MoE skipped (UPCYCLE=0)"
+fi
+
+stage 9 "routing by domain: which experts each dialect's tokens use (test set, merged set in one process)"
 python recipes/routing_by_domain.py --data "$DATA/bin" --path "$WORK/moe/ckpt/checkpoint_best.pt" \
   --domains "$DATA/raw/test.domain" --subset test --png "$WORK/plots/routing_by_domain.png" \
   --json-out "$WORK/routing.json" --title "routing by dialect (E=$EXPERTS, k=$TOPK, test set)" 2>&1 \
   | grep -v "^INFO:"
 
-stage 9 "plot expert load over training"
+stage 10 "plot expert load over training"
 python recipes/plot_expert_load.py "$WORK/moe/train.log" --png "$WORK/plots/expert_load.png" \
   --title "expert load during training (E=$EXPERTS, k=$TOPK, capacity factor $CAPACITY_FACTOR, $WORKERS workers)"
 
-stage 10 "summary"
+stage 11 "summary"
 runs=(--run MoE "$WORK/moe")
 [ "${#extension_args[@]}" = 0 ] || runs+=(--run moe_base "$WORK/moe_base")
 [ "$DENSE" = 1 ] && runs+=(--run dense "$WORK/dense")
 [ "$DENSE_MATCHED" = 1 ] && runs+=(--run dense_matched "$WORK/dense_matched")
+[ "$UPCYCLE" = 1 ] && runs+=(--run upcycled "$WORK/upcycled" --upcycled upcycled "$UPCYCLE_AT")
 python recipes/summarize_translation.py "${runs[@]}" --routing "$WORK/routing.json" \
   --title "main job: $DIALECTS dialects -> 1 target; moe_transformer E=$EXPERTS k=$TOPK vs dense transformer (FFN $FFN_DIM and $matched_ffn_dim); $WORKERS CPU workers" \
   --out "$WORK/summary.txt" --json-out "$WORK/summary.json" 2>&1 | grep -v "^INFO:"

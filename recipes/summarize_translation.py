@@ -8,8 +8,11 @@ the E experts in each MoE layer. When a dense run has at least the MoE's FLOPs p
 the summary says so in words: the MoE then did not beat a dense model of equal compute.
 
   python recipes/summarize_translation.py --run MoE work/moe --run dense work/dense \
-      --run dense_matched work/dense_matched \
+      --run dense_matched work/dense_matched [--run upcycled work/upcycled --upcycled upcycled 300] \
       --routing work/routing.json --out work/summary.txt
+
+``--upcycled NAME N``: run NAME is an MoE upcycled from the dense checkpoint of update N (sparse
+upcycling); its updates count those N, and it is compared with every other run at equal updates.
 """
 
 import argparse
@@ -86,16 +89,33 @@ def comparisons(moe: dict, dense_runs: list) -> list:
     return lines
 
 
+def upcycled_comparisons(upcycled: dict, dense_updates: int, others: list) -> list:
+    """The upcycled MoE against every other run, each at its own total of updates (equal in the main job)."""
+    lines = [f"{upcycled['name']}: {dense_updates} dense updates, then {upcycled['updates']} as an MoE upcycled from "
+             f"that checkpoint (sparse upcycling; every expert started as a copy of the dense FFN)"]
+    for other in others:
+        gain = upcycled["bleu"]["bleu"] - other["bleu"]["bleu"]
+        lines.append(f"  {upcycled['name']} - {other['name']}: {gain:+.2f} BLEU at {upcycled['total_updates']} vs "
+                     f"{other['total_updates']} updates")
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", nargs=2, action="append", metavar=("NAME", "DIR"), required=True)
     parser.add_argument("--routing", type=Path, help="routing_by_domain.py's JSON output")
+    parser.add_argument("--upcycled", nargs=2, metavar=("NAME", "DENSE_UPDATES"),
+                        help="run NAME was upcycled from the dense checkpoint of update DENSE_UPDATES")
     parser.add_argument("--title", default="main job")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
 
     runs = [describe(name, Path(directory)) for name, directory in args.run]
+    upcycled_name, dense_updates = (args.upcycled[0], int(args.upcycled[1])) if args.upcycled else (None, 0)
+    for r in runs:
+        before = dense_updates if r["name"] == upcycled_name else 0
+        r["total_updates"] = before + int(r["updates"]) if str(r["updates"]).isdigit() else r["updates"]
     width = 16
     lines = [args.title, ""]
 
@@ -113,15 +133,15 @@ def main(argv=None):
     row("FLOPs per token, encoder", [f"{r['encoder_flops']:,}" for r in runs])
     row("FLOPs per token, decoder", [f"{r['decoder_flops']:,}" for r in runs])
     row("experts per MoE layer, top-k", [f"{r['experts']}, k={r['k']}" if r["experts"] else "-" for r in runs])
-    row("updates", [r["updates"] for r in runs])
+    row("updates", [f"{dense_updates}+{r['updates']}" if r["name"] == upcycled_name else r["updates"] for r in runs])
     row("training wall time (s)", [r["wall"] for r in runs])
 
-    moe = next((r for r in runs if r["experts"]), None)
+    moe = next((r for r in runs if r["experts"] and r["name"] != upcycled_name), None)
     if moe:
         lines += ["", "forward FLOPs per token: 2 x the weight-matrix elements a token is multiplied by (its k experts,",
                   "not all E); attention scores, biases and norms not counted (recipes/model_cost.py)"]
         lines += comparisons(moe, [r for r in runs if not r["experts"]])
-        for base in (r for r in runs if r["experts"] and r is not moe):
+        for base in (r for r in runs if r["experts"] and r is not moe and r["name"] != upcycled_name):
             lines += effect_lines(moe, base)
         last = moe["last"]
         lines += ["", f"{moe['name']} routing over the last log interval of training:"]
@@ -129,6 +149,9 @@ def main(argv=None):
         lines.append(f"  imbalance {last.get('moe_imbalance', '?')} (busiest expert's share x E; 1.0 = balanced)")
         lines.append(f"  dropped fraction {last.get('moe_dropped_frac', '?')} (token-slots over capacity; the residual carries them)")
         lines.append(f"  router entropy {last.get('moe_router_entropy', '?')} nats per token")
+    upcycled = next((r for r in runs if r["name"] == upcycled_name), None)
+    if upcycled:
+        lines += [""] + upcycled_comparisons(upcycled, dense_updates, [r for r in runs if r is not upcycled])
     if args.routing and args.routing.exists():
         routing = json.loads(args.routing.read_text())
         lines += ["", "routing by domain on the test set (I = mutual information of domain and first-choice expert):"]

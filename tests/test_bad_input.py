@@ -54,6 +54,7 @@ class Inputs:
     single: Optional[Path] = None  # save dir of a 1-process run: checkpoint_last.pt / checkpoint_best.pt (4 experts)
     set: Optional[Path] = None  # the same checkpoint as a 2-worker set: checkpoint_last-rank-{0,1}-of-2.pt + manifest
     other_set: Optional[Path] = None  # "another run's" set: the same model with other expert weights
+    dense: Optional[Path] = None  # save dir of a dense `transformer` of moe_transformer_tiny's shape (1 update)
 
 
 def train_args(data, save_dir, *extra, arch="moe_transformer_tiny", criterion="moe_label_smoothed_cross_entropy"):
@@ -77,10 +78,17 @@ def preprocess_in_process(raw: Path, dest: Path, language_model=False) -> Path:
     return dest
 
 
+# moe_transformer_tiny's shape, for the dense model that is upcycled into it
+TINY_SHAPE = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
+              "--encoder-attention-heads", "4", "--decoder-layers", "2", "--decoder-embed-dim", "64",
+              "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4"]
+
+
 def train_checkpoints(inputs: Inputs, root: Path) -> Inputs:
     """A 3-update 1-process run; its checkpoint as a 2-worker set, and the set of "another run" (the
     same model with other expert weights), written by the checkpoint tool's own code (the format
-    2-worker training writes; tests/test_multiworker_cli.py covers sets written by training)."""
+    2-worker training writes; tests/test_multiworker_cli.py covers sets written by training); and a
+    1-update dense transformer of the same shape, to upcycle."""
     run_fairseq("train", *train_args(inputs.data, root / "run", "--max-update", "3"))
     full = moe_ckpt.load_full(str(root / "run" / "checkpoint_last.pt"))
     other = dict(full, model=dict(full["model"]))
@@ -90,7 +98,11 @@ def train_checkpoints(inputs: Inputs, root: Path) -> Inputs:
     for name, state in (("set", full), ("other_set", other)):
         (root / name).mkdir()
         moe_ckpt.save_set(state, str(root / name / "checkpoint_last"), 2)
-    return Inputs(inputs.data, inputs.lm_data, single=root / "run", set=root / "set", other_set=root / "other_set")
+    run_fairseq("train", *train_args(inputs.data, root / "dense", "--max-update", "1", *TINY_SHAPE, arch="transformer",
+                                     criterion="label_smoothed_cross_entropy"))
+    return Inputs(inputs.data, inputs.lm_data, single=root / "run", set=root / "set", other_set=root / "other_set",
+                  dense=root / "dense")
+
 
 
 def copy_of(source: Path, work: Path, name="ck") -> Path:
@@ -223,6 +235,42 @@ def checkpoint_tool_on(command: str, *flags, existing: Optional[str] = None) -> 
         return [command, source / "checkpoint_last.pt", out / "checkpoint_last.pt", *flags], [source, out]
 
     return make
+
+
+def upcycle(*flags, damage: Callable[[Path], None] = lambda directory: None, source="dense",
+            existing: Optional[str] = None) -> Make:
+    """``python -m fairseq_moe_ext.checkpoint upcycle in/checkpoint_last.pt out/checkpoint_last.pt
+    --moe-expert-count 4`` from a (damaged) copy of a save dir, into ``out`` holding ``existing``'s files
+    (or nothing); neither directory may change."""
+
+    def make(inputs, work):
+        source_dir = copy_of(getattr(inputs, source), work, "in")
+        damage(source_dir)
+        out = copy_of(getattr(inputs, existing), work, "out") if existing else work / "out"
+        out.mkdir(exist_ok=True)
+        args = ["upcycle", source_dir / "checkpoint_last.pt", out / "checkpoint_last.pt", "--moe-expert-count", "4"]
+        return [*args, *flags], [source_dir, out]
+
+    return make
+
+
+def training_upcycled_from_the_dense_model(*flags) -> Make:
+    """fairseq-train of moe_transformer_tiny --moe-upcycle-from the dense checkpoint into a new save dir."""
+
+    def make(inputs, work):
+        save_dir = work / "ck"
+        dense = ["--moe-upcycle-from", str(inputs.dense / "checkpoint_last.pt")]
+        return train_args(inputs.data, save_dir, "--max-update", "2", *dense, *flags), [save_dir, inputs.dense]
+
+    return make
+
+
+def drop_the_ffn_blocks(directory: Path) -> None:
+    """The dense checkpoint without fc1/fc2: a model whose feed-forward blocks are not fairseq's."""
+    path = directory / "checkpoint_last.pt"
+    state = torch.load(path, weights_only=False)  # the test's own file: trusted here, and only here
+    state["model"] = {k: v for k, v in state["model"].items() if ".fc1." not in k and ".fc2." not in k}
+    torch.save(state, path)
 
 
 def tool_on_copy(command: str, source: str, damage: Callable[[Path], None], path: str = "checkpoint_last.pt",
@@ -505,6 +553,30 @@ CASES = [
          "out/checkpoint_last.set.json exists", "choose another output name (nothing was overwritten)"),
     Case("merge-into-a-missing-directory", checkpoint_tool, tool_on_copy("merge", "set", lambda d: None, output="missing"),
          "error", "out does not exist", "create it first, or choose another output name (nothing was written)"),
+    # -- sparse upcycling: only a dense checkpoint with fairseq's FFN, into experts of its size, into a new name
+    Case("upcycle-a-checkpoint-without-fc1-fc2", checkpoint_tool, upcycle(damage=drop_the_ffn_blocks), "error",
+         "has no fairseq feed-forward block (no encoder/decoder.layers.N.fc1/fc2 weights)",
+         "upcycling needs a dense checkpoint of an architecture whose FFN is fc1/fc2 (transformer, transformer_lm)"),
+    Case("upcycle-an-moe-checkpoint", checkpoint_tool, upcycle(source="single"), "error",
+         "checkpoint_last.pt is already an MoE checkpoint (it holds experts)",
+         "upcycling starts from a dense fairseq checkpoint; train on from this one with --restore-file"),
+    Case("upcycle-into-experts-of-another-hidden-size", checkpoint_tool, upcycle("--moe-expert-ffn-dim", "256"),
+         "error", "--moe-expert-ffn-dim 256 differs from the dense FFN's hidden size 128 (decoder.layers.0.fc1",
+         "every expert starts as a copy of the dense FFN; drop --moe-expert-ffn-dim or pass 128"),
+    Case("upcycle-onto-an-existing-checkpoint", checkpoint_tool, upcycle(existing="single"), "error",
+         "out/checkpoint_last.pt exists", "choose another output name (nothing was overwritten)"),
+    Case("train-upcycled-without-normalised-gates", fairseq_train, training_upcycled_from_the_dense_model(),
+         "ValueError", "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1",
+         "add --moe-normalize-gate"),
+    Case("train-upcycled-into-experts-of-another-hidden-size", fairseq_train,
+         training_upcycled_from_the_dense_model("--moe-normalize-gate", "--moe-expert-ffn-dim", "256"), SET,
+         "--moe-expert-ffn-dim 256 differs from the dense FFN's hidden size 128", "drop --moe-expert-ffn-dim or pass 128"),
+    Case("train-upcycled-with-a-cosine-router", fairseq_train,
+         training_upcycled_from_the_dense_model("--moe-normalize-gate", "--moe-router", "cosine"), "ValueError",
+         "this run has --moe-router cosine", "use --moe-router top"),
+    Case("train-upcycled-and-restored-from-a-file-at-once", fairseq_train,
+         training_upcycled_from_the_dense_model("--moe-normalize-gate", "--restore-file", "elsewhere.pt"), "ValueError",
+         "--moe-upcycle-from and --restore-file both name a checkpoint to start from", "pass one of them"),
     # -- a manifest is untrusted input: no file outside the set's directory is ever opened
     Case("generate-from-a-set-whose-manifest-names-a-file-in-another-directory", fairseq_generate,
          generate_from("set", list_rank_1_from_another_directory(absolute=False)), SET,

@@ -18,6 +18,7 @@ from fairseq_moe_ext.process_state import STATE
 # fairseq_integration/ (the HOOKS table names the module), then update here.
 CHECKED_SOURCES = {
     "argparse.ArgumentParser.error": "6e52beacb0a82831",
+    "fairseq.checkpoint_utils.load_checkpoint": "08e4fa03a2ab86a9",
     "fairseq.checkpoint_utils.load_checkpoint_to_cpu": "96f7d33cde8e1582",
     "fairseq.checkpoint_utils.load_model_ensemble_and_task": "13d16e9ecb8407a3",
     "fairseq.checkpoint_utils.save_checkpoint": "61513534b9b33e6a",

@@ -56,8 +56,8 @@ def hypotheses(generate_out: Path) -> list:
 def test_main_job_tiny_mode_trains_moe_and_both_dense_baselines_generates_scores_and_plots(tmp_path):
     work = tmp_path / "main"
     output = run_recipe("main.sh", work, TINY="1")
-    for stage in range(1, 11):
-        assert f"==> [{stage}/10]" in output
+    for stage in range(1, 12):
+        assert f"==> [{stage}/11]" in output
 
     assert_set(work / "moe" / "ckpt")
     test_lines = len((work / "data" / "raw" / "test.tgt").read_text().splitlines())

@@ -32,6 +32,8 @@ Modules:
     compat.py       whether a checkpoint fits the model being resumed, and which flag to change if not
     inspection.py   the checkpoint tool's ``inspect`` report
     staging.py      the checkpoint tool's output appears whole or not at all
+    upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
+    upcycle_cli.py  the checkpoint tool's ``upcycle`` flags (fairseq is imported only when it runs)
     __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
 
 Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.

@@ -1,4 +1,4 @@
-"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect``.
+"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle``.
 
 The CLI lives apart from the library so that ``-m`` runs a module the package has not imported
 yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integration``).
@@ -18,12 +18,14 @@ from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .reshard import experts_per_key, load_full, save_set
 from .staging import write_all_or_nothing
+from .upcycle_cli import add_upcycle_parser, upcycle
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_moe_ext.checkpoint",
-        description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files).",
+        description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files), "
+                    "and upcycle dense fairseq checkpoints into MoE ones.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("merge", help="write one ordinary single-file checkpoint holding every expert")
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
                         "largest P dividing both W and the expert count, as fairseq-train's default)")
     p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
     p.add_argument("checkpoint")
+    add_upcycle_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -46,16 +49,22 @@ def main(argv=None) -> int:
             return 1 if any(line.startswith("VERDICT PROBLEM") for line in lines) else 0
         # Everything that can be checked before loading is checked before loading.
         _refuse_overwrite(args.output)
-        if args.command == "reshard" and args.world_size < 1:
+        if args.command in ("reshard", "upcycle") and args.world_size < 1:
             raise CheckpointSetError(
                 f"--world-size must be a positive number of workers, got {args.world_size}: use the number of "
                 f"workers that will resume from the set"
             )
-        full = load_full(args.checkpoint)
+        if args.command == "upcycle":
+            full = upcycle(args)
+            if args.world_size == 1:
+                print(f"wrote {write_merged(full, args.output)}")
+                return 0
+        else:
+            full = load_full(args.checkpoint)
         if args.command == "merge":
             print(f"wrote {write_merged(full, args.output)}")
         else:
-            shards = expert_parallel_size(full, args.world_size, args.expert_parallel_size)
+            shards = expert_parallel_size(full, args.world_size, getattr(args, "expert_parallel_size", None))
             print(f"wrote {save_set(full, base_of(args.output), shards, workers=args.world_size)}")
         return 0
     except CheckpointError as e:

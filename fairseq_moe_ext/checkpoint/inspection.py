@@ -67,6 +67,10 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
             for b in range(a + 1, len(blocks)):
                 if torch.equal(blocks[a][2], blocks[b][2]):
                     duplicates.append((key, blocks[a][:2], blocks[b][:2]))
+    if duplicates and meta.get("upcycled_from") and manifest["num_updates"] == 0:
+        lines.append(f"VERDICT OK: every expert is still a copy of its layer's dense FFN (upcycled from "
+                     f"{meta['upcycled_from']}, not trained yet: training makes them distinct)")
+        return lines
     for key, (ra, ia), (rb, ib) in duplicates:
         lines.append(
             f"VERDICT PROBLEM: {key}: expert {ia} of rank {ra} equals expert {ib} of rank {rb} (experts broadcast, "

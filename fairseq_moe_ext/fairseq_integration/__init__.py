@@ -72,7 +72,8 @@ HOOKS = (
          "train_step, claims --save-dir (training_save_dir); rank 0 then resolves the name to a complete set "
          "or a single file (restore_choice: checkpoint_last falls back to the newest complete set) and shares "
          "its answer, and each worker reads only the files holding its share (checkpoint/share.py), at any "
-         "layout that divides the experts."),
+         "layout that divides the experts. With --moe-upcycle-from and no checkpoint to resume, the model is "
+         "filled from the dense checkpoint instead (upcycling.py), as fairseq's --finetune-from-model would be."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local."),
@@ -116,6 +117,8 @@ RELIED_ON = (
     "fairseq.distributed.utils.infer_init_method",
     # precision.mark_overflow fills the found-inf record step() reads (hook 13).
     "torch.amp.grad_scaler.GradScaler.step",
+    # --moe-upcycle-from (hook 7) starts a run where this passes save_dir/checkpoint_last and none exists.
+    "fairseq.checkpoint_utils.load_checkpoint",
 )
 
 ORIGINALS: Dict[str, object] = {}  # hook target -> fairseq's own object, as found by install()

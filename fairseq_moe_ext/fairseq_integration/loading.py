@@ -1,4 +1,5 @@
-"""Hooks 1, 7 and 8: fairseq's checkpoint loads read per-rank sets, safely, at any world size."""
+"""Hooks 1, 7 and 8: fairseq's checkpoint loads read per-rank sets, safely, at any world size; hook 7
+also starts a --moe-upcycle-from run from its dense checkpoint."""
 
 import functools
 import logging
@@ -15,6 +16,7 @@ from ..models.moe_config import moe_freq
 from ..process_state import STATE, LoadTarget
 from ..restore_choice import resolve_restore
 from ..training_save_dir import claim_save_dir
+from ..upcycling import check_upcycle_start, load_upcycled
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
 
@@ -74,10 +76,15 @@ def wrap_trainer_load_checkpoint(original):
                        self.data_parallel_world_size, every_rank_saves=is_expert_parallel_trainer(self))
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
+        dense = flag(self.cfg.model, "moe_upcycle_from")
+        if dense:
+            check_upcycle_start(checkpoint_cfg)  # before the save dir's own checkpoint_last is looked for
         resolved = decided_on_rank_0(lambda: resolve_restore(
             filename, checkpoint_cfg, self.checkpoint_suffix,
             allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback"))))
         if resolved is None:
+            if dense:
+                return load_upcycled(self, dense)  # the first launch of an upcycled run: nothing to resume
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
         layout = moe_dist.expert_layout()
         logger.info(f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "

@@ -132,6 +132,22 @@ class MoEConfig(FairseqDataclass):
                   "in its directory, with a warning, instead of refusing (the default checkpoint_last.pt in "
                   "--save-dir always falls back)"},
     )
+    # Sparse upcycling (upcycling.py): read from the command line when training starts, like the above.
+    moe_upcycle_from: Optional[str] = field(
+        default=None,
+        metadata={"help": "fairseq-train: start from this dense fairseq checkpoint (transformer / transformer_lm) "
+                  "when --save-dir has no checkpoint_last: every expert a copy of its layer's dense FFN, the "
+                  "router at zero, a fresh optimizer (needs --moe-normalize-gate; then the model starts as the "
+                  "dense one)"},
+    )
+    moe_upcycle_noise: float = field(
+        default=0.0, metadata={"help": "with --moe-upcycle-from: std of Gaussian noise added to each expert's "
+                               "copy (seeded by --seed; default 0: exact copies)"},
+    )
+    moe_upcycle_router_std: float = field(
+        default=0.0, metadata={"help": "with --moe-upcycle-from: std of the router's initial weights (seeded by "
+                               "--seed; default 0: zero, every expert ties)"},
+    )
 
 
 @dataclass
