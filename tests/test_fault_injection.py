@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
-from fairseq_helpers import USER_DIR, fairseq_env, preprocess_parallel, tail, write_parallel_corpus
+from fairseq_helpers import USER_DIR, fairseq_env, tail
 from full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
@@ -158,10 +158,10 @@ TRIALS = draw_trials(SEED)
 LAST_UPDATE = TRIALS[-1][1] + 3
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
+@pytest.fixture(scope="session")
+def data(parallel_data):
+    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
+    return parallel_data
 
 
 @pytest.fixture(scope="module")
