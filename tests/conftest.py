@@ -51,11 +51,21 @@ def _shares_a_module_fixture(item) -> bool:
     return any(d.scope in ("module", "class", "package") for defs in definitions.name2fixturedefs.values() for d in defs)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_itemcollected(item):
+    if _shares_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _shares_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # xdist 3.8's loadgroup tells groups by a "@group" suffix that it writes into item._nodeid,
+    # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead.
+    if config.getvalue("loadgroup"):
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            if mark and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
     # Slow tests first, groups before single tests; the order within a module is kept.
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
                                  item.get_closest_marker("xdist_group") is None))
