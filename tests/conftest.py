@@ -1,3 +1,12 @@
+"""Suite-wide set-up: thread counts, the shared tiny corpora, and how pytest-xdist spreads tests.
+
+``bash tests/run.sh`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``. A test
+that uses a module- or class-scoped fixture (a trained run, a reference run) is kept on one worker
+with every other test of its module that does (``xdist_group`` named after the module, added
+below), so that the fixture is computed once; every other test goes wherever a worker is free.
+Slow tests are handed out first, so that the longest ones do not start last.
+"""
+
 import os
 import sys
 
@@ -5,10 +14,58 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two cores: one intra-op thread per xdist worker, two when the suite runs in one process.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(scope="session")
+def parallel_data(tmp_path_factory):
+    """fairseq-preprocess'ed tests/fairseq_helpers.write_parallel_corpus (seed 0), shared by every
+    test of the session that only reads it (training, generation). Preprocessed in this process."""
+    from fairseq_helpers import preprocess_in_process, write_parallel_corpus
+
+    root = tmp_path_factory.mktemp("parallel_data")
+    return preprocess_in_process(write_parallel_corpus(root / "raw"), root / "bin")
+
+
+@pytest.fixture(scope="session")
+def lm_data(tmp_path_factory):
+    """fairseq-preprocess'ed tests/fairseq_helpers.write_lm_corpus (seed 0), shared read-only."""
+    from fairseq_helpers import preprocess_in_process, write_lm_corpus
+
+    root = tmp_path_factory.mktemp("lm_data")
+    return preprocess_in_process(write_lm_corpus(root / "raw"), root / "bin", language_model=True)
+
+
+def _shares_a_module_fixture(item) -> bool:
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:
+        return False
+    return any(d.scope in ("module", "class", "package") for defs in definitions.name2fixturedefs.values() for d in defs)
+
+
+def pytest_itemcollected(item):
+    if _shares_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def pytest_collection_modifyitems(config, items):
+    # xdist 3.8's loadgroup tells groups by a "@group" suffix that it writes into item._nodeid,
+    # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead.
+    if config.getvalue("loadgroup"):
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            if mark and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
+    # Slow tests first, groups before single tests; the order within a module is kept.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("xdist_group") is None))

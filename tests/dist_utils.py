@@ -10,10 +10,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# Rendezvous ports come from below Linux's ephemeral range (32768-60999), so that no outgoing
+# connection (gloo's own, pip's, another test's) can take one between our check and torchrun's
+# bind, and above fairseq's own pick (random 10000-20000 when no port is given). Each pytest-xdist
+# worker draws from its own slice (PYTEST_XDIST_WORKER=gwN), stepping through it from a start
+# drawn from the process id (so concurrent suites on one machine rarely meet), and skips a port
+# that something holds. A port is never handed out twice by one process.
+PORT_RANGE = (20000, 32768)
+SLICES = 8  # xdist workers up to 8 get disjoint slices; more share them, still checked by bind
+_next_port = {}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (PORT_RANGE[1] - PORT_RANGE[0]) // SLICES
+    low = PORT_RANGE[0] + (index % SLICES) * width
+    offset = _next_port.setdefault(low, os.getpid() * 7919 % width)
+    for step in range(width):
+        port = low + (offset + step) % width
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _next_port[low] = (offset + step + 1) % width
+        return port
+    raise RuntimeError(f"no free port in {low}..{low + width - 1}")
 
 
 def _worker(rank, world_size, port, fn, args, out_dir):

@@ -56,27 +56,38 @@ def write_lm_corpus(raw: Path, seed: int = 0) -> Path:
 
 
 def preprocess_parallel(raw: Path, dest: Path) -> Path:
-    run_fairseq(
-        "preprocess", "--source-lang", "src", "--target-lang", "tgt",
-        *(f"--{split}pref={raw / split}" for split in SPLITS),
-        f"--destdir={dest}", "--workers=1",
-    )
-    return dest
+    return preprocess_in_process(raw, dest)
 
 
 def preprocess_lm(raw: Path, dest: Path) -> Path:
-    run_fairseq(
-        "preprocess", "--only-source",
-        *(f"--{split}pref={raw / split}.txt" for split in SPLITS),
-        f"--destdir={dest}", "--workers=1",
-    )
+    return preprocess_in_process(raw, dest, language_model=True)
+
+
+def preprocess_in_process(raw: Path, dest: Path, language_model: bool = False) -> Path:
+    """fairseq-preprocess's own main (``fairseq_cli.preprocess``, the code behind the command) on
+    a corpus of write_parallel_corpus or write_lm_corpus, run in this process: pytest has imported
+    fairseq already, a fresh interpreter would spend seconds importing it again. Tests that only
+    read the result use the session fixtures ``parallel_data`` / ``lm_data`` of conftest.py."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    if language_model:
+        corpus = ["--only-source", *(f"--{split}pref={raw / split}.txt" for split in SPLITS)]
+    else:
+        corpus = ["--source-lang", "src", "--target-lang", "tgt", *(f"--{split}pref={raw / split}" for split in SPLITS)]
+    preprocess.main(options.get_preprocessing_parser().parse_args([*corpus, f"--destdir={dest}", "--workers=1"]))
     return dest
+
+
+LEAN_IMPORTS = os.path.join(os.path.dirname(__file__), "lean_imports")
 
 
 def fairseq_env() -> Dict[str, str]:
     env = dict(os.environ)
     # Two cores: one intra-op thread per run keeps runs from fighting each other and pytest.
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # scikit-learn and scipy.stats imported on first use only (see lean_imports/sitecustomize.py).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_IMPORTS, env.get("PYTHONPATH")) if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 

@@ -26,14 +26,11 @@ import pytest
 import torch
 
 from fairseq_helpers import (
-    SPLITS,
     USER_DIR,
     fairseq_env,
     run_fairseq,
     tail,
     torchrun,
-    write_lm_corpus,
-    write_parallel_corpus,
 )
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
@@ -61,21 +58,6 @@ def train_args(data, save_dir, *extra, arch="moe_transformer_tiny", criterion="m
     return [str(data), "--user-dir", USER_DIR, "--cpu", "--arch", arch, "--num-workers", "0",
             "--criterion", criterion, "--optimizer", "adam", "--lr", "1e-3",
             "--max-tokens", "500", "--save-dir", str(save_dir), *extra]
-
-
-def preprocess_in_process(raw: Path, dest: Path, language_model=False) -> Path:
-    """fairseq-preprocess's own main with the flags of fairseq_helpers.preprocess_parallel (or
-    preprocess_lm), run in this process, which has imported fairseq already (a fresh one would
-    spend 8 s importing it)."""
-    from fairseq import options
-    from fairseq_cli import preprocess
-
-    if language_model:
-        corpus = ["--only-source", *(f"--{split}pref={raw / split}.txt" for split in SPLITS)]
-    else:
-        corpus = ["--source-lang", "src", "--target-lang", "tgt", *(f"--{split}pref={raw / split}" for split in SPLITS)]
-    preprocess.main(options.get_preprocessing_parser().parse_args([*corpus, f"--destdir={dest}", "--workers=1"]))
-    return dest
 
 
 # moe_transformer_tiny's shape, for the dense model that is upcycled into it
@@ -648,12 +630,8 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Inputs:
-    root = tmp_path_factory.mktemp("bad")
-    return Inputs(
-        data=preprocess_in_process(write_parallel_corpus(root / "raw"), root / "bin"),
-        lm_data=preprocess_in_process(write_lm_corpus(root / "lm_raw"), root / "lm_bin", language_model=True),
-    )
+def data(parallel_data, lm_data) -> Inputs:
+    return Inputs(data=parallel_data, lm_data=lm_data)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_helpers import fairseq_env, preprocess_parallel, run_fairseq, torchrun, write_parallel_corpus
+from fairseq_helpers import fairseq_env, run_fairseq, torchrun
 from test_multiworker_cli import BIN, assert_same_generation, generate, moe_args
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("replicas")
-    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
+@pytest.fixture(scope="session")
+def data(parallel_data):
+    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
+    return parallel_data
 
 
 def checkpoint_tool(*args):

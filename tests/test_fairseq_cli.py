@@ -18,12 +18,8 @@ from fairseq_helpers import (
     assert_loss_falls,
     json_logs,
     logged_losses,
-    preprocess_lm,
-    preprocess_parallel,
     run_fairseq,
     train_args,
-    write_lm_corpus,
-    write_parallel_corpus,
 )
 
 pytestmark = pytest.mark.slow
@@ -40,16 +36,10 @@ LANGUAGE_MODEL = [
 EVERY_SENTENCE = ["--required-batch-size-multiple", "1"]
 
 
-@pytest.fixture(scope="module")
-def mt_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("translation")
-    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
-
-
-@pytest.fixture(scope="module")
-def lm_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lm")
-    return preprocess_lm(write_lm_corpus(root / "raw"), root / "bin")
+@pytest.fixture(scope="session")
+def mt_data(parallel_data):
+    """The session's shared preprocessed corpora (conftest.py: parallel_data, lm_data), read only."""
+    return parallel_data
 
 
 @pytest.fixture(scope="module")

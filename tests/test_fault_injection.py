@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
-from fairseq_helpers import USER_DIR, fairseq_env, preprocess_parallel, tail, write_parallel_corpus
+from fairseq_helpers import USER_DIR, fairseq_env, tail
 from full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
@@ -96,14 +96,16 @@ class Job:
         return found
 
     def kill_from_outside(self, rank: int, after_update: int, delay: float, timeout=300):
-        """SIGKILL worker ``rank`` ``delay`` seconds after it started the step after ``after_update``."""
-        progress, deadline = self.workdir / f"updates-rank-{rank}", time.monotonic() + timeout
+        """SIGKILL worker ``rank`` ``delay`` seconds after both workers started the step after
+        ``after_update`` (so that each has logged what it resumed from, however loaded the machine)."""
+        deadline = time.monotonic() + timeout
 
-        def updates_done() -> int:  # read once: the worker rewrites the file at every step
+        def updates_done(worker: int) -> int:  # read once: the worker rewrites the file at every step
+            progress = self.workdir / f"updates-rank-{worker}"
             text = progress.read_text().strip() if progress.exists() else ""
             return int(text) if text.isdigit() else -1
 
-        while updates_done() < after_update:
+        while min(updates_done(0), updates_done(1)) < after_update:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the job ended before update {after_update}:\n{tail(self.output(0), 40)}", pytrace=False)
             time.sleep(0.02)
@@ -158,10 +160,10 @@ TRIALS = draw_trials(SEED)
 LAST_UPDATE = TRIALS[-1][1] + 3
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
+@pytest.fixture(scope="session")
+def data(parallel_data):
+    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
+    return parallel_data
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,9 @@ from fairseq_helpers import (
     fairseq_env,
     json_logs,
     load_rank_probes,
-    preprocess_parallel,
     run_fairseq,
     tail,
     torchrun,
-    write_parallel_corpus,
 )
 
 pytestmark = pytest.mark.slow
@@ -37,10 +35,10 @@ TRAIN_EVERY_DIGIT = TESTS / "fairseq_train_every_digit.py"  # fairseq-train logg
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mw")
-    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
+@pytest.fixture(scope="session")
+def data(parallel_data):
+    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
+    return parallel_data
 
 
 def moe_args(data, save_dir, max_update, *extra):
@@ -378,10 +376,8 @@ def test_keep_interval_updates_prunes_whole_sets(reference_to_8):
     ], names
 
 
-def test_eval_lm_scores_a_language_model_set_in_one_process(tmp_path):
-    from fairseq_helpers import preprocess_lm, write_lm_corpus
-
-    data = preprocess_lm(write_lm_corpus(tmp_path / "raw"), tmp_path / "bin")
+def test_eval_lm_scores_a_language_model_set_in_one_process(lm_data, tmp_path):
+    data = lm_data
     save_dir = tmp_path / "ck"
     torchrun(2, BIN / "fairseq-train", [
         str(data), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--task", "language_modeling",

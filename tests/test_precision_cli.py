@@ -15,10 +15,8 @@ from fairseq_helpers import (
     assert_loss_falls,
     assert_shared_identical_experts_distinct_norms_equal,
     load_rank_probes,
-    preprocess_parallel,
     run_fairseq,
     torchrun,
-    write_parallel_corpus,
 )
 from test_multiworker_cli import moe_args
 
@@ -58,10 +56,10 @@ def test_an_explicit_tpu_flag_without_torch_xla_is_refused_in_one_line():
     assert "\n" not in message and message.startswith("--tpu needs torch_xla") and "drop --tpu" in message
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("precision")
-    return preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
+@pytest.fixture(scope="session")
+def data(parallel_data):
+    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
+    return parallel_data
 
 
 @pytest.mark.slow
