@@ -378,7 +378,7 @@ def test_keep_interval_updates_prunes_whole_sets(reference_to_8):
     ], names
 
 
-def test_eval_lm_scores_a_language_model_set_in_one_process(tmp_path):
+def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_holding_half_the_experts_each(tmp_path):
     from fairseq_helpers import preprocess_lm, write_lm_corpus
 
     data = preprocess_lm(write_lm_corpus(tmp_path / "raw"), tmp_path / "bin")
@@ -390,10 +390,25 @@ def test_eval_lm_scores_a_language_model_set_in_one_process(tmp_path):
         "--no-epoch-checkpoints", "--required-batch-size-multiple", "1",
     ])
     assert (save_dir / "checkpoint_last.set.json").exists()
-    output = run_fairseq("eval_lm", str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"),
-                         "--cpu", "--tokens-per-sample", "32", "--max-tokens", "1024", "--num-workers", "0")
+    args = [str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"), "--cpu",
+            "--tokens-per-sample", "32", "--max-tokens", "256", "--num-workers", "0"]
+    output = run_fairseq("eval_lm", *args)
     perplexity = float(re.search(r"Perplexity: ([\d.]+)", output).group(1))
     assert perplexity < 20, output[-2000:]  # 40-token vocabulary: a model that learned nothing sits near 40
+
+    # Then on 2 workers, each holding half of the experts (the set was saved by 2): each scores its
+    # share of the batches, and together they score what one process does.
+    torchrun(2, BIN / "fairseq-eval-lm", args, timeout=120, log_dir=tmp_path / "logs")
+    workers = [Path(p).read_text() for p in sorted(glob.glob(f"{tmp_path / 'logs'}/**/stdout.log", recursive=True))]
+
+    def tokens_and_loss(text):
+        n, loss = re.search(r"Evaluated ([\d,]+) tokens.*?Loss \(base 2\): ([\d.]+)", text, flags=re.S).groups()
+        return int(n.replace(",", "")), float(loss)
+
+    assert len(workers) == 2 and all(f"expert-sharded inference: worker {r} of 2" in workers[r] for r in (0, 1))
+    scored, (total, loss) = [tokens_and_loss(w) for w in workers], tokens_and_loss(output)
+    assert sum(n for n, _ in scored) == total and all(n for n, _ in scored), scored
+    assert sum(n * worker_loss for n, worker_loss in scored) / total == pytest.approx(loss, abs=2e-4)
 
 
 def test_fairseq_loads_a_set_by_its_plain_name(two_worker_run):

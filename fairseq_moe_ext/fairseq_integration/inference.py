@@ -15,6 +15,7 @@ import atexit
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +41,9 @@ class ShardedInference:
     world_size: int
     local_rank: int
     backend: str
+    # fairseq-generate and -eval-lm divide by the time or tokens of this worker's batches when they
+    # end (ZeroDivisionError with none): a worker with an empty share stops once the others are done.
+    stop_when_empty: bool = False
 
 
 def add_inference_experts_flag(parser) -> None:
@@ -58,16 +62,17 @@ def decide_sharded_inference(args) -> None:
     mode = getattr(args, "moe_inference_experts", "auto")
     path = getattr(args, "path", None)
     world = int(getattr(args, "distributed_world_size", 1) or 1)
-    if not path or world <= 1 or mode == "local" or "RANK" not in os.environ:
-        return
-    if int(os.environ.get("WORLD_SIZE", "1")) != world:
-        return  # torchrun and fairseq disagree: fairseq's own error, or N independent jobs
-    if mode == "auto" and saved_world_size(path.split(os.pathsep)[0]) != world:
+    if not path or world <= 1 or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) != world:
+        return  # one process, or torchrun and fairseq disagree (fairseq's own error, or N independent jobs)
+    # fairseq-generate shards its batches by it but, never initialising distributed, leaves it 0 on
+    # every torchrun worker (each would generate the first shard).
+    args.distributed_rank = int(os.environ["RANK"])
+    if mode == "local" or (mode == "auto" and saved_world_size(path.split(os.pathsep)[0]) != world):
         return
     cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
     STATE.sharded_inference = ShardedInference(
-        int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), "gloo" if cpu else "nccl")
-    args.distributed_rank = STATE.sharded_inference.rank  # fairseq-generate shards its batches by it
+        args.distributed_rank, world, int(os.environ.get("LOCAL_RANK", "0")), "gloo" if cpu else "nccl",
+        stop_when_empty=hasattr(args, "beam") or hasattr(args, "output_word_probs"))  # generate, eval-lm
 
 
 def saved_world_size(path: str) -> Optional[int]:
@@ -163,7 +168,7 @@ def wrap_progress_bar(original):
     def progress_bar(iterator, *args, **kwargs):
         lockstep = STATE.inference_lockstep
         if lockstep is not None:
-            iterator = FinishingIterator(iterator, lockstep)
+            iterator = FinishingIterator(iterator, lockstep, STATE.sharded_inference)
         return original(iterator, *args, **kwargs)
 
     return progress_bar
@@ -172,8 +177,8 @@ def wrap_progress_bar(original):
 class FinishingIterator:
     """The batches of ``iterator``; once they run out, mirror the other workers until theirs have too."""
 
-    def __init__(self, iterator, lockstep: LockStep):
-        self.iterator, self.lockstep = iterator, lockstep
+    def __init__(self, iterator, lockstep: LockStep, sharded: ShardedInference):
+        self.iterator, self.lockstep, self.sharded = iterator, lockstep, sharded
 
     def __len__(self):
         return len(self.iterator)
@@ -182,8 +187,15 @@ class FinishingIterator:
         return getattr(self.iterator, name)
 
     def __iter__(self):
-        yield from self.iterator
+        empty = True
+        for sample in self.iterator:
+            empty = empty and not (isinstance(sample, dict) and "net_input" in sample)
+            yield sample
         self.lockstep.finish()
+        if empty and self.sharded.stop_when_empty:
+            logger.info(f"worker {self.sharded.rank} of {self.sharded.world_size} had no batch (fewer batches "
+                        f"than workers): it joined the others' MoE calls and has nothing to report")
+            sys.exit(0)
 
 
 # ------------------------------------------------ 17. --eval-bleu: one lock-step session per generation
