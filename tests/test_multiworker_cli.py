@@ -391,7 +391,7 @@ def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_h
     ])
     assert (save_dir / "checkpoint_last.set.json").exists()
     args = [str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"), "--cpu",
-            "--tokens-per-sample", "32", "--max-tokens", "256", "--num-workers", "0"]
+            "--tokens-per-sample", "32", "--max-tokens", "64", "--num-workers", "0"]  # 3 batches: 2 and 1
     output = run_fairseq("eval_lm", *args)
     perplexity = float(re.search(r"Perplexity: ([\d.]+)", output).group(1))
     assert perplexity < 20, output[-2000:]  # 40-token vocabulary: a model that learned nothing sits near 40

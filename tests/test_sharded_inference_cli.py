@@ -100,3 +100,15 @@ def test_expert_sharded_generation_on_two_workers_writes_the_hypotheses_of_one_p
     assert_same_hypotheses(two, one)
     if subset == "valid":
         assert all(re.search(r"^H-", o, flags=re.M) for o in outputs[:2]), "a worker generated nothing"
+
+
+def test_interactive_translates_with_the_merged_set_in_one_process_as_generate_does(bleu_run, one_process_valid):
+    (output,) = one_process_valid[1]
+    sources = dict(re.findall(r"^S-(\d+)\t(.*)$", output, flags=re.M))
+    ids = sorted(sources, key=int)[:3]
+    translated = run_fairseq(
+        "interactive", bleu_run["data"], "--user-dir", USER_DIR, "--path", bleu_run["save_dir"] / "checkpoint_best.pt",
+        "--cpu", "--source-lang", "src", "--target-lang", "tgt", *GENERATION[:-2],
+        input="".join(sources[i] + "\n" for i in ids))
+    got = re.findall(r"^H-\d+\t\S+\t(.*)$", translated, flags=re.M)
+    assert got == [one_process_valid[0][int(i)][0][1] for i in ids]

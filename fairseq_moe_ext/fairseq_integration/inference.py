@@ -41,8 +41,9 @@ class ShardedInference:
     world_size: int
     local_rank: int
     backend: str
-    # fairseq-generate and -eval-lm divide by the time or tokens of this worker's batches when they
-    # end (ZeroDivisionError with none): a worker with an empty share stops once the others are done.
+    # fairseq-generate divides by the time of this worker's batches when it ends (ZeroDivisionError
+    # with none): a worker with an empty share stops once the others are done. (eval-lm divides by
+    # its token count too, but its call_main ends with a barrier every worker must reach.)
     stop_when_empty: bool = False
 
 
@@ -72,7 +73,7 @@ def decide_sharded_inference(args) -> None:
     cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
     STATE.sharded_inference = ShardedInference(
         args.distributed_rank, world, int(os.environ.get("LOCAL_RANK", "0")), "gloo" if cpu else "nccl",
-        stop_when_empty=hasattr(args, "beam") or hasattr(args, "output_word_probs"))  # generate, eval-lm
+        stop_when_empty=hasattr(args, "beam"))  # fairseq-generate
 
 
 def saved_world_size(path: str) -> Optional[int]:
@@ -100,7 +101,9 @@ def load_sharded(original, filenames, *args, **kwargs):
         # The MoE layers' own groups get --moe-comm-timeout when the model is built.
         dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank,
                                 world_size=sharded.world_size)
-        atexit.register(dist.destroy_process_group)  # ours to close: the CLI knows nothing of it
+    # No inference CLI closes its process groups; left open, gloo's threads abort the interpreter at
+    # exit now and then ("terminate called without an active exception", exit status -6).
+    atexit.register(close_process_groups)
     STATE.load_targets.append(LoadTarget(sharded.rank, sharded.world_size, None, None))
     try:
         models, cfg, task = original(filenames, *args, **kwargs)
@@ -124,6 +127,11 @@ def load_sharded(original, filenames, *args, **kwargs):
     logger.info(f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts "
                 f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step")
     return models, cfg, task
+
+
+def close_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def moe_layers(module):
