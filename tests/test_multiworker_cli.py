@@ -398,8 +398,9 @@ def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_h
 
     # Then on 2 workers, each holding half of the experts (the set was saved by 2): each scores its
     # share of the batches, and together they score what one process does.
-    torchrun(2, BIN / "fairseq-eval-lm", args, timeout=120, log_dir=tmp_path / "logs")
-    workers = [Path(p).read_text() for p in sorted(glob.glob(f"{tmp_path / 'logs'}/**/stdout.log", recursive=True))]
+    torchrun(2, BIN / "fairseq-eval-lm", args, timeout=120, log_dir=tmp_path / "logs", redirects=3)
+    workers = [Path(p).read_text() for p in sorted(glob.glob(f"{tmp_path / 'logs'}/**/std*.log", recursive=True))]
+    workers = [workers[0] + workers[1], workers[2] + workers[3]]  # stderr.log and stdout.log, by rank
 
     def tokens_and_loss(text):
         n, loss = re.search(r"Evaluated ([\d,]+) tokens.*?Loss \(base 2\): ([\d.]+)", text, flags=re.S).groups()
