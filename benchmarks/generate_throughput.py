@@ -7,8 +7,8 @@ torchrun workers, the MoE model with its experts sharded over them (lock-step de
     python benchmarks/generate_throughput.py --sentences 800 --repeats 3
 
 Both models are trained briefly (fairseq-train, 2 workers, so the MoE checkpoint is a 2-worker set)
-on the tests' toy language pair; speed does not depend on how well they translate, but hypotheses
-of similar lengths keep the comparison fair, so both train the same number of updates. Throughput
+on the tests' toy language pair; speed does not depend on how well they translate, and every
+hypothesis is forced to --length tokens (--min-len, --max-len-b) so both run the same decoder steps. Throughput
 is fairseq-generate's own "Translated N sentences ... in T s" line; for two workers, the sentences
 of both over the slower worker's time (all workers wait for the last one in lock-step), and per
 process that figure halved.
@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--train-updates", type=int, default=30)
     p.add_argument("--sentences", type=int, default=400, help="sentences to translate (default 400)")
     p.add_argument("--batch-size", type=int, default=64, help="fairseq-generate --batch-size (default 64)")
+    p.add_argument("--length", type=int, default=12, help="tokens per hypothesis, forced (default 12)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE generations this many times")
     p.add_argument("--timeout", type=float, default=600)
@@ -81,7 +82,10 @@ def train(args, data, save_dir, moe, work):
 def sentences_per_second(args, data, save_dir, workers, log: Path) -> float:
     command = torchrun(workers, BIN / "fairseq-generate", [
         data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt", "--cpu", "--gen-subset", "valid",
-        "--beam", "5", "--batch-size", args.batch_size, "--num-workers", "0"])
+        "--beam", "5", "--batch-size", args.batch_size, "--num-workers", "0",
+        # Every hypothesis exactly --length tokens: both models do the same number of decoder steps,
+        # whatever each learned in its few updates.
+        "--min-len", args.length, "--max-len-a", "0", "--max-len-b", args.length])
     output = run(command, env_for(max(1, args.threads // workers)), args.timeout, log)
     found = [(int(n.replace(",", "")), float(t)) for n, t in TRANSLATED.findall(output)]
     if len(found) != workers or sum(n for n, _ in found) != args.sentences:
@@ -98,7 +102,7 @@ def main(argv=None):
           f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}")
     print(f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE every "
           f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
-          f"{args.sentences} sentences, --batch-size {args.batch_size}, {args.threads} threads per run")
+          f"{args.sentences} sentences of {args.length} tokens, --batch-size {args.batch_size}, {args.threads} threads per run")
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
     for moe in (False, True):
         train(args, data, work / ("moe" if moe else "dense"), moe, work)

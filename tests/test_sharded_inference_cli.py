@@ -40,7 +40,7 @@ def generate(data, path, subset, workers, log_dir=None, extra=()):
     args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--gen-subset", subset,
             "--num-workers", "0", *GENERATION, *extra]
     if workers > 1:
-        logs = torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir, timeout=120)
+        logs = torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir, timeout=240)
         outputs = [Path(p).read_text() for p in sorted(glob.glob(f"{log_dir}/**/stdout.log", recursive=True))]
         outputs.append(logs)
     else:
