@@ -18,7 +18,8 @@ class LoadTarget:
 
     rank: int
     world_size: int
-    model: Any  # the unwrapped model being resumed (its parameter shapes judge the checkpoint)
+    model: Any  # the unwrapped model being resumed (its parameter shapes judge the checkpoint); None
+    # for an expert-sharded inference load, whose model is built after the load
     model_cfg: Any  # its cfg.model (the flags that decide which parameters it has)
 
 
@@ -51,6 +52,15 @@ class PluginState:
     # Writer: the AMPOptimizer.clip_grad_norm hook (did the global gradient norm overflow?).
     # Reader: the AMPOptimizer.step hook of the same optimizer, which consumes it.
     amp_overflow: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    # Writer: the parse_args_and_arch hook (inference.decide_sharded_inference: --moe-inference-experts
+    # on N torchrun workers). Reader: the load_model_ensemble_and_task hook. None: every expert local.
+    sharded_inference: Optional[Any] = None
+    # Writer: inference.load_sharded (the sharded CLI's model, in lock-step for the whole process).
+    # Reader: the progress_bar hook, whose iterator finishes the lock-step when its batches run out.
+    inference_lockstep: Optional[Any] = None
+    # Writer and reader: inference.attach_lockstep (a per-model cache: its moe.lockstep.LockStep, or
+    # None when its MoE layers talk to no other worker).
+    locksteps: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
 
 STATE = PluginState()

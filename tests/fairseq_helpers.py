@@ -122,16 +122,18 @@ def run_fairseq(
     return done.stdout
 
 
-def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True):
+def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True,
+             redirects=1):
     """Run ``program args`` on ``workers`` CPU workers under torchrun (gloo) and return the output.
 
     ``--distributed-world-size workers`` is appended unless ``world_size_flag`` is False (fairseq
     otherwise runs each worker as a job of its own). ``log_dir``: each worker's stdout goes to its
-    own file there (lines of concurrent workers would otherwise interleave mid-line in one pipe).
+    own file there (lines of concurrent workers would otherwise interleave mid-line in one pipe);
+    ``redirects=3`` sends their stderr (where fairseq's CLIs log) to files there too.
     """
     from dist_utils import free_port
 
-    redirect = ["--log-dir", str(log_dir), "--redirects", "1"] if log_dir else []
+    redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect,
         "--master_port", str(free_port()), str(program), *map(str, args),

@@ -326,14 +326,16 @@ def test_a_worker_whose_shard_ran_out_joins_the_all_to_all_with_a_dummy_batch(tm
 
 def eval_bleu_worker(rank, world, data_dir):
     try:
-        build_trainer(training_args(data_dir, world, ["--eval-bleu"]))
+        build_trainer(training_args(data_dir, world, ["--eval-bleu", "--moe-eval-capacity-factor", "1.0"]))
     except ValueError as error:
         return str(error)
     return "no error"
 
 
-def test_eval_bleu_is_refused_in_expert_parallel_training_instead_of_hanging(tmp_path):
+def test_eval_bleu_with_an_inference_capacity_is_refused_in_expert_parallel_training(tmp_path):
+    """Lock-step generation equals one process only when dropless (tests/test_sharded_inference_cli.py
+    has --eval-bleu itself working on 2 workers)."""
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     messages = run_on_workers(eval_bleu_worker, 2, data_dir)
-    assert all("--eval-bleu generates during validation" in m for m in messages), messages
+    assert all("--eval-bleu on 2 workers needs dropless inference routing" in m for m in messages), messages

@@ -376,7 +376,7 @@ def test_keep_interval_updates_prunes_whole_sets(reference_to_8):
     ], names
 
 
-def test_eval_lm_scores_a_language_model_set_in_one_process(lm_data, tmp_path):
+def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_holding_half_the_experts_each(lm_data, tmp_path):
     data = lm_data
     save_dir = tmp_path / "ck"
     torchrun(2, BIN / "fairseq-train", [
@@ -386,10 +386,27 @@ def test_eval_lm_scores_a_language_model_set_in_one_process(lm_data, tmp_path):
         "--no-epoch-checkpoints", "--required-batch-size-multiple", "1",
     ])
     assert (save_dir / "checkpoint_last.set.json").exists()
-    output = run_fairseq("eval_lm", str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"),
-                         "--cpu", "--tokens-per-sample", "32", "--max-tokens", "1024", "--num-workers", "0")
+    args = [str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"), "--cpu",
+            "--tokens-per-sample", "32", "--max-tokens", "64", "--num-workers", "0"]  # 3 batches: 2 and 1
+    output = run_fairseq("eval_lm", *args)
     perplexity = float(re.search(r"Perplexity: ([\d.]+)", output).group(1))
     assert perplexity < 20, output[-2000:]  # 40-token vocabulary: a model that learned nothing sits near 40
+
+    # Then on 2 workers, each scoring its share of the batches (fairseq's eval-lm reports rank 0's, its
+    # other ranks log warnings only): with each worker holding half of the experts (the default for
+    # a set saved by 2, in lock-step) exactly as with every expert on every worker.
+    def rank_0_scores(mode):
+        log_dir = tmp_path / f"logs-{mode}"
+        torchrun(2, BIN / "fairseq-eval-lm", [*args, "--moe-inference-experts", mode], timeout=240, log_dir=log_dir,
+                 redirects=3)
+        text = "".join(Path(p).read_text() for p in sorted(glob.glob(f"{log_dir}/**/0/std*.log", recursive=True)))
+        return text, re.search(r"Evaluated ([\d,]+) tokens.*?(Loss \(base 2\): [\d.]+)", text, flags=re.S).groups()
+
+    sharded, sharded_scores = rank_0_scores("auto")
+    local, local_scores = rank_0_scores("local")
+    assert "expert-sharded inference: worker 0 of 2 holds experts 0..1" in sharded
+    assert "expert-sharded" not in local
+    assert sharded_scores == local_scores and int(local_scores[0]) < int(re.search(r"Evaluated ([\d,]+)", output)[1])
 
 
 def test_fairseq_loads_a_set_by_its_plain_name(two_worker_run):

@@ -98,6 +98,7 @@ def test_main_job_tiny_mode_trains_moe_and_both_dense_baselines_generates_scores
 def test_iwslt14_dry_run_trains_in_one_process_and_generates_with_bleu(tmp_path):
     work = tmp_path / "iwslt"
     run_recipe("iwslt14_de_en.sh", work, "--dry-run")
+    assert '"valid_bleu"' in (work / "moe" / "train.log").read_text()  # EVAL_BLEU=1 by default, as in the README
     assert (work / "moe" / "ckpt" / "checkpoint_best.pt").is_file()  # one process: fairseq's single file
     assert "Generate test with beam=5: BLEU4" in (work / "moe" / "bleu.txt").read_text()
     assert len(hypotheses(work / "moe" / "generate.out")) == 40

@@ -6,8 +6,9 @@ argument parsing and before distributed initialisation, in every worker and in e
 ``HOOKS`` below is the table: ``install()`` patches what it lists, this docstring's list is printed
 from it, and ``tests/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
-fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 16), saving.py (5, 6: adapters around the
-transaction in checkpoint/save.py), cli.py (10), precision.py (11-15). The state they share between
+fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18), saving.py (5, 6: adapters around the
+transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
+expert-sharded branches of 8 and 11). The state they share between
 calls is one object, process_state.STATE.
 
 Hooks:
@@ -23,7 +24,7 @@ from typing import Callable, Dict
 import fairseq
 
 from ..checkpoint import CHECKPOINT_SAFE_GLOBALS, UnsafeCheckpointError  # noqa: F401  (re-exported)
-from . import cli, loading, precision, saving, training
+from . import cli, inference, loading, precision, saving, training
 
 CHECKED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3")
 
@@ -76,7 +77,8 @@ HOOKS = (
          "filled from the dense checkpoint instead (upcycling.py), as fairseq's --finetune-from-model would be."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
-         "conversion step; models are built with every expert local."),
+         "conversion step; models are built with every expert local, or, in expert-sharded inference "
+         "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step."),
     Hook(9, "fairseq.trainer.Trainer._prepare_sample", training.wrap_prepare_sample,
          "records whether the batch about to run is fairseq's dummy batch, so MoE layers route none of its "
          "tokens while still joining the all-to-all."),
@@ -85,7 +87,8 @@ HOOKS = (
          "MoE option beside a dense architecture is 'unrecognized'; the message also says whose it is."),
     Hook(11, "fairseq.options.parse_args_and_arch", precision.wrap_parse_args_and_arch,
          "--bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays on only for an explicit --tpu "
-         "with torch_xla installed."),
+         "with torch_xla installed. Adds --moe-inference-experts and decides, on torchrun workers of an "
+         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK)."),
     Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
          "batch runs (flattening drops the expert marker the global norm needs)."),
@@ -101,7 +104,13 @@ HOOKS = (
          "indexes output[0], which fails on the router's Routing and on fairseq's encoder dict)."),
     Hook(15, "fairseq.nan_detector.NanDetector._apply", precision.wrap_nan_detector_apply,
          "a dataclass output's tensors are checked, so the detector names the module where a NaN/inf appeared."),
-    Hook(16, "fairseq.trainer.Trainer.train_step", training.wrap_train_step,
+    Hook(16, "fairseq.logging.progress_bar.progress_bar", inference.wrap_progress_bar,
+         "in expert-sharded inference, a worker whose batches ran out (generate, eval-lm and validate all "
+         "loop over a progress bar) keeps joining the other workers' MoE calls until theirs have too."),
+    Hook(17, "fairseq.tasks.fairseq_task.FairseqTask.inference_step", inference.wrap_inference_step,
+         "--eval-bleu in expert-parallel training: each generation is one lock-step session (workers run "
+         "different numbers of decoder steps), finished before fairseq gathers the validation statistics."),
+    Hook(18, "fairseq.trainer.Trainer.train_step", training.wrap_train_step,
          "with --moe-balance bias: after the update's optimizer step, every MoE layer's balance bias moves "
          "from the expert load of all its micro-batches summed over the workers (a skipped step moves none)."),
 )
@@ -119,6 +128,11 @@ RELIED_ON = (
     "torch.amp.grad_scaler.GradScaler.step",
     # --moe-upcycle-from (hook 7) starts a run where this passes save_dir/checkpoint_last and none exists.
     "fairseq.checkpoint_utils.load_checkpoint",
+    # Lock-step inference (hooks 16, 17): fairseq's generators reach the MoE layers only through the
+    # encoder's and decoder's forward, which inference.attach_lockstep wraps on the instance.
+    "fairseq.sequence_generator.EnsembleModel.forward_encoder",
+    "fairseq.sequence_generator.EnsembleModel.forward_decoder",
+    "fairseq.models.transformer.transformer_encoder.TransformerEncoderBase.forward_torchscript",
 )
 
 ORIGINALS: Dict[str, object] = {}  # hook target -> fairseq's own object, as found by install()

@@ -17,6 +17,7 @@ from ..process_state import STATE, LoadTarget
 from ..restore_choice import resolve_restore
 from ..training_save_dir import claim_save_dir
 from ..upcycling import check_upcycle_start, load_upcycled
+from .inference import load_sharded
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
 
@@ -59,7 +60,8 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         if target is None:
             return full
         state = moe_ckpt.shard_state(full, target.rank, target.world_size)
-    check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
+    if target.model is not None:  # None: an expert-sharded inference load (no model yet to compare)
+        check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
     return state
 
 
@@ -136,6 +138,8 @@ def wrap_load_model_ensemble_and_task(original):
             named_set = not os.path.exists(name) or names_a_rank_file(name)
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
+        if STATE.sharded_inference is not None:
+            return load_sharded(original, resolved, *args, **kwargs)
         with moe_dist.all_experts_local():
             return original(resolved, *args, **kwargs)
 

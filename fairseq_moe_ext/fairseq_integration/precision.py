@@ -33,6 +33,7 @@ from torch.amp.grad_scaler import OptState
 from .. import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
 from ..process_state import STATE
+from .inference import add_inference_experts_flag, decide_sharded_inference
 from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,12 @@ logger = logging.getLogger(__name__)
 def wrap_parse_args_and_arch(original):
     @functools.wraps(original)
     def parse_args_and_arch(parser, input_args=None, *args, **kwargs):
+        add_inference_experts_flag(parser)
         result = original(parser, input_args, *args, **kwargs)
         parsed = result[0] if isinstance(result, tuple) else result
         argv = sys.argv[1:] if input_args is None else input_args
         keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
+        decide_sharded_inference(parsed)
         return result
 
     return parse_args_and_arch

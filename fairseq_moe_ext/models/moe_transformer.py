@@ -51,11 +51,12 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
 
     @classmethod
     def check_expert_parallel_world(cls, args, world: int) -> None:
-        if safe_getattr(args, "eval_bleu", False) and world > 1:
+        # --eval-bleu generates in lock-step (fairseq_integration/inference.py), which matches one
+        # process only when routing is dropless: a capacity would depend on the other workers' tokens.
+        if safe_getattr(args, "eval_bleu", False) and world > 1 and moe_option(args, "moe_eval_capacity_factor"):
             raise ValueError(
-                "--eval-bleu generates during validation, where each worker runs a different number of "
-                "decoder steps that expert-parallel MoE layers cannot follow: drop --eval-bleu and score "
-                "checkpoints with fairseq-generate"
+                f"--eval-bleu on {world} workers needs dropless inference routing to score what one process "
+                f"would generate: drop --moe-eval-capacity-factor (or set it to 0)"
             )
 
 

@@ -1,0 +1,221 @@
+"""Hooks 16 and 17, and the inference part of 8 and 11: generation, scoring and validation with
+experts kept on their workers (``--moe-inference-experts``), and ``--eval-bleu`` in expert-parallel
+training.
+
+With experts on their workers every MoE call is collective, but fairseq's generators run as many
+decoder steps as their own sentences need. ``moe/lockstep.py`` keeps workers together; here is
+where fairseq meets it: the encoder's and decoder's ``forward`` announce themselves to it
+(``attach_lockstep``), a worker whose batches ran out keeps mirroring the others' calls until all
+are done (the progress-bar hook, which sees every inference CLI's batch loop end), and in training
+each ``--eval-bleu`` generation is one lock-step session (the ``inference_step`` hook), finished
+before fairseq gathers the validation statistics.
+"""
+
+import atexit
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as moe_ckpt
+from .. import distributed as moe_dist
+from ..moe import MoELayer
+from ..moe.lockstep import LockStep
+from ..process_state import STATE, LoadTarget
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "sharded", "local")
+
+
+@dataclass(frozen=True)
+class ShardedInference:
+    """This worker's place in an expert-sharded inference run (decided when the command line is parsed)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    # fairseq-generate divides by the time of this worker's batches when it ends (ZeroDivisionError
+    # with none): a worker with an empty share stops once the others are done. (eval-lm divides by
+    # its token count too, but its call_main ends with a barrier every worker must reach.)
+    stop_when_empty: bool = False
+
+
+def add_inference_experts_flag(parser) -> None:
+    if any("--moe-inference-experts" in a.option_strings for a in parser._actions):
+        return
+    parser.add_argument(
+        "--moe-inference-experts", choices=MODES, default="auto",
+        help="inference CLIs on N > 1 torchrun workers: 'sharded' keeps each worker's experts on it (N must "
+             "divide the experts; every worker joins every MoE call), 'local' gives every worker every expert; "
+             "'auto' (default) is sharded when the checkpoint set was saved by N workers, else local")
+
+
+def decide_sharded_inference(args) -> None:
+    """At parse time, in every CLI: record in STATE whether this inference run keeps experts sharded."""
+    STATE.sharded_inference = None
+    mode = getattr(args, "moe_inference_experts", "auto")
+    path = getattr(args, "path", None)
+    world = int(getattr(args, "distributed_world_size", 1) or 1)
+    if not path or world <= 1 or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) != world:
+        return  # one process, or torchrun and fairseq disagree (fairseq's own error, or N independent jobs)
+    # fairseq-generate shards its batches by it but, never initialising distributed, leaves it 0 on
+    # every torchrun worker (each would generate the first shard).
+    args.distributed_rank = int(os.environ["RANK"])
+    if mode == "local" or (mode == "auto" and saved_world_size(path.split(os.pathsep)[0]) != world):
+        return
+    cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
+    STATE.sharded_inference = ShardedInference(
+        args.distributed_rank, world, int(os.environ.get("LOCAL_RANK", "0")), "gloo" if cpu else "nccl",
+        stop_when_empty=hasattr(args, "beam"))  # fairseq-generate
+
+
+def saved_world_size(path: str) -> Optional[int]:
+    """How many workers saved the set ``path`` names, by its manifest (None: no set of that name; the
+    loader validates the set itself later)."""
+    manifest = moe_ckpt.manifest_path(moe_ckpt.base_of(path))
+    if not os.path.isfile(manifest):
+        return None
+    try:
+        return int(moe_ckpt.read_manifest(manifest)["world_size"])
+    except Exception:  # noqa: BLE001  (a damaged manifest: the loader says what is wrong with it)
+        return None
+
+
+def load_sharded(original, filenames, *args, **kwargs):
+    """fairseq's load_model_ensemble_and_task for an expert-sharded run: each worker reads and builds
+    only its experts; the model comes back in lock-step mode for the rest of the process."""
+    sharded = STATE.sharded_inference
+    if len(filenames) != 1:
+        raise ValueError(f"--moe-inference-experts sharded generates with one model, got an ensemble of "
+                         f"{len(filenames)}: pass one --path, or add --moe-inference-experts local")
+    if not dist.is_initialized():  # fairseq-generate and -interactive never initialise distributed
+        if sharded.backend == "nccl":
+            torch.cuda.set_device(sharded.local_rank)
+        # The MoE layers' own groups get --moe-comm-timeout when the model is built.
+        dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank,
+                                world_size=sharded.world_size)
+    # No inference CLI closes its process groups; left open, gloo's threads abort the interpreter at
+    # exit now and then ("terminate called without an active exception", exit status -6).
+    atexit.register(close_process_groups)
+    STATE.load_targets.append(LoadTarget(sharded.rank, sharded.world_size, None, None))
+    try:
+        models, cfg, task = original(filenames, *args, **kwargs)
+    finally:
+        STATE.load_targets.pop()
+    model = models[0]
+    if not moe_layers(model):
+        raise ValueError(f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
+                         f"--moe-inference-experts sharded")
+    layout = moe_dist.expert_layout()
+    if layout.parallel_size != sharded.world_size:
+        raise ValueError(f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
+                         f"workers (--moe-expert-parallel-size): add --moe-inference-experts local")
+    if any(layer.eval_capacity_factor != 0 for layer in moe_layers(model)):
+        raise ValueError("expert-sharded inference needs dropless routing to match one process (a capacity "
+                         "depends on every worker's tokens): pass --model-overrides "
+                         "\"{'moe_eval_capacity_factor': 0}\", or add --moe-inference-experts local")
+    STATE.inference_lockstep = attach_lockstep(model)
+    STATE.inference_lockstep.active = True
+    local = moe_layers(model)[0].num_local_experts
+    logger.info(f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts "
+                f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step")
+    return models, cfg, task
+
+
+def close_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def moe_layers(module):
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def unwrapped(model):
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def attach_lockstep(model) -> Optional[LockStep]:
+    """The model's LockStep (made on first use): its encoder's and decoder's forward announce
+    themselves to it. None when its MoE layers talk to no other worker."""
+    model = unwrapped(model)
+    if model not in STATE.locksteps:
+        stacks = [getattr(model, side, None) for side in ("encoder", "decoder")]
+        stacks = [stack for stack in stacks if isinstance(stack, torch.nn.Module) and moe_layers(stack)]
+        group = moe_layers(stacks[0])[0].statistics_group if stacks else None
+        lockstep = None if group is None else LockStep([moe_layers(stack) for stack in stacks], group)
+        for index, stack in enumerate(stacks if lockstep else []):
+            stack.forward = announced(stack.forward, lockstep, index)
+        STATE.locksteps[model] = lockstep
+    return STATE.locksteps[model]
+
+
+def announced(forward, lockstep: LockStep, index: int):
+    @functools.wraps(forward)
+    def forward_in_lockstep(*args, **kwargs):
+        lockstep.before(index)
+        return forward(*args, **kwargs)
+
+    return forward_in_lockstep
+
+
+# ------------------------------------------------ 16. a worker whose batches ran out keeps answering
+
+
+def wrap_progress_bar(original):
+    @functools.wraps(original)
+    def progress_bar(iterator, *args, **kwargs):
+        lockstep = STATE.inference_lockstep
+        if lockstep is not None:
+            iterator = FinishingIterator(iterator, lockstep, STATE.sharded_inference)
+        return original(iterator, *args, **kwargs)
+
+    return progress_bar
+
+
+class FinishingIterator:
+    """The batches of ``iterator``; once they run out, mirror the other workers until theirs have too."""
+
+    def __init__(self, iterator, lockstep: LockStep, sharded: ShardedInference):
+        self.iterator, self.lockstep, self.sharded = iterator, lockstep, sharded
+
+    def __len__(self):
+        return len(self.iterator)
+
+    def __getattr__(self, name):  # n, epoch, ...: what progress bars read off fairseq's iterators
+        return getattr(self.iterator, name)
+
+    def __iter__(self):
+        empty = True
+        for sample in self.iterator:
+            empty = empty and not (isinstance(sample, dict) and "net_input" in sample)
+            yield sample
+        self.lockstep.finish()
+        if empty and self.sharded.stop_when_empty:
+            logger.info(f"worker {self.sharded.rank} of {self.sharded.world_size} had no batch (fewer batches "
+                        f"than workers): it joined the others' MoE calls and has nothing to report")
+            sys.exit(0)
+
+
+# ------------------------------------------------ 17. --eval-bleu: one lock-step session per generation
+
+
+def wrap_inference_step(original):
+    @functools.wraps(original)
+    def inference_step(self, generator, models, sample, *args, **kwargs):
+        lockstep = attach_lockstep(models[0]) if len(models) == 1 else None
+        if lockstep is None or lockstep.active:  # one process, or a sharded CLI (always in lock-step)
+            return original(self, generator, models, sample, *args, **kwargs)
+        with lockstep.session():
+            return original(self, generator, models, sample, *args, **kwargs)
+
+    return inference_step
