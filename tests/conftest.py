@@ -59,7 +59,7 @@ def pytest_itemcollected(item):
 def pytest_collection_modifyitems(config, items):
     # xdist 3.8's loadgroup tells groups by a "@group" suffix that it writes into item._nodeid,
     # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead.
-    if config.getvalue("loadgroup"):
+    if config.getoption("dist", default="no") == "loadgroup":
         from _pytest.nodeid import coerce_node_id
 
         for item in items:

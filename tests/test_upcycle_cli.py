@@ -18,11 +18,9 @@ from fairseq_helpers import (
     run_fairseq,
     torchrun,
     train_args,
-    write_parallel_corpus,
 )
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from test_bad_input import preprocess_in_process
 
 pytestmark = pytest.mark.slow
 FAIRSEQ_TRAIN = Path(sys.executable).parent / "fairseq-train"
@@ -34,10 +32,10 @@ MOE = ["--arch", "moe_transformer", "--criterion", "moe_label_smoothed_cross_ent
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
+def dense(parallel_data, tmp_path_factory):
     """(binarized data, a dense transformer's checkpoint after 50 updates, its last training loss)."""
     root = tmp_path_factory.mktemp("upcycle")
-    data = preprocess_in_process(write_parallel_corpus(root / "raw"), root / "bin")
+    data = parallel_data
     output = run_fairseq("train", *train_args(data, root / "dense", "--arch", "transformer", "--criterion",
                                               "label_smoothed_cross_entropy", *SHAPE, max_update=50))
     return data, root / "dense" / "checkpoint_last.pt", float(json_logs(output, "train")[-1]["train_loss"])
