@@ -55,9 +55,10 @@ def tokens(rows, padded, seed=0):
     return x, mask
 
 
-@pytest.mark.parametrize("router", ROUTERS)
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("matmul", ["loop", "grouped_mm"])
+CASES = [(path, router, "loop") for path in PATHS for router in ROUTERS] + [(path, "top", "grouped_mm") for path in PATHS]
+
+
+@pytest.mark.parametrize("path, router, matmul", CASES)
 def test_one_process_layer_syncs_once_per_forward_and_never_in_backward(path, router, matmul):
     kwargs, padded = PATHS[path]
     torch.manual_seed(0)

@@ -149,18 +149,25 @@ class MoELayer(nn.Module):
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
 
         # Losses from world-wide sums (see comm.all_reduce_sum for why its backward also sums).
-        # Counts stay int64 and sums fp32 whatever the router's dtype: with --moe-gating-no-fp32 an
-        # fp16 count overflows at 65,504 tokens per group and bf16 counts 1001 tokens as 1000.
-        top1_count = bucket_counts(expert_index[:, 0], num_experts + 1)
-        num_real = top1_count[:num_experts].sum().view(1)
-        counts = comm.all_reduce_sum(torch.cat([top1_count[:num_experts], num_real]), statistics_group)
+        # Counts stay exact integers and sums fp32 (or wider) whatever the router's dtype: with
+        # --moe-gating-no-fp32 an fp16 count overflows at 65,504 tokens and bf16 counts 1001 as 1000.
+        top1_count = bucket_counts(expert_index[:, 0], num_experts + 1)[:num_experts]
+        num_real = top1_count.sum().view(1)
         lse_square = torch.logsumexp(routing.logits.float(), dim=-1).pow(2)
         probs = routing.probs
         if real is not None:
             lse_square = torch.where(real, lse_square, 0.0)
             probs = torch.where(real.unsqueeze(1), probs, 0.0)
         prob_sum = probs.sum(0, dtype=torch.float32)
-        sums = comm.all_reduce_sum(torch.cat([prob_sum, lse_square.sum().view(1)]), statistics_group)
+        # One all-reduce for counts and sums (each collective is a point where the faster worker
+        # waits): fp64 holds the int64 counts exactly (below 2^53) and every fp32 sum; with one
+        # process the round trip fp32 -> fp64 -> fp32 changes no bit.
+        totals = comm.all_reduce_sum(
+            torch.cat([top1_count.double(), num_real.double(), prob_sum.double(), lse_square.sum().double().view(1)]),
+            statistics_group,
+        )
+        counts = totals[: num_experts + 1].round().long()
+        sums = totals[num_experts + 1 :].float()
         total_tokens = counts[-1]
         aux_balance = balance_loss(sums[:num_experts], counts[:num_experts], total_tokens)
         aux_z = z_loss(sums[num_experts], total_tokens)
