@@ -107,23 +107,30 @@ class ExpertGemmFloor(Contender):
 
     @torch.no_grad()
     def step(self):
+        # Buffers as the layer's fused experts allocate them: once per step, for all experts
+        # (a fresh [rows_i, H] tensor per expert and GEMM would time the allocator, not the GEMMs).
         m, x, g = self.module, self.x, self.upstream
         grad_w1, grad_w2 = torch.empty_like(m.w1), torch.empty_like(m.w2)
         grad_b1, grad_b2 = torch.empty_like(m.b1), torch.empty_like(m.b2)
         grad_x = torch.empty_like(x)
+        hidden = x.new_empty(x.shape[0], m.w1.shape[1])
+        out = torch.empty_like(x)
+        grad_hidden = x.new_empty(max(self.counts), m.w1.shape[1])
+        ones = x.new_ones(max(self.counts))
         start = 0
         for i, rows in enumerate(self.counts):
-            xi, gi = x[start:start + rows], g[start:start + rows]
-            h = torch.relu_(torch.addmm(m.b1[i], xi, m.w1[i].t()))
-            torch.addmm(m.b2[i], h, m.w2[i].t())  # the forward's output (only its cost matters)
+            end = start + rows
+            xi, gi, h, grad_h = x[start:end], g[start:end], hidden[start:end], grad_hidden[:rows]
+            torch.relu_(torch.addmm(m.b1[i], xi, m.w1[i].t(), out=h))
+            torch.addmm(m.b2[i], h, m.w2[i].t(), out=out[start:end])
             torch.mm(gi.t(), h, out=grad_w2[i])
-            torch.mv(gi.t(), gi.new_ones(rows), out=grad_b2[i])
-            grad_h = torch.mm(gi, m.w2[i])
+            torch.mv(gi.t(), ones[:rows], out=grad_b2[i])
+            torch.mm(gi, m.w2[i], out=grad_h)
             torch.ops.aten.threshold_backward.grad_input(grad_h, h, 0, grad_input=grad_h)
             torch.mm(grad_h.t(), xi, out=grad_w1[i])
-            torch.mv(grad_h.t(), gi.new_ones(rows), out=grad_b1[i])
-            torch.mm(grad_h, m.w1[i], out=grad_x[start:start + rows])
-            start += rows
+            torch.mv(grad_h.t(), ones[:rows], out=grad_b1[i])
+            torch.mm(grad_h, m.w1[i], out=grad_x[start:end])
+            start = end
         m.w1.grad, m.w2.grad, m.b1.grad, m.b2.grad, x.grad = grad_w1, grad_w2, grad_b1, grad_b2, grad_x
 
 

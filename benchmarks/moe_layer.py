@@ -59,6 +59,7 @@ def parse_args(argv=None):
                    help="comma-separated expert matmul kernels to time as separate MoE rows: "
                         "auto, loop, grouped_mm (default auto)")
     p.add_argument("--no-sweep", action="store_true", help="only the default shapes")
+    p.add_argument("--no-headline", action="store_true", help="skip the default-shapes section")
     p.add_argument("--no-memory", action="store_true", help="skip the peak memory section")
     p.add_argument("--no-fairscale", action="store_true")
     p.add_argument("--json", help="also write every measurement to this file")
@@ -303,7 +304,8 @@ def main(argv=None):
     print(f"# MoE layer benchmark, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(machine_summary(device))
     report = {"args": {k: v for k, v in vars(args).items()}, "machine": machine_summary(device)}
-    headline(args, device, dtype, report)
+    if not args.no_headline:
+        headline(args, device, dtype, report)
     if args.many_experts:
         many_experts_section(args, device, dtype, report)
     if not args.no_sweep:

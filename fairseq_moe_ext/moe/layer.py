@@ -195,14 +195,17 @@ class MoELayer(nn.Module):
             sorted_slots = order[:served]
             dispatched = dispatch_slots(tokens, sorted_slots, served_slot_rows(sorted_slots, n * k), k)
             expert_out = self._run_experts(dispatched, loads, expert_load, exchange)
-            # Combine: put each slot's output back in its (token, choice) place (unserved slots
-            # stay zero), weight by its gate.
-            slot_out = expert_out.new_zeros(n * k, self.model_dim).index_copy(0, sorted_slots, expert_out)
-            gates = routing.gates.to(slot_out.dtype)
-            y = torch.bmm(gates.unsqueeze(1), slot_out.view(n, k, self.model_dim)).squeeze(1)
-            if real is not None:
-                y = torch.where(real.unsqueeze(1), y, 0.0)  # exact zeros, whatever a pad's router said
-
+            if served == 0:  # nothing routed here (only padding: fairseq's dummy batch)
+                # Zeros that still depend on expert_out: its backward is this rank's share of the
+                # all-to-all backward, which every rank must issue.
+                y = expert_out.new_zeros(n, self.model_dim) + expert_out.sum()
+            else:
+                # Combine as in the dropless path, with unserved slots (dropped, pads) reading any
+                # served row (row 0) at gate exactly 0: their term adds exactly zero.
+                served_mask = slot_expert < num_experts
+                slot_row = torch.where(served_mask, served_slot_rows(sorted_slots, n * k), 0)
+                gates = routing.gates * served_mask.view(n, k)
+                y = combine_slots(expert_out, gates, sorted_slots, slot_row)
         # Statistics for the logs stay on the device; the criterion reads all layers' at once.
         probs = probs.detach()
         num_slots = num_real.squeeze(0) * k
