@@ -129,7 +129,7 @@ class MoELayer(nn.Module):
 
         One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
         the all-to-all need as sizes; everything else stays on the tokens' device (see README,
-        "Why the layer costs what it costs")."""
+        "Host syncs: one per layer forward, none in backward")."""
         n, k, num_experts, statistics_group = tokens.shape[0], self.k, self.num_experts, self.statistics_group
         if statistics_group is not None and not self._group_checked:
             # Workers built with different flags would exchange rows of different shapes (at best a
@@ -193,7 +193,8 @@ class MoELayer(nn.Module):
             y = combine_slots(expert_out, routing.gates, order, slot_row)
         else:
             sorted_slots = order[:served]
-            dispatched = dispatch_slots(tokens, sorted_slots, served_slot_rows(sorted_slots, n * k), k)
+            slot_row = served_slot_rows(sorted_slots, n * k)  # unserved slots: row `served`, past the end
+            dispatched = dispatch_slots(tokens, sorted_slots, slot_row, k)
             expert_out = self._run_experts(dispatched, loads, expert_load, exchange)
             if served == 0:  # nothing routed here (only padding: fairseq's dummy batch)
                 # Zeros that still depend on expert_out: its backward is this rank's share of the
@@ -203,7 +204,7 @@ class MoELayer(nn.Module):
                 # Combine as in the dropless path, with unserved slots (dropped, pads) reading any
                 # served row (row 0) at gate exactly 0: their term adds exactly zero.
                 served_mask = slot_expert < num_experts
-                slot_row = torch.where(served_mask, served_slot_rows(sorted_slots, n * k), 0)
+                slot_row = torch.where(served_mask, slot_row, 0)
                 gates = routing.gates * served_mask.view(n, k)
                 y = combine_slots(expert_out, gates, sorted_slots, slot_row)
         # Statistics for the logs stay on the device; the criterion reads all layers' at once.
