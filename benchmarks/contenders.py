@@ -9,6 +9,8 @@ every step allocates its gradients afresh, as in training.
 * ``floor``: the work the MoE layer cannot avoid: one dense FFN (d -> H -> d, ReLU) applied to the
   k*N token copies in a single call. The experts do exactly these FLOPs; routing, dispatch and
   combine are the overhead on top.
+* ``expert floor``: the E experts' GEMM pairs alone (forward and backward), on the rows the MoE
+  contender's router sends each expert: the floor for E small experts (``ExpertGemmFloor``).
 * ``dense``: a transformer FFN with the MoE layer's active parameters per token: d -> k*H -> d on
   N tokens. Same FLOPs as the floor, different GEMM shapes.
 * ``fairscale``: fairscale.nn.MOELayer with Top2Gate (GShard's einsum dispatch, capacity 2N/E) and
@@ -76,6 +78,62 @@ class Floor(Contender):
         return ffn(self.shape.d_model, self.shape.hidden)
 
 
+class ExpertGemmFloor(Contender):
+    """The E experts' GEMMs alone: for each expert, on its share of the k*N token copies, the two
+    forward GEMMs and the four backward ones (input and weight gradients), ReLU, and its weight
+    gradients written afresh, as a step does; no router, no dispatch, no combine. With one expert
+    this is the floor; with many it is what E small GEMM pairs cost on this machine. Rows per
+    expert are those the MoE contender's router gives the same input (``counts``), else even."""
+
+    name = "expert floor"
+
+    def __init__(self, shape, device, dtype, seed=0, counts=None):
+        total = shape.k * shape.tokens
+        even = [total // shape.experts + (i < total % shape.experts) for i in range(shape.experts)]
+        self.counts = list(counts) if counts is not None else even
+        super().__init__(shape, device, dtype, seed)
+
+    def input_tokens(self):
+        return self.shape.k * self.shape.tokens
+
+    def build(self):
+        s = self.shape
+        module = nn.Module()
+        module.w1 = nn.Parameter(torch.randn(s.experts, s.hidden, s.d_model) / s.d_model ** 0.5)
+        module.w2 = nn.Parameter(torch.randn(s.experts, s.d_model, s.hidden) / s.hidden ** 0.5)
+        module.b1 = nn.Parameter(torch.zeros(s.experts, s.hidden))
+        module.b2 = nn.Parameter(torch.zeros(s.experts, s.d_model))
+        return module
+
+    @torch.no_grad()
+    def step(self):
+        # Buffers as the layer's fused experts allocate them: once per step, for all experts
+        # (a fresh [rows_i, H] tensor per expert and GEMM would time the allocator, not the GEMMs).
+        m, x, g = self.module, self.x, self.upstream
+        grad_w1, grad_w2 = torch.empty_like(m.w1), torch.empty_like(m.w2)
+        grad_b1, grad_b2 = torch.empty_like(m.b1), torch.empty_like(m.b2)
+        grad_x = torch.empty_like(x)
+        hidden = x.new_empty(x.shape[0], m.w1.shape[1])
+        out = torch.empty_like(x)
+        grad_hidden = x.new_empty(max(self.counts), m.w1.shape[1])
+        ones = x.new_ones(max(self.counts))
+        start = 0
+        for i, rows in enumerate(self.counts):
+            end = start + rows
+            xi, gi, h, grad_h = x[start:end], g[start:end], hidden[start:end], grad_hidden[:rows]
+            torch.relu_(torch.addmm(m.b1[i], xi, m.w1[i].t(), out=h))
+            torch.addmm(m.b2[i], h, m.w2[i].t(), out=out[start:end])
+            torch.mm(gi.t(), h, out=grad_w2[i])
+            torch.mv(gi.t(), ones[:rows], out=grad_b2[i])
+            torch.mm(gi, m.w2[i], out=grad_h)
+            torch.ops.aten.threshold_backward.grad_input(grad_h, h, 0, grad_input=grad_h)
+            torch.mm(grad_h.t(), xi, out=grad_w1[i])
+            torch.mv(grad_h.t(), ones[:rows], out=grad_b1[i])
+            torch.mm(grad_h, m.w1[i], out=grad_x[start:end])
+            start = end
+        m.w1.grad, m.w2.grad, m.b1.grad, m.b2.grad, x.grad = grad_w1, grad_w2, grad_b1, grad_b2, grad_x
+
+
 class DenseSameActiveParams(Contender):
     name = "dense"
 
@@ -123,6 +181,10 @@ class OurMoE(Contender):
         with torch.no_grad():
             _, aux = self.module.forward_with_aux(self.x)
         return aux.stats
+
+    def expert_rows(self):
+        """Rows each expert gets from the routing of this input, as routed now."""
+        return [int(c) for c in self.routing_stats()["expert_slots"].tolist()]
 
     def busiest_expert_share(self) -> float:
         """Load of the busiest expert over its fair share, as routed now."""
@@ -195,5 +257,6 @@ def fits_fairscale(shape: Shape):
 
 
 def build_contender(name: str, shape: Shape, device, dtype, **kw) -> Contender:
-    kinds = {"floor": Floor, "dense": DenseSameActiveParams, "moe": OurMoE, "fairscale": FairscaleMoE}
+    kinds = {"floor": Floor, "expert floor": ExpertGemmFloor, "dense": DenseSameActiveParams, "moe": OurMoE,
+             "fairscale": FairscaleMoE}
     return kinds[name](shape, device, dtype, **kw)

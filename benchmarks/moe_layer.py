@@ -10,7 +10,8 @@ one call), a dense FFN with the same active parameters (hidden k*H on N tokens),
 MOELayer with Top2Gate; (2) cost against tokens (must grow linearly) and experts; (3) skewed
 routing (one expert takes 4x its fair share) on the dropless path; (4) the capacity path (a fixed
 capacity factor, slots over it dropped) against dropless and fairscale, whose Top2Gate capacity
-2N/E equals our cf=1; (5) peak memory of one step.
+2N/E equals our cf=1; (5) peak memory of one step; (6) many small experts (E=64 by default) against the floor, the
+same E GEMM pairs timed alone ("expert floor") and the dense FFN.
 Times are medians of interleaved repetitions; ratios are to the floor measured alongside.
 """
 
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
     p.add_argument("--token-sweep", type=int, nargs="*", help="token counts (default 1k..16k)")
     p.add_argument("--expert-sweep", type=int, nargs="*", help="expert counts (default 4..64)")
+    p.add_argument("--many-experts", type=int, default=64,
+                   help="expert count of the many-experts section (default 64; 0 skips it)")
     p.add_argument("--skew", type=float, default=4.0, help="busiest expert's load over its fair share")
     p.add_argument("--capacity-factors", type=float, nargs="*", default=[1.0, 1.25],
                    help="capacity factors timed in the capacity section (default 1.0 1.25)")
@@ -56,6 +59,7 @@ def parse_args(argv=None):
                    help="comma-separated expert matmul kernels to time as separate MoE rows: "
                         "auto, loop, grouped_mm (default auto)")
     p.add_argument("--no-sweep", action="store_true", help="only the default shapes")
+    p.add_argument("--no-headline", action="store_true", help="skip the default-shapes section")
     p.add_argument("--no-memory", action="store_true", help="skip the peak memory section")
     p.add_argument("--no-fairscale", action="store_true")
     p.add_argument("--json", help="also write every measurement to this file")
@@ -182,6 +186,25 @@ def expert_sweep(args, device, dtype, report):
     report["expert_sweep"] = rows
 
 
+def many_experts_section(args, device, dtype, report):
+    """E small experts: the layer against the floor (one GEMM pair), against the same E GEMM pairs
+    timed alone on the rows the router gives each expert, and against the dense FFN."""
+    shape = shape_of(args, experts=args.many_experts)
+    moe = moe_contenders(shape, device, dtype, args.matmuls)
+    contenders = [build_contender("floor", shape, device, dtype),
+                  build_contender("expert floor", shape, device, dtype, counts=moe[0].expert_rows())]
+    contenders += moe + [build_contender("dense", shape, device, dtype)]
+    result = race(contenders, args, device)
+    floor, expert_floor, dense = result["floor"][0], result["expert floor"][0], result["dense"][0]
+    print(f"\n## Many experts: E {shape.experts}, {shape.tokens} tokens (expert floor = the {shape.experts} "
+          f"experts' GEMM pairs alone, forward and backward, on the rows the router gives each)")
+    print(f"{'contender':<24}{'median ms':>11}{'spread':>9}{'x floor':>9}{'x expert floor':>16}{'x dense':>9}")
+    for name, (t, s) in result.items():
+        print(f"{name:<24}{t * 1e3:>11.1f}{s * 100:>8.1f}%{t / floor:>9.3f}{t / expert_floor:>16.3f}{t / dense:>9.3f}")
+    report["many_experts"] = {"shape": vars(shape), "seconds": {n: v[0] for n, v in result.items()}}
+    del contenders, moe
+
+
 def skew_section(args, device, dtype, report):
     shape = shape_of(args)
     floor = build_contender("floor", shape, device, dtype)
@@ -281,7 +304,10 @@ def main(argv=None):
     print(f"# MoE layer benchmark, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(machine_summary(device))
     report = {"args": {k: v for k, v in vars(args).items()}, "machine": machine_summary(device)}
-    headline(args, device, dtype, report)
+    if not args.no_headline:
+        headline(args, device, dtype, report)
+    if args.many_experts:
+        many_experts_section(args, device, dtype, report)
     if not args.no_sweep:
         token_sweep(args, device, dtype, report)
         expert_sweep(args, device, dtype, report)

@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default 1 2)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE runs this many times")
+    p.add_argument("--baseline-user-dir", help="also time the MoE model with the plugin of another checkout "
+                   "(e.g. /work/main/fairseq_moe_ext), alternating with the others: before/after in one run")
     p.add_argument("--timeout", type=float, default=300, help="seconds per fairseq-train run")
     p.add_argument("--keep", help="keep data and logs in this folder instead of a temporary one")
     return p.parse_args(argv)
@@ -102,8 +104,8 @@ def model_args(args, moe: bool):
             "--moe-expert-ffn-dim", args.ffn_dim // args.top_k]
 
 
-def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int):
-    common = [data, "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
+def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR):
+    common = [data, "--user-dir", user_dir, "--cpu", "--seed", "1", "--num-workers", "0",
               "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--dropout", "0.1",
               "--max-tokens", args.max_tokens, "--max-update", args.max_update, "--disable-validation",
               "--no-save", "--save-dir", save_dir, "--log-format", "json",
@@ -147,16 +149,24 @@ def main(argv=None):
     for workers in args.workers:
         env = env_for(max(1, args.threads // workers))
         for rep in range(args.repeats):
-            for moe in (False, True):  # alternating, so drifts in machine load hit both alike
-                name = f"{'moe' if moe else 'dense'}-{workers}w-{rep}"
-                output = run(train_command(args, data, work / name, moe, workers), env, args.timeout,
+            arms = [("dense", False, USER_DIR), ("moe", True, USER_DIR)]
+            if args.baseline_user_dir:
+                arms.append(("baseline", True, args.baseline_user_dir))
+            for arm, moe, user_dir in arms:  # alternating, so drifts in machine load hit all alike
+                name = f"{arm}-{workers}w-{rep}"
+                output = run(train_command(args, data, work / name, moe, workers, user_dir), env, args.timeout,
                              work / f"{name}.log")
-                results.setdefault((workers, moe), []).append(measured_wps(output))
-    print(f"\n{'workers':>8}{'dense wps':>12}{'moe wps':>12}{'moe/dense':>11}")
+                results.setdefault((workers, arm), []).append(measured_wps(output))
+    baseline = f"{'baseline wps':>14}{'baseline/dense':>16}" if args.baseline_user_dir else ""
+    print(f"\n{'workers':>8}{'dense wps':>12}{'moe wps':>12}{'moe/dense':>11}{baseline}")
     for workers in args.workers:
-        dense = statistics.median(results[(workers, False)])
-        moe = statistics.median(results[(workers, True)])
-        print(f"{workers:>8}{dense:>12.0f}{moe:>12.0f}{moe / dense:>11.3f}")
+        dense = statistics.median(results[(workers, "dense")])
+        moe = statistics.median(results[(workers, "moe")])
+        line = f"{workers:>8}{dense:>12.0f}{moe:>12.0f}{moe / dense:>11.3f}"
+        if args.baseline_user_dir:
+            base = statistics.median(results[(workers, "baseline")])
+            line += f"{base:>14.0f}{base / dense:>16.3f}"
+        print(line)
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 

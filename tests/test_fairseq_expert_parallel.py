@@ -234,16 +234,24 @@ def router_update_and_balance_gradient(data_dir, gate_loss_wt):
     argv = training_args(data_dir, 1, ["--clip-norm", "0"])
     argv[argv.index("--moe-gate-loss-wt") + 1] = str(gate_loss_wt)
     task, trainer = build_trainer(argv)
-    router = trainer.get_model().decoder.layers[1].fc1.router
+    layer = trainer.get_model().decoder.layers[1].fc1
+    router = layer.router
     before = router.wg.weight.detach().clone()
-    seen = []
+    seen, reals = [], []  # the router scores pad tokens too; the layer counts only the real ones
+
+    def route_tokens(tokens, real=None, _route=layer.route_tokens):
+        reals.append(torch.ones(tokens.shape[0], dtype=torch.bool) if real is None else real)
+        return _route(tokens, real)
+
+    layer.route_tokens = route_tokens
     hook = router.register_forward_hook(lambda m, inputs, routing: seen.append((inputs[0].detach(), routing)) and None)
     trainer.train_step([collate(task, sentence_pairs(12))])
     hook.remove()
-    (tokens, routing), = seen
+    del layer.route_tokens
+    ((tokens, routing),), (real,) = seen, reals
     weight = before.clone().requires_grad_()
-    logits = tokens.float() @ weight.t()
-    top1 = routing.expert_index[:, 0]
+    logits = tokens[real].float() @ weight.t()
+    top1 = routing.expert_index[real, 0]
     assert torch.equal(top1, logits.detach().argmax(-1))
     balance_gradient, = torch.autograd.grad(switch_balance_loss(logits, top1), weight)
     return (before - router.wg.weight.detach()) / 0.5, balance_gradient

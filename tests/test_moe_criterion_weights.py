@@ -10,7 +10,7 @@ parameters below the second. A detached or missing term changes the difference, 
 import pytest
 import torch
 
-from fairseq_moe_ext.moe import TopKRouter
+from fairseq_moe_ext.moe import MoELayer, TopKRouter
 from test_fairseq_models import data, translation, translation_batch  # noqa: F401  (data: fixture)
 from test_moe_objective_oracle import E, st_moe_z_loss, switch_balance_loss
 
@@ -33,17 +33,27 @@ def step(built, sample, criterion):
         tokens.append((router, inputs[0]))
         chosen.append(routing)
 
+    reals = []  # which rows each layer counts as real tokens (the router scores pads too)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        def route_tokens(tokens, real=None, _route=layer.route_tokens):
+            reals.append(torch.ones(tokens.shape[0], dtype=torch.bool) if real is None else real)
+            return _route(tokens, real)
+        layer.route_tokens = route_tokens
+
     hooks = [r.register_forward_hook(record) for r in routers]
     try:
         loss, sample_size, log = criterion(model, sample)
     finally:
         for h in hooks:
             h.remove()
+        for layer in layers:
+            del layer.route_tokens
     balance, z = [], []
-    for (router, x), routing in zip(tokens, chosen):
-        logits = x.float() @ router.wg.weight.float().t()
+    for (router, x), routing, real in zip(tokens, chosen, reals):
+        logits = x[real].float() @ router.wg.weight.float().t()
         top1 = logits.detach().argmax(-1)
-        assert torch.equal(top1, routing.expert_index[:, 0])
+        assert torch.equal(top1, routing.expert_index[real, 0])
         balance.append(switch_balance_loss(logits, top1))
         z.append(st_moe_z_loss(logits))
     terms = {"balance": torch.stack(balance).mean(), "z": torch.stack(z).mean()}

@@ -91,7 +91,8 @@ def test_the_closed_form_z_loss_gradient_matches_finite_differences_of_its_defin
 
 def routed(k, padded, seed=0):
     """A layer on random tokens: its aux losses, the router logits it computed (retaining their
-    gradient) and the same logits recomputed here from the router weight and the real tokens."""
+    gradient; the layer scores pad tokens too and leaves them out of everything after), the same
+    logits recomputed here from the router weight and the real tokens, and the real-token rows."""
     torch.manual_seed(seed)
     layer = MoELayer(D, H, E, k=k)
     x = torch.randn(3, 7, D)
@@ -110,29 +111,36 @@ def routed(k, padded, seed=0):
     ours = x[~mask].double() @ layer.router.wg.weight.detach().double().t()
     probabilities = router_probabilities(ours)
     assert probabilities.max() < 0.95 and probabilities.min() > 0.01, "routing should be far from one-hot"
-    torch.testing.assert_close(seen["logits"].detach().double(), ours, rtol=1e-5, atol=1e-6)
-    return aux, seen["logits"], ours
+    real = ~mask.reshape(-1)
+    torch.testing.assert_close(seen["logits"].detach()[real].double(), ours, rtol=1e-5, atol=1e-6)
+    return aux, seen["logits"], ours, real
+
+
+def real_rows_of_gradient(layer_logits, real):
+    """The logit gradient of real tokens; a pad token's logits must get none at all."""
+    assert not layer_logits.grad[~real].any()
+    return layer_logits.grad[real].double()
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_balance_loss_and_its_logit_gradient_are_E_times_sum_of_top1_fraction_times_mean_probability(k, padded):
-    aux, layer_logits, logits = routed(k, padded)
+    aux, layer_logits, logits, real = routed(k, padded)
     top1 = logits.argmax(-1)
     assert len(set(top1.tolist())) > 1 and top1_fractions(top1, len(top1)).max() < 1
     want = switch_balance_loss(logits, top1)
     torch.testing.assert_close(aux.balance_loss.double(), want, rtol=1e-5, atol=1e-6)
     aux.balance_loss.backward()
-    torch.testing.assert_close(layer_logits.grad.double(), switch_balance_loss_grad(logits, top1), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(real_rows_of_gradient(layer_logits, real), switch_balance_loss_grad(logits, top1), rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_z_loss_and_its_logit_gradient_are_the_mean_over_real_tokens_of_squared_logsumexp(k, padded):
-    aux, layer_logits, logits = routed(k, padded, seed=1)
+    aux, layer_logits, logits, real = routed(k, padded, seed=1)
     torch.testing.assert_close(aux.z_loss.double(), st_moe_z_loss(logits), rtol=1e-5, atol=1e-6)
     aux.z_loss.backward()
-    torch.testing.assert_close(layer_logits.grad.double(), st_moe_z_loss_grad(logits), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(real_rows_of_gradient(layer_logits, real), st_moe_z_loss_grad(logits), rtol=1e-4, atol=1e-7)
 
 
 def test_the_project_loss_functions_have_the_definitions_gradients_in_float64():

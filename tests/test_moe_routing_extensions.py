@@ -90,6 +90,16 @@ def test_validation_and_inference_neither_count_load_nor_move_the_bias():
     assert torch.equal(layer.router.balance_bias.bias, torch.zeros(E))
 
 
+def test_the_load_behind_the_bias_counts_the_real_tokens_choices_and_no_pad_token():
+    layer = make_layer("sigmoid", bias_rate=0.05)
+    x, pads = torch.randn(3, 10, D), torch.zeros(3, 10, dtype=torch.bool)
+    pads[0, 7:], pads[2, 2:] = True, True
+    layer(x, padding_mask=pads)
+    real = x[~pads]
+    chosen = layer.router(real).expert_index
+    assert torch.equal(layer.router.balance_bias.pending_load, torch.bincount(chosen.reshape(-1), minlength=E))
+
+
 def test_a_skipped_optimizer_step_drops_the_load_it_counted():
     layer = make_layer("sigmoid", bias_rate=0.05)
     layer(torch.randn(30, D))

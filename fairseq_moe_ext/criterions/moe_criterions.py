@@ -29,6 +29,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 COMBINE_METHODS = ChoiceEnum(["average", "sum"])
+# Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
+LAYER_STATS = ("num_tokens", "num_slots", "dropped_slots", "router_entropy_sum")
 
 
 @dataclass
@@ -108,17 +110,23 @@ class MoELossMixin:
         aux = sample_size * (self.moe_gate_loss_wt * balance + self.moe_z_loss_wt * z)
         if reduce:
             loss = loss + aux.to(loss.dtype)
-        logging_output["moe_aux_loss"] = aux.detach().item()
         logging_output["moe_show_expert_load"] = 0 if self.moe_hide_expert_load else 1
-        logging_output["moe_gate_loss"] = balance.detach().item() * sample_size
-        logging_output["moe_z_loss"] = z.detach().item() * sample_size
+        # Every number for the logs crosses to the host in one read per forward (the layers keep
+        # their statistics on the device): a GPU stalls once here, not per layer and statistic.
+        parts = [aux.detach().view(1), balance.detach().view(1), z.detach().view(1)]
+        for r in records:
+            parts.extend(r.aux.stats[key].detach().reshape(-1) for key in (*LAYER_STATS, "expert_slots"))
+        values = iter(torch.cat([p.double() for p in parts]).tolist())
+        logging_output["moe_aux_loss"] = next(values)
+        logging_output["moe_gate_loss"] = next(values) * sample_size
+        logging_output["moe_z_loss"] = next(values) * sample_size
         by_layer = defaultdict(lambda: defaultdict(float))
         for r in records:
             stats = by_layer[short_layer_name(r.layer)]
-            for key in ("num_tokens", "num_slots", "dropped_slots", "router_entropy_sum"):
-                stats[key] += float(r.aux.stats[key])
-            for e, slots in enumerate(r.aux.stats["expert_slots"].tolist()):
-                stats[f"e{e}"] += slots
+            for key in LAYER_STATS:
+                stats[key] += next(values)
+            for e in range(r.aux.stats["expert_slots"].numel()):
+                stats[f"e{e}"] += next(values)
         for layer, stats in by_layer.items():
             for key, value in stats.items():
                 logging_output[f"moe_stat_{layer}_{key}"] = value

@@ -17,9 +17,11 @@ same batch is routed and dropped the same way whether one worker or many process
 """
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+
+from .dispatch import bucket_counts
 
 
 def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> float:
@@ -44,10 +46,20 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: 
     return k * int(abs(capacity_factor) * tokens_per_expert)
 
 
+def expert_capacity_tensor(num_tokens: torch.Tensor, num_experts: int, k: int, capacity_factor: float) -> Optional[torch.Tensor]:
+    """``expert_capacity`` for a token count that lives on the device, computed there (no host read):
+    the same integer as ``expert_capacity(int(num_tokens), ...)``, fp64 products included."""
+    capacity_factor = check_capacity_factor(capacity_factor)
+    if capacity_factor == 0:
+        return None
+    tokens_per_expert = torch.div(num_tokens.long() + (num_experts - 1), num_experts, rounding_mode="floor")
+    return k * torch.floor(abs(capacity_factor) * tokens_per_expert.double()).long()
+
+
 def slots_within_capacity(
     expert_index: torch.Tensor,
     num_experts: int,
-    capacity: int,
+    capacity: Union[int, torch.Tensor],
     priority_score: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Which of the ``[N, k]`` routed slots fit in their expert's capacity.
@@ -55,7 +67,8 @@ def slots_within_capacity(
     Queue order (GShard): every token's first choice before any second choice; within one choice,
     tokens in batch order, or by ascending ``priority_score`` when given (batch-prioritised routing
     passes minus the top-1 gate). Ties keep batch order, so the result is a pure function of the
-    concatenated batch.
+    concatenated batch. ``expert_index`` may hold the id ``num_experts`` for slots that are not
+    routed at all (pad tokens): they queue on their own and never take an expert's place.
     """
     n, k = expert_index.shape
     if priority_score is None:
@@ -64,7 +77,7 @@ def slots_within_capacity(
         token_order = torch.argsort(priority_score, stable=True)
     queue_experts = expert_index.index_select(0, token_order).t().reshape(-1)  # [k*N] in service order
     by_expert = torch.argsort(queue_experts, stable=True)
-    load = torch.bincount(queue_experts, minlength=num_experts)
+    load = bucket_counts(queue_experts, num_experts + 1)
     first_position = torch.cumsum(load, 0) - load
     position = torch.empty_like(by_expert)
     position[by_expert] = torch.arange(k * n, device=expert_index.device) - first_position[queue_experts[by_expert]]

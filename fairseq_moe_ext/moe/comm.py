@@ -9,7 +9,7 @@ rank has no tokens at all) and autograd replays the mirror sequence in backward.
 """
 
 from contextlib import contextmanager
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -142,18 +142,21 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     return out.to(counts.device)
 
 
-def all_gather_rows(x: torch.Tensor, group=None) -> Tuple[torch.Tensor, List[int]]:
+def all_gather_rows(x: torch.Tensor, group=None, sizes: Optional[List[int]] = None) -> Tuple[torch.Tensor, List[int]]:
     """Concatenate every rank's ``x`` along dim 0 in rank order; ranks may hold different row
-    counts, which are returned too. Not differentiable: for routing decisions only."""
+    counts, which are returned too (pass them back as ``sizes`` to gather another tensor with the
+    same rows without gathering and reading them again). Not differentiable: for routing
+    decisions only."""
     if group is None:
         return x, [x.shape[0]]
     world = dist.get_world_size(group)
     rows = on_group_device(x, group)
-    n = torch.tensor([x.shape[0]], dtype=torch.long, device=rows.device)
-    sizes = [torch.empty_like(n) for _ in range(world)]
-    with collective("all-gather of routing decisions", group, [n]):
-        dist.all_gather(sizes, n, group=group)
-    sizes = torch.cat(sizes).tolist()  # one host read: the padding below needs the sizes
+    if sizes is None:
+        n = torch.full((1,), x.shape[0], dtype=torch.long, device=rows.device)  # no host-to-device copy
+        gathered_sizes = [torch.empty_like(n) for _ in range(world)]
+        with collective("all-gather of routing decisions", group, [n]):
+            dist.all_gather(gathered_sizes, n, group=group)
+        sizes = torch.cat(gathered_sizes).tolist()  # one host read: the padding below needs the sizes
     padded = rows.new_zeros((max(sizes),) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in range(world)]

@@ -16,6 +16,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 
+def bucket_counts(index: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``torch.bincount(index, minlength=num_buckets)`` for ``index < num_buckets``, without the
+    device sync CUDA's bincount does to size its output by ``index.max()`` (the size is known
+    here) and without atomic adds (``scatter_add_``): a sum over a ``[len(index), num_buckets]``
+    comparison, a plain reduction, which is exact and repeats bit for bit."""
+    buckets = torch.arange(num_buckets, device=index.device)
+    return (index.reshape(-1, 1) == buckets).sum(0)
+
+
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)

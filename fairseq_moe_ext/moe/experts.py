@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .expert_ffn import expert_ffn
-from .grouped_mm import check_expert_matmul, default_expert_matmul, grouped_linear, select_expert_matmul
+from .grouped_mm import check_expert_matmul, default_expert_matmul, expert_groups, grouped_linear, select_expert_matmul
 
 
 def is_expert(p) -> bool:
@@ -111,16 +111,19 @@ class BatchedExperts(nn.Module):
                 if bias_param is not None:
                     bias_param[i].copy_(b)
 
-    def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """``x`` holds tokens sorted by local expert; ``counts[i]`` rows belong to expert ``i``."""
+    def forward(self, x: torch.Tensor, counts: List[int], device_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` holds tokens sorted by local expert; ``counts[i]`` rows belong to expert ``i``.
+        ``device_counts``: the same counts as an int tensor on ``x``'s device, if the caller has
+        them (the grouped kernel takes its offsets from them instead of copying ``counts`` over)."""
         if len(counts) != self.num_local_experts:
             raise ValueError(f"expected {self.num_local_experts} token counts, got {len(counts)}")
         dropout_p = self.activation_dropout if self.training else 0.0
         w1, b1, w2, b2 = self.batched_fc1_w, self.batched_fc1_b, self.batched_fc2_w, self.batched_fc2_b
         if select_expert_matmul(self.matmul, x, w1) == "grouped_mm":
-            h = self.activation(grouped_linear(x, counts, w1, b1))
+            groups = expert_groups(counts, x.device, device_counts)
+            h = self.activation(grouped_linear(x, groups, w1, b1))
             h = F.dropout(h, p=dropout_p, training=dropout_p > 0)
-            return grouped_linear(h, counts, w2, b2)
+            return grouped_linear(h, groups, w2, b2)
         # Every expert runs, also on zero rows, so every expert weight receives a gradient (zero
         # when unused), exactly as in a single process holding all experts.
         return expert_ffn(x, counts, w1, b1, w2, b2, self.activation, dropout_p)

@@ -17,7 +17,7 @@ checks for it by name, so a torch without it silently keeps the loop.
 """
 
 import os
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -67,48 +67,60 @@ def select_expert_matmul(preference: str, x: torch.Tensor, weight: torch.Tensor,
     return "grouped_mm" if grouped_mm_applies(x, weight, capability) else "loop"
 
 
-def _offsets(counts: List[int], device) -> torch.Tensor:
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+class ExpertGroups(NamedTuple):
+    """Where each expert's rows are, on the host and on the device, built once per expert forward."""
+
+    counts: List[int]  # rows per expert, on the host (bias gradients slice by them)
+    offsets: torch.Tensor  # int32 [E] end row of each expert, what _grouped_mm takes
+    row_expert: torch.Tensor  # int64 [rows] expert of each row (bias addition)
+    empty: torch.Tensor  # bool [E] experts without rows (their weight gradient must be exactly zero)
+
+
+def expert_groups(counts: List[int], device, device_counts: Optional[torch.Tensor] = None) -> ExpertGroups:
+    """From ``device_counts`` (the counts already on ``device``) nothing crosses to or from the
+    host; without them the host counts are copied over once."""
+    if device_counts is None:
+        device_counts = torch.tensor(counts, dtype=torch.int64).to(device)
+    device_counts = device_counts.to(device=device, dtype=torch.int64)
+    row_expert = torch.repeat_interleave(
+        torch.arange(len(counts), device=device), device_counts, output_size=sum(counts)
+    )
+    return ExpertGroups(list(counts), device_counts.cumsum(0).to(torch.int32), row_expert, device_counts == 0)
 
 
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of i] = x[rows of i] @ weight[i]^T + bias[i]``, weight ``[E, out, in]``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, counts):
+    def forward(ctx, x, weight, bias, groups):
         x = x.contiguous()
-        offsets = _offsets(counts, x.device)
-        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
         if bias is not None:
-            row_expert = torch.repeat_interleave(
-                torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device),
-                output_size=x.shape[0],
-            )
-            y = y + bias.index_select(0, row_expert)
-        ctx.save_for_backward(x, weight, offsets)
-        ctx.counts, ctx.has_bias = counts, bias is not None
+            y = y + bias.index_select(0, groups.row_expert)
+        ctx.save_for_backward(x, weight)
+        ctx.groups, ctx.has_bias = groups, bias is not None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, weight, offsets = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        groups = ctx.groups
         grad = grad.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+            grad_x = torch._grouped_mm(grad, weight, offs=groups.offsets)
         if ctx.needs_input_grad[1]:
             # Groups along the reduced dimension: one [out, in] block per expert.
-            grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)
+            grad_w = torch._grouped_mm(grad.t(), x, offs=groups.offsets)
             # An expert without rows must get an exact zero, whatever the kernel leaves there.
-            empty = torch.tensor([c == 0 for c in ctx.counts], device=grad_w.device)
-            grad_w = grad_w.masked_fill(empty.view(-1, 1, 1), 0)
+            grad_w = grad_w.masked_fill(groups.empty.view(-1, 1, 1), 0)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # One reduction per expert over its own rows, exactly as the loop path computes it:
             # bit-equal to it, and no atomic adds (index_add_ on CUDA), so runs repeat bit for bit.
             # The counts are on the host already, so slicing costs no device sync.
             grad_b = grad.new_empty(weight.shape[:2])
-            for i, rows in enumerate(grad.split(ctx.counts)):
+            for i, rows in enumerate(grad.split(groups.counts)):
                 if rows.shape[0] == 0:
                     grad_b[i].zero_()
                 else:
@@ -116,14 +128,16 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def grouped_linear(x: torch.Tensor, counts: List[int], weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if sum(counts) != x.shape[0]:
-        raise ValueError(f"expert row counts add up to {sum(counts)}, but there are {x.shape[0]} rows")
+def grouped_linear(x: torch.Tensor, groups: Union[List[int], ExpertGroups], weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if not isinstance(groups, ExpertGroups):
+        groups = expert_groups(groups, x.device)
+    if sum(groups.counts) != x.shape[0]:
+        raise ValueError(f"expert row counts add up to {sum(groups.counts)}, but there are {x.shape[0]} rows")
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
-            return _GroupedLinear.apply(x, weight, bias, list(counts))
-    return _GroupedLinear.apply(x, weight, bias, list(counts))
+            return _GroupedLinear.apply(x, weight, bias, groups)
+    return _GroupedLinear.apply(x, weight, bias, groups)

@@ -14,18 +14,18 @@ holding the same experts), which makes a W-worker forward equal to one process h
 experts and the concatenated batch.
 """
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from . import comm
 from .cache import MoEAux, MoEAuxCache
-from .capacity import check_capacity_factor, expert_capacity, slots_within_capacity
+from .capacity import check_capacity_factor, expert_capacity_tensor, slots_within_capacity
 from .dispatch import (
+    bucket_counts,
     combine_slots,
     dispatch_slots,
-    gather_unique_rows,
     inverse_permutation,
     permute_rows,
     served_slot_rows,
@@ -134,13 +134,18 @@ class MoELayer(nn.Module):
                 f"padding_mask shape {tuple(padding_mask.shape)} does not match the input's token "
                 f"shape {tuple(x.shape[:-1])}: pass a boolean mask, True at pad tokens"
             )
-        real = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)
-        y_real, aux = self.route_tokens(gather_unique_rows(flat, real))
-        y = y_real.new_zeros(flat.shape).index_copy(0, real, y_real)
+        # Pad tokens stay in place (selecting the real ones would read their number on the host):
+        # their slots go to no expert and they are left out of every statistic.
+        y, aux = self.route_tokens(flat, real=~padding_mask.reshape(-1).bool())
         return _plus(y.view_as(x), shared), aux
 
-    def route_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, MoEAux]:
-        """The MoE function on ``[N, model_dim]`` real tokens."""
+    def route_tokens(self, tokens: torch.Tensor, real: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+        """The MoE function on ``[N, model_dim]`` tokens; ``real`` (``[N]`` bool, default all) marks
+        the tokens that are routed and counted: the others' output is zero.
+
+        One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
+        the all-to-all need as sizes; everything else stays on the tokens' device (see README,
+        "Host syncs: one per layer forward, none in backward")."""
         n, k, num_experts, statistics_group = tokens.shape[0], self.k, self.num_experts, self.statistics_group
         if statistics_group is not None and not self._group_checked:
             # Workers built with different flags would exchange rows of different shapes (at best a
@@ -154,87 +159,126 @@ class MoELayer(nn.Module):
             self._group_checked = True
         routing = self.router(tokens)
         expert_index = routing.expert_index
+        if real is not None:
+            # Pad tokens choose the id num_experts, which no expert holds: sorted after every real
+            # slot, never dispatched, counted nowhere.
+            expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
+        if self.router.balance_bias is not None:
+            self.router.balance_bias.observe(expert_index)  # the real tokens' choices, before capacity
 
         # Losses from world-wide sums (see comm.all_reduce_sum for why its backward also sums).
-        # Counts stay int64 and sums fp32 whatever the router's dtype: with --moe-gating-no-fp32 an
-        # fp16 count overflows at 65,504 tokens per group and bf16 counts 1001 tokens as 1000.
-        top1_count = torch.bincount(expert_index[:, 0], minlength=num_experts)
-        counts = comm.all_reduce_sum(torch.cat([top1_count, top1_count.new_tensor([n])]), statistics_group)
-        lse = torch.logsumexp(routing.logits.float(), dim=-1)
-        prob_sum = routing.probs.sum(0, dtype=torch.float32)
-        sums = comm.all_reduce_sum(torch.cat([prob_sum, lse.pow(2).sum().view(1)]), statistics_group)
+        # Counts stay exact integers and sums fp32 (or wider) whatever the router's dtype: with
+        # --moe-gating-no-fp32 an fp16 count overflows at 65,504 tokens and bf16 counts 1001 as 1000.
+        top1_count = bucket_counts(expert_index[:, 0], num_experts + 1)[:num_experts]
+        num_real = top1_count.sum().view(1)
+        lse_square = torch.logsumexp(routing.logits.float(), dim=-1).pow(2)
+        probs = routing.probs
+        if real is not None:
+            lse_square = torch.where(real, lse_square, 0.0)
+            probs = torch.where(real.unsqueeze(1), probs, 0.0)
+        prob_sum = probs.sum(0, dtype=torch.float32)
+        # One all-reduce for counts and sums (each collective is a point where the faster worker
+        # waits): fp64 holds the int64 counts exactly (below 2^53) and every fp32 sum; with one
+        # process the round trip fp32 -> fp64 -> fp32 changes no bit.
+        totals = comm.all_reduce_sum(
+            torch.cat([top1_count.double(), num_real.double(), prob_sum.double(), lse_square.sum().double().view(1)]),
+            statistics_group,
+        )
+        counts = totals[: num_experts + 1].round().long()
+        sums = totals[num_experts + 1 :].float()
         total_tokens = counts[-1]
         aux_balance = balance_loss(sums[:num_experts], counts[:num_experts], total_tokens)
         aux_z = z_loss(sums[num_experts], total_tokens)
 
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        capacity = expert_capacity(int(total_tokens), num_experts, k, capacity_factor)
-        keep = None
+        capacity = expert_capacity_tensor(total_tokens, num_experts, k, capacity_factor)
+        routed_expert = expert_index.reshape(-1)  # token-major slots (token t, choice j) -> t * k + j
+        slot_expert = routed_expert
         if capacity is not None:
-            keep = self._slots_within_capacity(routing, capacity)
+            keep = self._slots_within_capacity(routing, capacity, expert_index)
+            slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
 
-        # Dispatch: token-major slots (token t, choice j) -> t * k + j, sorted by expert.
-        slot_expert = expert_index.reshape(-1)
-        if keep is None:
+        # Dispatch: slots sorted by expert; unserved ones (pads, dropped) sort last and are cut off.
+        order = torch.argsort(slot_expert, stable=True)
+        expert_load = bucket_counts(slot_expert, num_experts + 1)[:num_experts]
+        loads, exchange = self._read_counts(expert_load)
+        served = sum(loads)
+        if served == n * k:
             # Dropless: sorting is a permutation of all slots, so both directions are gathers.
-            sorted_slots = torch.argsort(slot_expert, stable=True)
-            slot_row = inverse_permutation(sorted_slots)
-            expert_load = torch.bincount(slot_expert, minlength=num_experts)
-            dispatched = dispatch_slots(tokens, sorted_slots, slot_row, k)
-            expert_out = self._run_experts(dispatched, expert_load)
-            y = combine_slots(expert_out, routing.gates, sorted_slots, slot_row)
+            slot_row = inverse_permutation(order)
+            dispatched = dispatch_slots(tokens, order, slot_row, k)
+            expert_out = self._run_experts(dispatched, loads, expert_load, exchange)
+            y = combine_slots(expert_out, routing.gates, order, slot_row)
         else:
-            kept = keep.reshape(-1).nonzero().squeeze(1)
-            kept_expert = slot_expert.index_select(0, kept)
-            sorted_slots = kept.index_select(0, torch.argsort(kept_expert, stable=True))
-            expert_load = torch.bincount(kept_expert, minlength=num_experts)
-            dispatched = dispatch_slots(tokens, sorted_slots, served_slot_rows(sorted_slots, n * k), k)
-            expert_out = self._run_experts(dispatched, expert_load)
-            # Combine: put each slot's output back in its (token, choice) place (dropped slots
-            # stay zero), weight by its gate.
-            slot_out = expert_out.new_zeros(n * k, self.model_dim).index_copy(0, sorted_slots, expert_out)
-            gates = routing.gates.to(slot_out.dtype)
-            y = torch.bmm(gates.unsqueeze(1), slot_out.view(n, k, self.model_dim)).squeeze(1)
-
-        probs = routing.probs.detach()
+            sorted_slots = order[:served]
+            slot_row = served_slot_rows(sorted_slots, n * k)  # unserved slots: row `served`, past the end
+            dispatched = dispatch_slots(tokens, sorted_slots, slot_row, k)
+            expert_out = self._run_experts(dispatched, loads, expert_load, exchange)
+            if served == 0:  # nothing routed here (only padding: fairseq's dummy batch)
+                # Zeros that still depend on expert_out: its backward is this rank's share of the
+                # all-to-all backward, which every rank must issue.
+                y = expert_out.new_zeros(n, self.model_dim) + expert_out.sum()
+            else:
+                # Combine as in the dropless path, with unserved slots (dropped, pads) reading any
+                # served row (row 0) at gate exactly 0: their term adds exactly zero.
+                served_mask = slot_expert < num_experts
+                slot_row = torch.where(served_mask, slot_row, 0)
+                gates = routing.gates * served_mask.view(n, k)
+                y = combine_slots(expert_out, gates, sorted_slots, slot_row)
+        # Statistics for the logs stay on the device; the criterion reads all layers' at once.
+        probs = probs.detach()
+        num_slots = num_real.squeeze(0) * k
         stats = {
-            "num_tokens": torch.tensor(float(n)),
-            "num_slots": torch.tensor(float(n * k)),
-            "dropped_slots": torch.tensor(float(n * k - int(expert_load.sum()))),
-            "expert_slots": torch.bincount(slot_expert, minlength=num_experts).float().cpu(),
-            "router_entropy_sum": -(probs * torch.log(probs.clamp_min(1e-20))).sum().float().cpu(),
+            "num_tokens": num_real.squeeze(0).float(),
+            "num_slots": num_slots.float(),
+            "dropped_slots": (num_slots - expert_load.sum()).float(),
+            "expert_slots": bucket_counts(routed_expert, num_experts + 1)[:num_experts].float(),
+            "router_entropy_sum": -(probs * torch.log(probs.clamp_min(1e-20))).sum().float(),
         }
         return y, MoEAux(aux_balance, aux_z, stats)
 
-    def _slots_within_capacity(self, routing, capacity: int) -> torch.Tensor:
-        expert_index, score, group = routing.expert_index, routing.priority_score, self.statistics_group
+    def _slots_within_capacity(self, routing, capacity, expert_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``expert_index`` (default the router's) may send pad slots to the id ``num_experts``."""
+        score, group = routing.priority_score, self.statistics_group
+        expert_index = routing.expert_index if expert_index is None else expert_index
         if group is None:
             return slots_within_capacity(expert_index, self.num_experts, capacity, score)
         # Capacity is a property of the whole batch (every replica's tokens, not only those the
         # all-to-all brings here): decide on the gathered routing decisions exactly as a single
         # process would, then keep this worker's rows.
         all_index, sizes = comm.all_gather_rows(expert_index, group)
-        all_score = comm.all_gather_rows(score, group)[0] if score is not None else None
+        all_score = comm.all_gather_rows(score, group, sizes)[0] if score is not None else None
         keep = slots_within_capacity(all_index, self.num_experts, capacity, all_score)
         start = sum(sizes[: comm.group_rank(group)])
         return keep[start : start + expert_index.shape[0]]
 
-    def _run_experts(self, dispatched: torch.Tensor, expert_load: torch.Tensor) -> torch.Tensor:
+    def _read_counts(self, expert_load: torch.Tensor) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
+        """The layer's one host read per forward: rows per (global) expert sent from here, and with
+        expert parallelism the rows each rank sends to this one's experts, ``[W, L]`` (exchanged
+        on the device first), as one ``tolist`` of their concatenation."""
         if self.group is None:
-            return self.experts(dispatched, expert_load.tolist())
+            return expert_load.tolist(), None
+        recv_counts = comm.exchange_counts(expert_load.view(self.world_size, self.num_local_experts), self.group)
+        both = torch.cat([expert_load, recv_counts.reshape(-1)]).tolist()
+        return both[: self.num_experts], (recv_counts, both[self.num_experts :])
+
+    def _run_experts(self, dispatched, loads: List[int], expert_load: torch.Tensor, exchange) -> torch.Tensor:
+        if self.group is None:
+            return self.experts(dispatched, loads, expert_load)
         world, local = self.world_size, self.num_local_experts
-        send_counts = expert_load.view(world, local)
-        recv_counts = comm.exchange_counts(send_counts, self.group)  # [source rank, local expert]
-        send_splits = send_counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        recv_counts, recv_flat = exchange  # [source rank, local expert], on the device and the host
+        send_splits = [sum(loads[r * local : (r + 1) * local]) for r in range(world)]
+        recv_splits = [sum(recv_flat[r * local : (r + 1) * local]) for r in range(world)]
         received = comm.all_to_all(dispatched, send_splits, recv_splits, self.group)
         # Rows arrive grouped by source rank; experts want them grouped by local expert.
         row_expert = torch.repeat_interleave(
-            torch.arange(local, device=received.device).repeat(world), recv_counts.reshape(-1)
+            torch.arange(local, device=received.device).repeat(world), recv_counts.reshape(-1).to(received.device),
+            output_size=received.shape[0],
         )
         by_expert = torch.argsort(row_expert, stable=True)
         from_expert = inverse_permutation(by_expert)
-        out = self.experts(permute_rows(received, by_expert, from_expert), recv_counts.sum(0).tolist())
+        local_counts = [sum(recv_flat[i::local]) for i in range(local)]
+        out = self.experts(permute_rows(received, by_expert, from_expert), local_counts, recv_counts.sum(0))
         out = permute_rows(out, from_expert, by_expert)
         return comm.all_to_all(out, recv_splits, send_splits, self.group)
 

@@ -165,8 +165,6 @@ class TopKRouter(nn.Module):
             gates = take_chosen(scores, expert_index)
             if self.normalize_gates or sigmoid:
                 gates = gates / gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
-            if self.balance_bias is not None:
-                self.balance_bias.observe(expert_index)
         # Batch-prioritised routing (Riquelme et al.): when an expert is over capacity, the tokens
         # the router is most confident about are served first.
         priority_score = -gates[:, 0].detach() if self.batch_prioritized else None
