@@ -22,7 +22,6 @@ import torch.nn as nn
 
 from . import comm
 from .collective_device import on_group_device
-from .dispatch import bucket_counts
 
 # The rate DeepSeek-V3 used for most of its training.
 DEFAULT_BIAS_UPDATE_RATE = 0.001
@@ -47,12 +46,11 @@ class BalanceBias(nn.Module):
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
         self.pending_load: Optional[torch.Tensor] = None  # [E] int64, this worker's, since the last update
 
-    def observe(self, expert_index: torch.Tensor) -> None:
-        """Count the chosen experts of one training forward (``[N, k]``; the id ``num_experts``,
-        which pad tokens choose, is not counted)."""
+    def observe(self, load: torch.Tensor) -> None:
+        """Count one training forward's load: ``[E]`` token-slots per expert (the layer's count of
+        its real tokens' choices, pad tokens left out)."""
         if not self.training:
             return
-        load = bucket_counts(expert_index, self.num_experts + 1)[: self.num_experts]
         self.pending_load = load if self.pending_load is None else self.pending_load + load
 
     @torch.no_grad()

@@ -163,8 +163,6 @@ class MoELayer(nn.Module):
             # Pad tokens choose the id num_experts, which no expert holds: sorted after every real
             # slot, never dispatched, counted nowhere.
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
-        if self.router.balance_bias is not None:
-            self.router.balance_bias.observe(expert_index)  # the real tokens' choices, before capacity
 
         # Losses from world-wide sums (see comm.all_reduce_sum for why its backward also sums).
         # Counts stay exact integers and sums fp32 (or wider) whatever the router's dtype: with
@@ -192,15 +190,18 @@ class MoELayer(nn.Module):
 
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = expert_capacity_tensor(total_tokens, num_experts, k, capacity_factor)
-        routed_expert = expert_index.reshape(-1)  # token-major slots (token t, choice j) -> t * k + j
-        slot_expert = routed_expert
+        slot_expert = expert_index.reshape(-1)  # token-major slots (token t, choice j) -> t * k + j
+        # The real tokens' choices before capacity: logged, and the load behind the balance bias.
+        routed_load = bucket_counts(slot_expert, num_experts + 1)[:num_experts]
+        if self.router.balance_bias is not None:
+            self.router.balance_bias.observe(routed_load)
         if capacity is not None:
             keep = self._slots_within_capacity(routing, capacity, expert_index)
             slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
 
         # Dispatch: slots sorted by expert; unserved ones (pads, dropped) sort last and are cut off.
         order = torch.argsort(slot_expert, stable=True)
-        expert_load = bucket_counts(slot_expert, num_experts + 1)[:num_experts]
+        expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
         loads, exchange = self._read_counts(expert_load)
         served = sum(loads)
         if served == n * k:
@@ -232,7 +233,7 @@ class MoELayer(nn.Module):
             "num_tokens": num_real.squeeze(0).float(),
             "num_slots": num_slots.float(),
             "dropped_slots": (num_slots - expert_load.sum()).float(),
-            "expert_slots": bucket_counts(routed_expert, num_experts + 1)[:num_experts].float(),
+            "expert_slots": routed_load.float(),
             "router_entropy_sum": -(probs * torch.log(probs.clamp_min(1e-20))).sum().float(),
         }
         return y, MoEAux(aux_balance, aux_z, stats)
