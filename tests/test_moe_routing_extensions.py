@@ -26,15 +26,19 @@ def set_bias(layer, values):
 @pytest.mark.parametrize("shared, shared_dim", [(0, None), (2, None), (3, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("cf", [0.0, 0.5])
+@pytest.mark.parametrize("padded", [False, True])
 def test_layer_with_shared_experts_bias_and_sigmoid_router_equals_a_per_token_reference(
-        router_type, shared, shared_dim, with_bias, cf):
+        router_type, shared, shared_dim, with_bias, cf, padded):
     layer = make_layer(router_type, shared=shared, shared_dim=shared_dim, bias_rate=0.01 if with_bias else None,
                        capacity_factor=cf, eval_capacity_factor=cf)
     if with_bias:  # large enough to change choices
         set_bias(layer, [0.3, -0.2, 0.0, 0.25] if router_type == "sigmoid" else [0.2, -0.1, 0.0, 0.15])
     x = torch.randn(3, 7, D, requires_grad=True)
-    mask = torch.zeros(3, 7, dtype=torch.bool)
-    mask[0, 4:] = True
+    # fairseq hands the layer no mask at all when a batch has no padding (its own has_pads test).
+    mask = None
+    if padded:
+        mask = torch.zeros(3, 7, dtype=torch.bool)
+        mask[0, 4:] = True
     assert_layer_matches_reference(layer, x, mask, torch.randn(3, 7, D))
     if shared:
         assert layer.shared_experts.ffn.batched_fc1_w.shape == (1, shared * (shared_dim or H), D)

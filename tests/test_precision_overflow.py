@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_on_workers
+from fairseq_moe_ext.moe.balance_bias import balance_biases
 from test_fairseq_expert_parallel import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 
 pytestmark = pytest.mark.slow
@@ -21,6 +22,8 @@ PRECISIONS = {
     "fp16 (not flattened)": ["--fp16", "--fp16-no-flatten-grads"],
     "memory-efficient fp16": ["--memory-efficient-fp16"],
 }
+# Loss-free balancing on: a skipped step must neither move the bias nor keep the load it counted.
+BALANCE_BIAS = ["--moe-balance", "bias", "--moe-bias-update-rate", "0.05"]
 
 
 def cpu_shims():
@@ -64,7 +67,7 @@ def overflow_worker(rank, world, data_dir, flags):
     cpu_shims()
     # No clipping: an infinite norm clips every gradient to zero, and Adam's step on zeros would leave
     # the weights of a worker that wrongly stepped unchanged.
-    argv = training_args(data_dir, world, ["--ddp-backend", "legacy_ddp", "--clip-norm", "0", *flags])
+    argv = training_args(data_dir, world, ["--ddp-backend", "legacy_ddp", "--clip-norm", "0", *BALANCE_BIAS, *flags])
     task, trainer = build_trainer(with_adam(argv))
     if "--amp" in flags:
         # fairseq's AMPOptimizer builds torch.cuda.amp.GradScaler, which disables itself without CUDA:
@@ -85,6 +88,8 @@ def overflow_worker(rank, world, data_dir, flags):
         "scale_before": scale_before,
         "scale_after": loss_scale(trainer.optimizer),
         "num_updates": trainer.get_num_updates(),
+        "biases": [bias.bias.clone() for bias, _ in balance_biases(model)],
+        "pending_loads": [bias.pending_load for bias, _ in balance_biases(model)],
     }
 
 
@@ -99,6 +104,9 @@ def test_an_inf_in_one_expert_gradient_on_one_worker_makes_every_worker_skip_the
         assert result["changed"] == [], f"rank {rank} stepped on an overflow: {result['changed'][:3]}"
         assert result["num_updates"] == 0
         assert result["scale_after"] < result["scale_before"], f"rank {rank} did not back off its loss scale"
+        # The biases start at zero; the load counted for the skipped step is dropped, not kept.
+        assert len(result["biases"]) == 2 and all(not b.any() for b in result["biases"]), f"rank {rank}'s bias moved"
+        assert result["pending_loads"] == [None, None], f"rank {rank} kept the load of a skipped step"
     assert results[0]["scale_after"] == results[1]["scale_after"]
     experts = set(results[0]["expert_names"])
     for name, value in results[0]["params"].items():
