@@ -8,14 +8,15 @@
 # once ONESHOT_DEADLINE_S (default 510) seconds have passed since the start, what is left says
 # SKIP (deadline). $OUT gets summary.txt, figures.json and logs.tar.gz (no .pt files). Exit 1 if a
 # line is FAIL, 2 when python3 or torch is missing (the summary says which).
-# Wheels in .whl/ (benchmarks/device/prepare_wheels.sh) are installed first with --no-index --no-deps
-# --target. ONESHOT_DRY_RUN=1: the same checks on CPU with tiny sizes, under this machine's Python
-# narrowed to the GPU machine's packages (benchmarks/device/device_site); CUDA-only parts say
-# SKIP (cuda). ONESHOT_ONLY=env,layer,... runs some checks; ONESHOT_WORK keeps the scratch folder.
+# Wheels in .whl/ (ONESHOT_WHEELS; benchmarks/device/prepare_wheels.sh) are installed first with
+# --no-index --no-deps --target. Without CUDA (and not a dry run) only the environment step runs.
+# ONESHOT_DRY_RUN=1: the same checks on CPU with tiny sizes, under this machine's Python narrowed to
+# the GPU machine's packages (benchmarks/device/device_site); CUDA-only parts say SKIP (cuda).
+# ONESHOT_ONLY=env,layer,... runs some checks; ONESHOT_WORK keeps the scratch folder.
 set -uo pipefail
 
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
     echo "usage: [ONESHOT_DRY_RUN=1] [ONESHOT_DEADLINE_S=510] [OUT=dir] bash benchmarks/gpu_oneshot.sh"
     exit 0
 fi
@@ -24,6 +25,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 export ONESHOT_STARTED=$(date +%s)
 DRY_RUN=${ONESHOT_DRY_RUN:-0}
+WHEELS=${ONESHOT_WHEELS:-.whl}
 OUT=${OUT:-$ROOT/work-dirs/oneshot-out}
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
@@ -55,18 +57,18 @@ if [[ "$DRY_RUN" == 1 ]]; then
     export DEVICE_SITE_MISSING=${DEVICE_SITE_MISSING:-pytest} DEVICE_SITE_LOG="$ONESHOT_WORK/logs/refused-imports.txt"
     export CUDA_VISIBLE_DEVICES=
     say "SKIP wheels: (dry run) the cp312 set is not installed here; imports are narrowed to the GPU machine's packages and benchmarks/device/wheels.txt"
-elif compgen -G ".whl/*.whl" >/dev/null; then
+elif compgen -G "$WHEELS/*.whl" >/dev/null; then
     started=$SECONDS
     if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ONESHOT_WORK/site" \
-            .whl/*.whl >"$ONESHOT_WORK/logs/wheels.log" 2>&1; then
-        say "PASS wheels: $(ls .whl/*.whl | wc -l) wheels installed with --no-index --no-deps --target in $(( SECONDS - started ))s"
+            "$WHEELS"/*.whl >"$ONESHOT_WORK/logs/wheels.log" 2>&1; then
+        say "PASS wheels: $(ls "$WHEELS"/*.whl | wc -l) wheels installed with --no-index --no-deps --target in $(( SECONDS - started ))s"
     else
         say "FAIL wheels: pip install --no-index --no-deps failed: $(tail -n 1 "$ONESHOT_WORK/logs/wheels.log")"
     fi
     # The tree under test comes first; the installed set supplies fairseq, hydra, omegaconf, ...
     export PYTHONPATH="$ROOT:$ONESHOT_WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 else
-    say "INFO wheels: no .whl/*.whl travelled (carry .whl after benchmarks/device/prepare_wheels.sh); using what $PYTHON has"
+    say "INFO wheels: no $WHEELS/*.whl travelled (carry .whl after benchmarks/device/prepare_wheels.sh); using what $PYTHON has"
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 

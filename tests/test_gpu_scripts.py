@@ -72,6 +72,15 @@ def test_once_the_deadline_has_passed_every_check_says_skip_and_the_files_still_
     assert {p.name for p in out.iterdir()} == {"summary.txt", "figures.json", "logs.tar.gz"}
 
 
+@pytest.mark.slow
+def test_without_cuda_a_gpu_run_reports_the_environment_and_skips_the_gpu_sized_checks_instead_of_running_them(tmp_path):
+    done, summary, _ = oneshot(tmp_path, ONESHOT_WHEELS=str(tmp_path / "no-wheels"), ONESHOT_ONLY="env,layer,fairseq")
+    status = status_of(summary)
+    assert done.returncode == 1  # env_versions: no CUDA device
+    assert status["env_plugin_model"] == "PASS" and status["env_versions"] == "FAIL"
+    assert [s.split(":")[0] for s in summary if "(cuda) torch" in s] == ["SKIP layer", "SKIP fairseq"]
+
+
 def test_without_python_the_summary_says_so_instead_of_no_cuda_device(tmp_path):
     done, summary, _ = oneshot(tmp_path, PYTHON="python3-not-installed-here")
     assert done.returncode == 2

@@ -51,6 +51,17 @@ def run_step(name, script, budget, deadline):
     return status
 
 
+def cuda_missing():
+    """Why this GPU run cannot use CUDA (None when it can)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available(), torch.__version__)"],
+                           capture_output=True, text=True)
+    words = probe.stdout.split()
+    if probe.returncode == 0 and words and words[0] == "True":
+        return None
+    return (f"torch {words[1] if len(words) > 1 else '?'} sees no CUDA device (env_versions says more); the "
+            f"GPU-sized checks are not run on the CPU")
+
+
 def summarize(figures_lines, out, started):
     records = [json.loads(line) for line in figures_lines if line.strip()]
     counts = {s: sum(r["status"] == s for r in records) for s in ("PASS", "FAIL", "SKIP")}
@@ -73,14 +84,20 @@ def main():
     figures = WORK / "figures.jsonl"
     os.environ.update(ONESHOT_SUMMARY=str(out / "summary.txt"), ONESHOT_FIGURES=str(figures))
     only = [s for s in os.environ.get("ONESHOT_ONLY", "").split(",") if s]
+    no_cuda = None
     for name, script, budget, least in STEPS:
         if only and name not in only:
+            continue
+        if no_cuda:  # GPU sizes on a CPU would only spend the lease
+            emit("SKIP", name, f"(cuda) {no_cuda}")
             continue
         if deadline - time.time() < least:
             emit("SKIP", name, f"(deadline) {max(deadline - time.time(), 0):.0f}s left of "
                  f"{os.environ.get('ONESHOT_DEADLINE_S', '510')}s, it needs at least {least}s")
             continue
         run_step(name, script, budget, deadline)
+        if name == "env" and not DRY_RUN:
+            no_cuda = cuda_missing()
     failed = summarize(figures.read_text().splitlines() if figures.exists() else [], out, started)
     sys.exit(1 if failed else 0)
 
