@@ -32,6 +32,7 @@ from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
+from .moe.torch_compat import foreach_mul_
 from .process_state import STATE
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
@@ -223,7 +224,7 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
         clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
         grads = [p.grad.detach() for p in params if p is not None and p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+            foreach_mul_(grads, clip_coef.to(grads[0].device))
     return total_norm
 
 
@@ -283,7 +284,7 @@ class ExpertParallelModel(ModuleProxyWrapper):
             sum_expert_grads_over_replicas(experts, self.replica_group)
         grads = [p.grad for p in experts if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, 1.0 / self.world_size)
+            foreach_mul_(grads, 1.0 / self.world_size)
 
 
 def unsupported_backend_error(backend: str) -> ValueError:

@@ -31,7 +31,7 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
     bias = None if router.balance_bias is None else router.balance_bias.bias
     probs, choices = {}, {}
     for t in real:
-        logits = F.linear(flat[t].float(), router.wg.weight.float())
+        logits = reference_logits(router, flat[t])
         # Softmax, or DeepSeek-V3's independent sigmoid per expert.
         p = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
         # Loss-free balancing chooses by score + bias; without a bias, by logit.
@@ -68,6 +68,18 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
                     y = y + probs[t][j].to(flat.dtype) * F.linear(h, experts.batched_fc2_w[e], experts.batched_fc2_b[e])
         out.append(y)
     return torch.stack(out).view(shape), kept
+
+
+def reference_logits(router, token):
+    """One token's router logits in fp32: a linear projection, or (cosine) the scaled cosine of the
+    projected token against each expert's vector, the scale exp(temperature) capped at 100."""
+    if router.router_type != "cosine":
+        return F.linear(token.float(), router.wg.weight.float())
+    proj = router.cosine_projector
+    h = F.linear(token.float(), proj.weight.float(), proj.bias.float())
+    sim = router.sim_matrix.float()
+    scale = torch.clamp(router.temperature.float(), max=math.log(100.0)).exp()
+    return torch.stack([h @ sim[:, e] / (h.norm() * sim[:, e].norm()) for e in range(sim.shape[1])]) * scale
 
 
 def reference_shared_experts(layer, token, activation=F.relu):

@@ -3,7 +3,7 @@
 What runs on a CPU-only torch: --bf16, --memory-efficient-bf16, --memory-efficient-fp16 and
 --fp16 with per-parameter gradients (which this plugin picks for multi-worker MoE runs). fairseq's
 flattened --fp16 asks torch.cuda for its buffer's device and --amp's GradScaler disables itself
-without CUDA, so those two are checked on GPUs (benchmarks/gpu_smoke.sh).
+without CUDA, so those two are checked on GPUs (benchmarks/gpu_oneshot.sh).
 """
 
 from pathlib import Path

@@ -32,6 +32,7 @@ from torch.amp.grad_scaler import OptState
 
 from .. import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
+from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from .saving import is_expert_parallel_trainer
@@ -128,7 +129,7 @@ def mark_overflow(scaler, optimizer) -> None:
     """Make ``scaler.step(optimizer)`` skip and ``scaler.update()`` back off, as if this worker had
     found the inf itself. Before clip_grad_norm unscaled the gradients there is nothing recorded yet:
     unscale here, so the record exists."""
-    state = scaler._per_optimizer_states[id(optimizer)]
+    state = scaler_optimizer_state(scaler, optimizer)
     if state["stage"] is OptState.READY:
         scaler.unscale_(optimizer)
     for found_inf in state["found_inf_per_device"].values():

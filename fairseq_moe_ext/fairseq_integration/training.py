@@ -12,6 +12,7 @@ from .. import distributed as moe_dist
 from ..checkpoint.compat import flag
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
 from ..moe.balance_bias import balance_biases, update_balance_biases
+from ..moe.torch_compat import ignore_in_ddp
 from ..process_state import STATE
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,7 @@ def wrap_distributed_model(original):
             model = model.to(device)
             moe_dist.check_shared_parameters_agree(model, process_group)
             if backend in ("c10d", "pytorch_ddp"):
-                torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    model, moe_dist.expert_parameter_names(model)
-                )
+                ignore_in_ddp(model, moe_dist.expert_parameter_names(model))
         if backend in ("c10d", "pytorch_ddp") and device.type == "cpu":
             # fairseq passes device_ids=[device_id], which torch refuses for CPU modules.
             wrapped = ModuleProxyWrapper(

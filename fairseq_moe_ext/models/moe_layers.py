@@ -17,6 +17,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.utils import safe_getattr
 
 from ..moe import MoELayer
+from ..moe.torch_compat import check_backward_detection
 from ..process_state import STATE
 from .moe_config import bias_update_rate, moe_freq, moe_option
 
@@ -164,6 +165,7 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, gro
 def wrap_for_checkpointing(layer: nn.Module, cfg) -> nn.Module:
     if not safe_getattr(cfg, "checkpoint_activations", False):
         return layer
+    check_backward_detection()
     # fairseq's own checkpoint_wrapper runs the first forward under no_grad, which would cut the
     # balance loss off the graph; torch's non-reentrant checkpoint keeps it (see moe/cache.py).
     # Like fairseq's wrapper, replace forward on the instance so parameter names do not change.

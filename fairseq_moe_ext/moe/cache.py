@@ -23,6 +23,8 @@ from typing import Dict, List
 
 import torch
 
+from .torch_compat import current_graph_task_id
+
 
 @dataclass
 class MoEAux:
@@ -42,8 +44,9 @@ class UncollectedMoELossError(RuntimeError):
 
 
 def inside_backward() -> bool:
-    current_task = getattr(torch._C, "_current_graph_task_id", None)
-    return current_task is not None and current_task() != -1
+    # None (torch cannot tell): only checkpointing records inside backward, and it is refused then.
+    task = current_graph_task_id()
+    return task is not None and task != -1
 
 
 class MoEAuxCache:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .torch_compat import relu_backward_
+
 _RELU = (F.relu, torch.relu)
 
 
@@ -113,7 +115,7 @@ class _ExpertFFN(torch.autograd.Function):
             if mask is not None:
                 grad_h.mul_(mask[start:end]).mul_(scale)
             if ctx.relu:
-                torch.ops.aten.threshold_backward.grad_input(grad_h, h, 0, grad_input=grad_h)
+                relu_backward_(grad_h, h)
                 grad_a = grad_h
             else:
                 (grad_a,) = torch.autograd.grad(h, a, grad_h)

@@ -23,6 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .expert_ffn import bias_grad
+from .torch_compat import check_grouped_mm, has_grouped_mm
 
 EXPERT_MATMULS = ("auto", "loop", "grouped_mm")
 ENV_VAR = "FAIRSEQ_MOE_EXPERT_MATMUL"
@@ -34,6 +35,8 @@ ACCELERATED_CAPABILITY_MAJORS = (9, 10)
 def check_expert_matmul(name: str) -> str:
     if name not in EXPERT_MATMULS:
         raise ValueError(f"unknown expert matmul {name!r}: choose one of {', '.join(EXPERT_MATMULS)}")
+    if name == "grouped_mm":
+        check_grouped_mm()
     return name
 
 
@@ -46,7 +49,7 @@ def grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor, capability=None) -
 
     ``capability`` is the device's (major, minor); read from the device when None (tests pass it).
     """
-    if not hasattr(torch, "_grouped_mm"):
+    if not has_grouped_mm():
         return False
     if x.device.type != "cuda" or weight.device.type != "cuda":
         return False
