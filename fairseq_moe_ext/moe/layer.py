@@ -234,7 +234,9 @@ class MoELayer(nn.Module):
             "num_slots": num_slots.float(),
             "dropped_slots": (num_slots - expert_load.sum()).float(),
             "expert_slots": routed_load.float(),
-            "router_entropy_sum": -(probs * torch.log(probs.clamp_min(1e-20))).sum().float(),
+            # In fp32 whatever the router's dtype: pads' (and underflowed) probabilities are 0, and
+            # 0 * log(0) must count 0 (xlogy), not NaN as with fp16's clamp_min(1e-20) == 0.
+            "router_entropy_sum": -torch.special.xlogy(probs.float(), probs.float()).sum(),
         }
         return y, MoEAux(aux_balance, aux_z, stats)
 
