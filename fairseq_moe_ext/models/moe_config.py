@@ -19,6 +19,7 @@ from ..distributed import (
     set_expert_parallel_size,
     unsupported_backend_error,
 )
+from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.router import ROUTER_TYPES
 
@@ -145,8 +146,9 @@ class MoEConfig(FairseqDataclass):
                                "copy (seeded by --seed; default 0: exact copies)"},
     )
     moe_upcycle_router_std: float = field(
-        default=0.0, metadata={"help": "with --moe-upcycle-from: std of the router's initial weights (seeded by "
-                               "--seed; default 0: zero, every expert ties)"},
+        default=DEFAULT_ROUTER_STD,
+        metadata={"help": f"with --moe-upcycle-from: std of the router's initial weights (seeded by --seed; default "
+                  f"{DEFAULT_ROUTER_STD:g}: tokens spread over the experts; 0: every token picks the same experts)"},
     )
 
 
