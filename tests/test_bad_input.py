@@ -410,7 +410,7 @@ CASES = [
          "--moe-expert-parallel-size must be a positive integer, got 0",
          "use a P dividing both the number of workers and --moe-expert-count, or drop it for the default"),
     Case("zero-comm-timeout", fairseq_train, fresh_training("--moe-comm-timeout", "0"), "ValueError",
-         "--moe-comm-timeout must be a positive number of seconds, got 0.0", "use e.g. 1800"),
+         "--moe-comm-timeout must be a positive number of seconds, got 0.0", "use e.g. 600"),
     Case("unknown-router", fairseq_train, fresh_training("--moe-router", "hash"), "train.py: error",
          "argument --moe-router: invalid choice: 'hash'", "choose from 'top', 'cosine'"),
     Case("negative-shared-expert-count", fairseq_train, fresh_training("--moe-shared-expert-count", "-1"),
