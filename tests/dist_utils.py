@@ -4,6 +4,7 @@ import os
 import socket
 import tempfile
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -58,9 +59,11 @@ def run_on_workers(fn, world_size, *args):
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
 
 
-def _recording_worker(rank, world_size, port, fn, args, out_dir):
+def _recording_worker(rank, world_size, port, fn, args, out_dir, timeout_s=None):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            **timeout)
     try:
         result = {"returned": fn(rank, world_size, *args)}
     except Exception as error:  # the outcome under test: recorded, not raised
@@ -69,16 +72,17 @@ def _recording_worker(rank, world_size, port, fn, args, out_dir):
     os._exit(0)  # no process-group teardown: its peers may be gone
 
 
-def run_workers_through_faults(fn, world_size, *args, deadline=120.0):
+def run_workers_through_faults(fn, world_size, *args, deadline=120.0, timeout_s=None):
     """Like ``run_on_workers``, but a worker that dies does not stop the others (as under a
-    launcher that does not watch its workers). Returns, by rank, ``{"returned": value}``,
+    launcher that does not watch its workers); ``timeout_s``: the default process group's timeout
+    (torch's 30 minutes if None). Returns, by rank, ``{"returned": value}``,
     ``{"error": type name, "message": str, "at": time.monotonic()}``, or ``None`` for a worker
     that left no result (killed) or was still running at the deadline (then killed)."""
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         workers = [
-            context.Process(target=_recording_worker, args=(rank, world_size, port, fn, args, out_dir))
+            context.Process(target=_recording_worker, args=(rank, world_size, port, fn, args, out_dir, timeout_s))
             for rank in range(world_size)
         ]
         for worker in workers:

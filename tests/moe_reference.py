@@ -39,7 +39,8 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
         order = sorted(range(num_experts), key=lambda e: (-float(choose_by[e].detach()), e))[:k]
         g = torch.stack([p[e] for e in order])  # the gates never see the bias
         if router.normalize_gates or sigmoid:
-            g = g / g.sum()
+            # k = 1: the gate's value is 1, its gradient that of log p (the router's straight-through).
+            g = g / (g.sum().detach() if k == 1 else g.sum())
         probs[t], choices[t] = g, order
 
     if choices_out is not None:

@@ -10,6 +10,7 @@ other, so they go two at a time (one per core) in the background as soon as thei
 each test then waits for its own run. ``-k`` selects cases as usual: only selected cases run.
 """
 
+import glob
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +138,16 @@ def fairseq_generate(args):
 def two_workers(args):
     # --ddp-backend first: a case's own --ddp-backend comes later and wins.
     return torchrun(2, BIN / "fairseq-train", ["--ddp-backend", "legacy_ddp", *args], expect_failure=True)
+
+
+def two_workers_one_running_out_of_memory(args):
+    """Rank 1's own output: its experts run out of device memory in the first step (the probe); rank
+    0 stops with the same line, relayed (tests/test_out_of_memory.py checks both)."""
+    probe = Path(__file__).parent / "fairseq_out_of_memory_probe.py"
+    with tempfile.TemporaryDirectory() as logs:
+        torchrun(2, probe, ["--ddp-backend", "legacy_ddp", *args], expect_failure=True, log_dir=logs, redirects=3)
+        found = {Path(p).name: Path(p).read_text() for p in glob.glob(f"{logs}/**/1/std*.log", recursive=True)}
+        return found.get("stdout.log", "") + found.get("stderr.log", "")  # the traceback last
 
 
 def two_workers_without_world_size(args):
@@ -410,7 +422,7 @@ CASES = [
          "--moe-expert-parallel-size must be a positive integer, got 0",
          "use a P dividing both the number of workers and --moe-expert-count, or drop it for the default"),
     Case("zero-comm-timeout", fairseq_train, fresh_training("--moe-comm-timeout", "0"), "ValueError",
-         "--moe-comm-timeout must be a positive number of seconds, got 0.0", "use e.g. 1800"),
+         "--moe-comm-timeout must be a positive number of seconds, got 0.0", "use e.g. 600"),
     Case("unknown-router", fairseq_train, fresh_training("--moe-router", "hash"), "train.py: error",
          "argument --moe-router: invalid choice: 'hash'", "choose from 'top', 'cosine'"),
     Case("negative-shared-expert-count", fairseq_train, fresh_training("--moe-shared-expert-count", "-1"),
@@ -456,6 +468,11 @@ CASES = [
     Case("ddp-backend-that-would-shard-experts", two_workers, fresh_training("--ddp-backend", "fully_sharded"),
          "ValueError", "--ddp-backend fully_sharded is not supported with MoE models",
          "use --ddp-backend legacy_ddp (or c10d / pytorch_ddp)"),
+    Case("out-of-memory-on-one-of-two-workers", two_workers_one_running_out_of_memory,
+         fresh_training("--no-save", "--moe-comm-timeout", "30"),  # a hang would end there, not at 600 s
+         "fairseq_moe_ext.fairseq_integration.training.MoEOutOfMemoryError",
+         "worker 1 of 2 ran out of device memory in training",
+         "bound them with --moe-capacity-factor (e.g. 1.25) or lower --max-tokens"),
     Case("launcher-and-fairseq-disagree-on-world-size", two_workers_without_world_size, fresh_training(),
          "ValueError", "the launcher started 2 workers (WORLD_SIZE=2) but fairseq runs each of them as a 1-worker job",
          "add --distributed-world-size 2"),

@@ -39,6 +39,7 @@ CHECKED_SOURCES = {
     "fairseq.tasks.fairseq_task.FairseqTask.inference_step": "23b553e9b2aafed7",
     "fairseq.options.parse_args_and_arch": "535ef04316810361",
     "fairseq.trainer.Trainer._build_optimizer": "a49af54c95d127e9",
+    "fairseq.trainer.Trainer._log_oom": "63dc7121e2fe08ec",
     "fairseq.trainer.Trainer._prepare_sample": "f997ae54f7c2fc5b",
     "fairseq.trainer.Trainer.checkpoint_suffix": "c6fdaf06fdd0efbd",
     "fairseq.trainer.Trainer.load_checkpoint": "128800d64185aede",

@@ -51,3 +51,22 @@ def test_a_half_precision_router_sizes_expert_capacity_from_the_exact_token_coun
     capacity = K * -(-tokens // E)
     assert aux.stats["dropped_slots"].item() == K * (tokens - capacity)
     assert aux.stats["expert_slots"][:2].tolist() == [tokens, tokens]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_half_precision_router_logs_the_fp64_entropy_of_its_real_tokens_also_when_the_batch_has_padding(dtype):
+    # Pad tokens' probabilities are zeroed before the entropy; 0 * log(clamp(0, 1e-20)) must stay 0,
+    # but 1e-20 is 0 in fp16 (and a sharp router's small probabilities underflow there too).
+    layer = half_router_layer(dtype)
+    with torch.no_grad():
+        layer.router.wg.weight.mul_(40.0)  # sharp: some probabilities underflow to 0 in fp16
+    x = torch.randn(6, 5, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    padding = torch.zeros(6, 5, dtype=torch.bool)
+    padding[1, 3:] = padding[4, 1:] = True
+    _, aux = layer.forward_with_aux(x, padding)
+    with torch.no_grad():
+        probs = layer.router(x.reshape(-1, D)).probs.double()[~padding.reshape(-1)]
+    want = -torch.special.xlogy(probs, probs).sum()
+    got = aux.stats["router_entropy_sum"]
+    assert torch.isfinite(got), got
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

@@ -231,3 +231,106 @@ def test_grouped_mm_output_bias_gradient_is_bit_equal_to_the_loop_path_for_long_
         (experts(x, counts) * upstream).sum().backward()
     assert torch.equal(grouped.batched_fc2_b.grad, loop.batched_fc2_b.grad)
     assert grouped.batched_fc2_b.grad[1].abs().sum() == 0 and grouped.batched_fc1_b.grad[1].abs().sum() == 0
+
+
+class PromisingGroupedKernel:
+    """A stand-in for ``torch._grouped_mm`` on CUDA that asserts what the kernel promises to handle
+    (written from torch's GroupedMMUtils.h and cuda/GroupMMCommon.cuh, independently of the code
+    under test), then computes per group in fp64. ``calls`` counts what reached it."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def check_operand(name, t):
+        assert t.data_ptr() % 16 == 0, f"{name}: data pointer not 16-byte aligned"
+        per_16_bytes = 16 // t.element_size()
+        (rows, cols), (row_stride, col_stride) = t.shape[-2:], t.stride()[-2:]
+        if row_stride == 1 and col_stride >= max(1, rows):
+            assert col_stride % per_16_bytes == 0, f"{name}: stride {col_stride} not a multiple of 16 bytes"
+        elif col_stride == 1 and row_stride >= max(1, cols):
+            assert row_stride % per_16_bytes == 0, f"{name}: stride {row_stride} not a multiple of 16 bytes"
+        else:
+            raise AssertionError(f"{name}: invalid strides {t.stride()} for sizes {tuple(t.shape)}")
+
+    def __call__(self, a, b, offs=None):
+        self.check_operand("mat_a", a)
+        self.check_operand("mat_b", b)
+        assert offs is not None and offs.dtype == torch.int32 and offs.dim() == 1
+        ends = offs.tolist()
+        sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+        assert ends[-1] > 0, "no rows in total: no stride passes torch's checks (pytorch#192497)"
+        if a.dim() == 2 and b.dim() == 2:
+            # Groups along the reduced dimension: K = 0 is a device-side assert, a hang or garbage.
+            assert min(sizes) > 0, f"an empty group in the weight gradient: {sizes}"
+            self.calls.append("weight gradient")
+            blocks = [a[:, s - n:s].double() @ b[s - n:s].double() for n, s in zip(sizes, ends)]
+            return torch.stack(blocks).to(a.dtype)
+        self.calls.append("rows")
+        return torch.cat([a[s - n:s].double() @ b[i].double() for i, (n, s) in enumerate(zip(sizes, ends))]).to(a.dtype)
+
+
+def misaligned(t):
+    """``t``'s values in a contiguous tensor whose data starts 4 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+GROUPED_EDGE_CASES = {  # name: (counts, input maker, upstream gradient maker)
+    "empty groups": ([5, 0, 8, 3], torch.clone, torch.clone),
+    "every row on one expert": ([0, 16, 0, 0], torch.clone, torch.clone),
+    "no rows at all": ([0, 0, 0, 0], torch.clone, torch.clone),
+    "busy experts only": ([4, 8, 2, 2], torch.clone, torch.clone),
+    "misaligned input": ([4, 8, 2, 2], misaligned, torch.clone),
+    "misaligned upstream gradient": ([4, 8, 2, 2], torch.clone, misaligned),
+    "non-contiguous upstream gradient": ([4, 8, 2, 2], torch.clone, lambda g: torch.cat([g, g], 1)[:, ::2]),
+}
+
+
+@pytest.mark.parametrize("case", GROUPED_EDGE_CASES)
+def test_the_grouped_kernel_is_handed_only_calls_it_promises_to_handle_and_the_rest_equals_the_loop(
+        monkeypatch, case):
+    counts, make_input, make_upstream = GROUPED_EDGE_CASES[case]
+    kernel = PromisingGroupedKernel()
+    monkeypatch.setattr(torch, "_grouped_mm", kernel, raising=False)
+    loop = BatchedExperts(16, 32, 4, matmul="loop", activation="gelu")
+    grouped = BatchedExperts(16, 32, 4, matmul="grouped_mm", activation="gelu")
+    grouped.load_state_dict(loop.state_dict())
+    g = torch.Generator().manual_seed(5)
+    x, upstream = torch.randn(sum(counts), 16, generator=g), torch.randn(sum(counts), 16, generator=g)
+    results = []
+    for experts in (loop, grouped):
+        xi = make_input(x).requires_grad_()
+        experts(xi, counts).backward(make_upstream(upstream))
+        results.append([xi.grad] + [p.grad for p in experts.parameters()])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for i, rows in enumerate(counts):
+        if rows == 0:  # an idle expert's gradient is an exact zero, on either path
+            assert all(p.grad[i].abs().sum() == 0 for p in grouped.parameters())
+    if case == "busy experts only":  # what the kernel can do, it still does
+        assert kernel.calls == ["rows"] * 2 + ["rows", "weight gradient"] * 2, kernel.calls
+
+
+def operand(sizes, strides, data_ptr=0, element_size=2):
+    return gm.Operand(data_ptr, tuple(sizes), tuple(strides), element_size)
+
+
+ROWS = operand([24, 16], [16, 1])  # tokens x model dim, bf16, row-major
+WEIGHTS_T = operand([4, 16, 32], [512, 1, 16])  # experts x in x out, a transposed [E, out, in]
+
+
+@pytest.mark.parametrize("a, b, counts, takes", [
+    (ROWS, WEIGHTS_T, [8, 8, 8, 0], True),  # forward / input gradient: empty groups are fine
+    (ROWS, WEIGHTS_T, [0, 0, 0, 0], False),  # nothing to compute
+    (operand([24, 16], [16, 1], data_ptr=8), WEIGHTS_T, [8, 8, 8, 0], False),  # 8 bytes off alignment
+    (operand([24, 12], [12, 1]), operand([4, 12, 32], [384, 1, 12]), [8, 8, 8, 0], False),  # rows of 24 bytes
+    (operand([24, 16], [1, 24]), WEIGHTS_T, [8, 8, 8, 0], True),  # column-major, 48-byte leading stride
+    (operand([24, 16], [32, 2]), WEIGHTS_T, [8, 8, 8, 0], False),  # no unit stride
+    (operand([32, 24], [1, 32]), ROWS, [8, 8, 5, 3], True),  # weight gradient: grad^T x rows, busy groups
+    (operand([32, 24], [1, 32]), ROWS, [8, 8, 8, 0], False),  # ... an empty group
+    (operand([32, 24], [24, 1]), ROWS, [8, 5, 8, 3], False),  # row-major grad: group of 10 bytes
+    (operand([32, 24], [24, 1]), ROWS, [8, 8, 8, 3], True),  # ... only the last group may be ragged
+], ids=lambda v: "" if isinstance(v, gm.Operand) else str(v))
+def test_the_grouped_kernel_takes_a_product_only_where_torch_promises_to_handle_it(a, b, counts, takes):
+    assert gm.kernel_takes(a, b, counts) is takes

@@ -69,6 +69,18 @@ def test_one_process_layer_syncs_once_per_forward_and_never_in_backward(path, ro
     assert backward.count == 0, backward.summary()
 
 
+@pytest.mark.parametrize("matmul", ["loop", "grouped_mm"])
+def test_shared_experts_add_no_host_sync_to_the_layer_forward_on_either_expert_path(matmul):
+    # The shared experts run as one expert of all the tokens: their one row count is the input's
+    # shape, known on the host, and must not cross to the device as a copy (a second sync).
+    torch.manual_seed(0)
+    layer = MoELayer(D, H, E, k=2, shared_expert_count=2)
+    layer.experts.matmul = layer.shared_experts.ffn.matmul = matmul
+    forward, backward = census_of_one_step(layer, *tokens(4, padded=True))
+    assert forward.count <= 1, forward.summary()
+    assert backward.count == 0, backward.summary()
+
+
 def test_the_census_sees_every_kind_of_host_sync():
     t = torch.arange(6)
     with SyncCensus() as census:

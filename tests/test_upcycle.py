@@ -48,7 +48,7 @@ def upcycled_layer(moe_state, prefix, k, normalize_gates=True):
 
 def test_every_expert_of_an_upcycled_layer_is_the_dense_ffn_the_router_starts_at_zero_and_the_rest_carries_over():
     dense = dense_model_state()
-    moe, expert_keys = upcycle_model_state(dense, UpcycleOptions(experts=E), every_second_layer)
+    moe, expert_keys = upcycle_model_state(dense, UpcycleOptions(experts=E, router_std=0.0), every_second_layer)
     for side in ("encoder", "decoder"):
         kept, upcycled = f"{side}.layers.0", f"{side}.layers.1"
         for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
@@ -84,11 +84,44 @@ def test_an_upcycled_layer_with_normalised_gates_computes_the_dense_ffn_whicheve
 def test_without_normalised_gates_an_upcycled_layer_is_the_dense_ffn_scaled_by_k_over_e():
     """Why the upcycled config turns --moe-normalize-gate on: at a zero router the k gates are 1/E each."""
     dense = dense_model_state()
-    moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=E), every_second_layer)
+    moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=E, router_std=0.0), every_second_layer)
     x = torch.randn(3, D)
     with torch.no_grad():
         out = upcycled_layer(moe, "encoder.layers.1", k=2, normalize_gates=False)(x)
     torch.testing.assert_close(out, dense_ffn(dense, "encoder.layers.1", x) * 2 / E, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_by_default_an_upcycled_layer_spreads_its_tokens_over_experts_and_workers_and_computes_the_dense_ffn(k):
+    # A zero router ties every token: topk sends all of them to the same k experts, so with the 8
+    # experts on 2 workers one worker would receive every row.
+    experts, tokens = 8, 512
+    dense = dense_model_state()
+    moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=experts), every_second_layer)
+    layer = MoELayer(D, H, experts, k=k, normalize_gates=True, activation="relu")
+    layer.load_state_dict({name: moe[f"decoder.layers.1.fc1.{name}"] for name in layer.state_dict()})
+    x = F.layer_norm(torch.randn(tokens, D, generator=torch.Generator().manual_seed(7)), (D,))  # as fairseq's FFN input
+    with torch.no_grad():
+        y, aux = layer.eval().forward_with_aux(x)
+    torch.testing.assert_close(y, dense_ffn(dense, "decoder.layers.1", x), rtol=0, atol=1e-5)
+    share = aux.stats["expert_slots"] / (k * tokens)
+    assert share.max() <= 0.3, share  # a fair share is 1/8; a zero router gives one expert all (k = 1)
+    assert max(share[:4].sum(), share[4:].sum()) <= 0.75, share  # worker 0 holds experts 0-3, worker 1 4-7
+
+
+def test_a_one_expert_per_token_upcycled_layer_is_exactly_its_dense_ffn_and_its_router_still_learns():
+    # k = 1: the renormalised gate is exactly 1 (an unnormalised softmax gate would scale the FFN by
+    # p < 1); its gradient must still reach the router (p / p alone would give none).
+    dense = dense_model_state()
+    moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=E), every_second_layer)
+    layer = upcycled_layer(moe, "encoder.layers.1", k=1).train()
+    x = torch.randn(40, D, generator=torch.Generator().manual_seed(8))
+    routing = layer.router(x)
+    assert torch.equal(routing.gates, torch.ones_like(routing.gates))
+    y = layer(x)
+    torch.testing.assert_close(y, dense_ffn(dense, "encoder.layers.1", x), rtol=0, atol=1e-6)
+    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(9))).sum().backward()
+    assert layer.router.wg.weight.grad.abs().max() > 1e-3
 
 
 def test_upcycling_noise_and_router_weights_are_seeded_and_as_large_as_asked():

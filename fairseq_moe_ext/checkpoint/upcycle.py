@@ -4,7 +4,8 @@ Dense Checkpoints"): a dense fairseq checkpoint becomes an MoE one that computes
 In every layer chosen for MoE, the dense feed-forward block ``fc1 -> activation -> fc2`` becomes E
 experts that are each a copy of it (``fc1.experts.batched_fc1_w`` etc., stacked along dim 0 as
 ``moe/experts.py`` stores them; optional seeded Gaussian noise) and a router
-(``fc1.router.wg.weight``) that starts at zero or at small seeded random weights. With the k gates
+(``fc1.router.wg.weight``) that starts at small seeded random weights (or at zero, if asked: then
+every token ties and picks the same k experts). With the k gates
 renormalised to sum to 1 (``--moe-normalize-gate``) and dropless routing, the MoE output is
 ``sum_j g_j FFN(x) = FFN(x)`` whichever experts the router picks, ties included: the upcycled model
 is the dense model until training changes it. Every other parameter, and the layers not chosen
@@ -30,13 +31,18 @@ FFN_WEIGHT = re.compile(r"^(?P<side>encoder|decoder)\.layers\.(?P<index>\d+)\.fc
 EXPERT_TENSORS = (("fc1.weight", "fc1.experts.batched_fc1_w"), ("fc1.bias", "fc1.experts.batched_fc1_b"),
                   ("fc2.weight", "fc1.experts.batched_fc2_w"), ("fc2.bias", "fc1.experts.batched_fc2_b"))
 ROUTER_WEIGHT = "fc1.router.wg.weight"
+# The routers' default initial std. At a zero router every token ties and topk picks the same k
+# experts for all of them: with experts on several workers one worker then receives every row of
+# every MoE layer. Any std > 0 spreads the tokens and keeps the dense function (normalised gates);
+# small, so the gates start near uniform.
+DEFAULT_ROUTER_STD = 0.01
 
 
 @dataclass(frozen=True)
 class UpcycleOptions:
     experts: int
     noise: float = 0.0  # std of Gaussian noise added to every expert tensor (0: exact copies)
-    router_std: float = 0.0  # std of the router's initial weights (0: zero, every expert ties)
+    router_std: float = DEFAULT_ROUTER_STD  # std of the router's initial weights (0: zero, every token ties)
     seed: int = 1  # the noise's and the router's generator
     expert_ffn_dim: int = None  # the --moe-expert-ffn-dim asked for (None: the dense FFN's)
 

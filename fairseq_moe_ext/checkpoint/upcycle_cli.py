@@ -5,6 +5,8 @@ fairseq is imported only when the subcommand runs (the architecture and criterio
 which MoE architecture a dense checkpoint becomes; see ``fairseq_moe_ext/upcycling.py``).
 """
 
+from .upcycle import DEFAULT_ROUTER_STD
+
 
 def add_upcycle_parser(sub) -> None:
     p = sub.add_parser("upcycle", help="turn a dense fairseq checkpoint into an MoE one that computes the same "
@@ -25,8 +27,9 @@ def add_upcycle_parser(sub) -> None:
     p.add_argument("--noise", type=float, default=0.0,
                    help="std of Gaussian noise added to every expert's copy (default 0: exact copies, the dense "
                         "function)")
-    p.add_argument("--router-std", type=float, default=0.0,
-                   help="std of the routers' initial weights (default 0: zero); any value keeps the dense function")
+    p.add_argument("--router-std", type=float, default=DEFAULT_ROUTER_STD,
+                   help=f"std of the routers' initial weights (default {DEFAULT_ROUTER_STD:g}: tokens spread over the "
+                        f"experts; 0: every token picks the same experts); any value keeps the dense function")
     p.add_argument("--seed", type=int, default=1, help="seed of the noise and the router weights (default 1)")
 
 

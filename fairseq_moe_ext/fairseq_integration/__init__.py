@@ -6,7 +6,7 @@ argument parsing and before distributed initialisation, in every worker and in e
 ``HOOKS`` below is the table: ``install()`` patches what it lists, this docstring's list is printed
 from it, and ``tests/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
-fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18), saving.py (5, 6: adapters around the
+fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
 expert-sharded branches of 8 and 11). The state they share between
 calls is one object, process_state.STATE.
@@ -112,7 +112,14 @@ HOOKS = (
          "different numbers of decoder steps), finished before fairseq gathers the validation statistics."),
     Hook(18, "fairseq.trainer.Trainer.train_step", training.wrap_train_step,
          "with --moe-balance bias: after the update's optimizer step, every MoE layer's balance bias moves "
-         "from the expert load of all its micro-batches summed over the workers (a skipped step moves none)."),
+         "from the expert load of all its micro-batches summed over the workers (a skipped step moves none). "
+         "Logs moe_max_rows_received: the most rows one worker's experts received in one MoE call during "
+         "the update (over workers, layers and micro-batches), what runs a GPU out of memory."),
+    Hook(19, "fairseq.trainer.Trainer._log_oom", training.wrap_log_oom,
+         "train_step and valid_step call it when they catch an out-of-memory error, then skip (or retry) the "
+         "batch on that worker alone. Where MoE collectives cross workers the others would wait in them until "
+         "the timeout, so the job stops with one line naming the capacity factor (also told to the other "
+         "workers through the store); in one process fairseq's recovery stays."),
 )
 
 # fairseq internals the plugin relies on without wrapping them: the MoE layers replace fc1/fc2 and

@@ -45,6 +45,7 @@ class ShardedInference:
     # with none): a worker with an empty share stops once the others are done. (eval-lm divides by
     # its token count too, but its call_main ends with a barrier every worker must reach.)
     stop_when_empty: bool = False
+    on_gpu: bool = False  # the model runs on CUDA device LOCAL_RANK (modulo the GPUs there are)
 
 
 def add_inference_experts_flag(parser) -> None:
@@ -71,9 +72,12 @@ def decide_sharded_inference(args) -> None:
     if mode == "local" or (mode == "auto" and saved_world_size(path.split(os.pathsep)[0]) != world):
         return
     cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
+    # On GPUs, fairseq's --distributed-backend (default nccl) as training honours it: "cuda:gloo"
+    # runs two workers on one GPU, which NCCL refuses.
+    backend = "gloo" if cpu else (getattr(args, "distributed_backend", None) or "nccl")
     STATE.sharded_inference = ShardedInference(
-        args.distributed_rank, world, int(os.environ.get("LOCAL_RANK", "0")), "gloo" if cpu else "nccl",
-        stop_when_empty=hasattr(args, "beam"))  # fairseq-generate
+        args.distributed_rank, world, int(os.environ.get("LOCAL_RANK", "0")), backend,
+        stop_when_empty=hasattr(args, "beam"), on_gpu=not cpu)  # stop_when_empty: fairseq-generate
 
 
 def saved_world_size(path: str) -> Optional[int]:
@@ -96,8 +100,9 @@ def load_sharded(original, filenames, *args, **kwargs):
         raise ValueError(f"--moe-inference-experts sharded generates with one model, got an ensemble of "
                          f"{len(filenames)}: pass one --path, or add --moe-inference-experts local")
     if not dist.is_initialized():  # fairseq-generate and -interactive never initialise distributed
-        if sharded.backend == "nccl":
-            torch.cuda.set_device(sharded.local_rank)
+        if sharded.on_gpu:
+            # Workers beyond the GPU count share GPUs (only a backend other than NCCL allows that).
+            torch.cuda.set_device(sharded.local_rank % torch.cuda.device_count())
         # The MoE layers' own groups get --moe-comm-timeout when the model is built.
         dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank,
                                 world_size=sharded.world_size)

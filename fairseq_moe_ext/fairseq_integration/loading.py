@@ -12,6 +12,7 @@ from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable, flag
 from ..checkpoint.share import load_share
+from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..models.moe_config import moe_freq
 from ..process_state import STATE, LoadTarget
 from ..restore_choice import resolve_restore
@@ -111,18 +112,19 @@ def wrap_trainer_load_checkpoint(original):
 def decided_on_rank_0(decide):
     """``decide()`` run by rank 0 alone, its answer (or its one-line refusal) shared with every worker:
     the set is validated (every file hashed) once instead of once per worker, and every worker resumes
-    from the same choice."""
+    from the same choice. The others wait for it on io_waits' gloo group, however long the hashing
+    takes (an NCCL wait would be aborted by the watchdog after fairseq's 10 minutes)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_world_size() == 1:
         return decide()
-    outcome = [None]
+    io_wait_group()  # made by every worker before rank 0 starts (new_group is collective)
+    outcome = None
     if torch.distributed.get_rank() == 0:
         try:
-            outcome = [("resolved", decide())]
+            outcome = ("resolved", decide())
         except Exception as refused:  # noqa: BLE001  (every worker must stop with rank 0's error)
-            outcome = [("refused", refused)]
-    torch.distributed.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
+            outcome = ("refused", refused)
+    kind, value = broadcast_from_rank_0(outcome)
     if kind == "refused":
         raise value from None
     return value

@@ -11,6 +11,7 @@ from fairseq import checkpoint_utils
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
+from .. import io_waits
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..process_state import STATE
 from ..set_identity import save_set_id
@@ -109,20 +110,11 @@ def expert_digest(model) -> str:
 
 
 def torch_collectives(trainer) -> Collectives:
-    """The save's collectives over fairseq's default process group (objects travel by pickle)."""
-
-    def broadcast(value):
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_gather(value):
-        gathered = [None] * trainer.data_parallel_world_size
-        torch.distributed.all_gather_object(gathered, value)
-        return gathered
-
-    return Collectives(trainer.data_parallel_rank, trainer.data_parallel_world_size, broadcast, all_gather,
-                       torch.distributed.barrier)
+    """The save's collectives (objects travel by pickle), on io_waits' gloo group: the workers wait
+    there for each other's writing and hashing (rank 0's file is the largest), which on fairseq's
+    NCCL group the watchdog would abort after its timeout."""
+    return Collectives(trainer.data_parallel_rank, trainer.data_parallel_world_size, io_waits.broadcast_from_rank_0,
+                       io_waits.all_gather_objects, io_waits.barrier)
 
 
 @contextlib.contextmanager

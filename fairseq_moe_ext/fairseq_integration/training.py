@@ -1,5 +1,7 @@
-"""Hooks 2, 3, 4, 9 and 16: fairseq's distributed training keeps experts apart, its set-up errors
-surface before the first batch, and loss-free balancing biases move after each optimizer step."""
+"""Hooks 2, 3, 4, 9, 18 and 19: fairseq's distributed training keeps experts apart, its set-up errors
+surface before the first batch, loss-free balancing biases move after each optimizer step, the rows
+the experts received are logged per update, and running out of memory stops a job whose MoE
+collectives cross workers instead of leaving its other workers waiting in them."""
 
 import functools
 import logging
@@ -7,12 +9,16 @@ import os
 
 import torch
 from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
+from fairseq.logging import metrics
 
 from .. import distributed as moe_dist
 from ..checkpoint.compat import flag
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
+from ..moe import rows_received
 from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..moe.torch_compat import ignore_in_ddp
+from ..moe.comm import MoECommunicationError
+from ..moe.stop_notice import announce_stop
 from ..process_state import STATE
 
 logger = logging.getLogger(__name__)
@@ -104,21 +110,62 @@ def wrap_train_step(original):
     @functools.wraps(original)
     def train_step(self, *args, **kwargs):
         # fairseq's --amp retry calls train_step again from inside itself: the outermost call decides.
-        if not balance_biases(self._model) or getattr(self, "_moe_in_train_step", False):
+        layers = rows_received.moe_layers(self._model)
+        if not layers or getattr(self, "_moe_in_train_step", False):
             return original(self, *args, **kwargs)
         before = self.get_num_updates()
+        rows_received.take_peak(self._model)  # forget validation's and generation's calls
         self._moe_in_train_step = True
         try:
             result = original(self, *args, **kwargs)
         finally:
             self._moe_in_train_step = False
         # Every worker reaches this point together (a skipped step is skipped everywhere), so the
-        # load all-reduce inside lines up; the load counted over every micro-batch of the update is
+        # all-reduces below line up; the load counted over every micro-batch of the update is
         # spent here, and dropped when the optimizer step was skipped (overflow).
-        update_balance_biases(self._model, stepped=self.get_num_updates() > before)
+        if balance_biases(self._model):
+            update_balance_biases(self._model, stepped=self.get_num_updates() > before)
+        peak = rows_received.peak_over_workers(rows_received.take_peak(self._model), layers[0].statistics_group)
+        metrics.log_scalar("moe_max_rows_received", peak, weight=1, round=0)
         return result
 
     return train_step
+
+
+class MoEOutOfMemoryError(RuntimeError):
+    """A worker of a job whose MoE collectives cross workers ran out of device memory."""
+
+
+def wrap_log_oom(original):
+    @functools.wraps(original)
+    def _log_oom(self, exc):
+        if isinstance(exc, MoECommunicationError):  # a peer's stop relayed (stop_notice.py), not ours
+            raise exc
+        original(self, exc)  # fairseq's log line (with torch's message) and CUDA memory summary
+        layers = rows_received.moe_layers(self._model)
+        if not layers or layers[0].statistics_group is None:
+            return  # no collective crosses workers: fairseq's recovery (skip the batch) is safe
+        raise out_of_memory_error(self, exc, layers) from exc
+
+    return _log_oom
+
+
+def out_of_memory_error(trainer, exc, layers) -> MoEOutOfMemoryError:
+    """fairseq would skip the batch on this worker alone; the others would wait in the MoE layers'
+    collectives until their timeout (on NCCL the watchdog's). Stop, and say so to the others."""
+    training = trainer._model.training
+    capacity = "--moe-capacity-factor" if training else "--moe-eval-capacity-factor"
+    rows = max(layer.rows_received_peak for layer in layers)
+    received = f"its experts received up to {rows} rows per MoE call" if rows else "its experts had received no rows yet"
+    # No "out of memory" in the line: fairseq would take a peer's relayed copy for its own OOM.
+    message = (
+        f"worker {trainer.data_parallel_rank} of {trainer.data_parallel_world_size} ran out of device memory in "
+        f"{'training' if training else 'validation'} (torch's message is logged above); skipping the batch on this "
+        f"worker alone would leave the others waiting in the MoE layers' collectives, so the job stops: {received}; "
+        f"bound them with {capacity} (e.g. 1.25) or lower --max-tokens"
+    )
+    announce_stop(message)
+    return MoEOutOfMemoryError(message)
 
 
 def check_training_setup(trainer) -> None:

@@ -19,6 +19,7 @@ from ..distributed import (
     set_expert_parallel_size,
     unsupported_backend_error,
 )
+from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.router import ROUTER_TYPES
 
@@ -112,11 +113,16 @@ class MoEConfig(FairseqDataclass):
     moe_normalize_gate: bool = field(
         default=False, metadata={"help": "renormalise each token's k gate values to sum to 1"}
     )
+    # 600 s: torch's NCCL default, the timeout of fairseq's own collectives on GPUs. Workers reach an
+    # MoE collective as far apart as they reach fairseq's gradient all-reduce (the same per-step
+    # skew), so it needs no more patience; on NCCL a dead peer is only seen when it runs out (the
+    # watchdog then aborts the job), and 1800 s kept every GPU idle for half an hour.
     moe_comm_timeout: float = field(
-        default=1800.0,
-        metadata={"help": "seconds a worker waits for its peers in an MoE all-to-all before it fails with "
-                  "an error naming the stalled collective (default 1800, torch's process-group default); "
-                  "a peer that died fails it at once"},
+        default=600.0,
+        metadata={"help": "seconds a worker waits for its peers in an MoE collective before it fails (default 600, "
+                  "torch's NCCL default, as fairseq's own collectives on GPUs): on gloo with "
+                  "MoECommunicationError, on NCCL by the watchdog aborting the job; on gloo a peer that died "
+                  "fails it at once"},
     )
     moe_deterministic: bool = field(
         default=False,
@@ -145,8 +151,9 @@ class MoEConfig(FairseqDataclass):
                                "copy (seeded by --seed; default 0: exact copies)"},
     )
     moe_upcycle_router_std: float = field(
-        default=0.0, metadata={"help": "with --moe-upcycle-from: std of the router's initial weights (seeded by "
-                               "--seed; default 0: zero, every expert ties)"},
+        default=DEFAULT_ROUTER_STD,
+        metadata={"help": f"with --moe-upcycle-from: std of the router's initial weights (seeded by --seed; default "
+                  f"{DEFAULT_ROUTER_STD:g}: tokens spread over the experts; 0: every token picks the same experts)"},
     )
 
 

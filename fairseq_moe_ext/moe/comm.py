@@ -22,6 +22,7 @@ from .collective_device import (
     is_device_mismatch,
     on_group_device,
 )
+from .stop_notice import announced_stop
 
 
 class MoECommunicationError(RuntimeError):
@@ -40,9 +41,14 @@ def collective(what: str, group, tensors: Sequence[torch.Tensor] = ()):
     except (MoECommunicationError, MoECollectiveDeviceError):
         raise
     except RuntimeError as error:
+        if "out of memory" in str(error):  # this worker's own failure, not a peer's: as it is
+            raise
         detail = " ".join(str(error).split())[:300]
         if is_device_mismatch(error):
             raise device_mismatch_error(what, tensors, group, detail) from error
+        notice = announced_stop()
+        if notice is not None:  # a worker stopped on purpose and said why (stop_notice.py)
+            raise MoECommunicationError(f"MoE {what} failed because another worker stopped: {notice}") from error
         raise MoECommunicationError(
             f"MoE {what} across {dist.get_world_size(group)} workers failed ({detail}): a peer worker died "
             f"or stalled past the process group's timeout; restart the job with the same command to resume "

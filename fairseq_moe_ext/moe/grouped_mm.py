@@ -14,10 +14,25 @@ rule the grouped kernel out when chasing a numerical difference on GPU).
 
 ``torch._grouped_mm`` is a private op: this module touches it only through ``_GroupedLinear`` and
 checks for it by name, so a torch without it silently keeps the loop.
+
+Each product inside ``_GroupedLinear`` goes to the kernel only where the kernel promises to handle
+it (``kernel_takes``, a pure function of host values); the rest runs per expert (``_looped``). From
+torch's sources (aten/src/ATen/native/GroupedMMUtils.h, cuda/GroupMMCommon.cuh) and its issues:
+
+* every operand's data pointer 16-byte aligned, one of its last two strides 1 and the other at
+  least the matching size and a multiple of 16 bytes (else a host error: a view at an odd offset,
+  a non-contiguous view);
+* the weight gradient (2-D x 2-D, groups along the reduced dimension) only with every group
+  non-empty: the kernel asserts on the device (a dead CUDA context, not an exception) where a group
+  has no rows unless both layouts happen to suit it, CUTLASS's K=0 groups hang or fail on Hopper
+  (NVIDIA/cutlass#2547) and leave garbage on sm100 (NVIDIA/cutlass#2674, pytorch#172439), and a
+  row-major operand's group sizes must be multiples of 16 bytes;
+* no product over zero rows in total (pytorch#192497: no stride passes the checks), which has
+  nothing to compute anyway. Forward and input-gradient products (2-D x 3-D) take empty groups.
 """
 
 import os
-from typing import List, NamedTuple, Optional, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -91,13 +106,78 @@ def expert_groups(counts: List[int], device, device_counts: Optional[torch.Tenso
     return ExpertGroups(list(counts), device_counts.cumsum(0).to(torch.int32), row_expert, device_counts == 0)
 
 
+class Operand(NamedTuple):
+    """What the kernel checks of one operand, as host values (``operand_of`` reads them)."""
+
+    data_ptr: int
+    sizes: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    element_size: int
+
+
+def operand_of(t: torch.Tensor) -> Operand:
+    return Operand(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
+
+
+def operand_accepted(a: Operand) -> bool:
+    """torch's check_valid_strides_and_return_transposed, answered instead of raised."""
+    if a.data_ptr % 16 != 0 or len(a.sizes) not in (2, 3):
+        return False
+    per_16_bytes = max(1, 16 // a.element_size)
+    (rows, cols), (row_stride, col_stride) = a.sizes[-2:], a.strides[-2:]
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride % per_16_bytes == 0
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride % per_16_bytes == 0
+    return False
+
+
+def row_major(a: Operand) -> bool:
+    return a.strides[-1] == 1
+
+
+def kernel_takes(a: Operand, b: Operand, counts: List[int]) -> bool:
+    """Whether ``torch._grouped_mm(a, b, offs)`` with groups of ``counts`` rows is a call the kernel
+    promises to handle (module docstring); else the product runs per expert."""
+    if sum(counts) == 0 or not (operand_accepted(a) and operand_accepted(b)):
+        return False
+    if len(a.sizes) == 2 and len(b.sizes) == 2:  # weight gradient: groups along the reduced dimension
+        per_16_bytes = max(1, 16 // a.element_size)
+        misaligned = any(c % per_16_bytes for c in counts[:-1])
+        return min(counts) > 0 and not ((row_major(a) or not row_major(b)) and misaligned)
+    return True
+
+
+def _looped(a: torch.Tensor, b: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs)`` per group: [rows, k] x [E, k, n] -> [rows, n], or
+    [n, rows] x [rows, k] -> [E, n, k] (a group without rows gets exact zeros)."""
+    if b.dim() == 3:
+        out = a.new_empty(a.shape[0], b.shape[-1])
+        for i, (rows, out_rows) in enumerate(zip(a.split(counts), out.split(counts))):
+            torch.mm(rows, b[i], out=out_rows)
+        return out
+    out = a.new_empty(len(counts), a.shape[0], b.shape[1])
+    for i, (cols, rows) in enumerate(zip(a.split(counts, dim=1), b.split(counts))):
+        if rows.shape[0] == 0:
+            out[i].zero_()
+        else:
+            torch.mm(cols, rows, out=out[i])
+    return out
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    if kernel_takes(operand_of(a), operand_of(b), groups.counts):
+        return torch._grouped_mm(a, b, offs=groups.offsets)
+    return _looped(a, b, groups.counts)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of i] = x[rows of i] @ weight[i]^T + bias[i]``, weight ``[E, out, in]``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups):
         x = x.contiguous()
-        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
+        y = _product(x, weight.transpose(-2, -1), groups)
         if bias is not None:
             y = y + bias.index_select(0, groups.row_expert)
         ctx.save_for_backward(x, weight)
@@ -112,10 +192,10 @@ class _GroupedLinear(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad, weight, offs=groups.offsets)
+            grad_x = _product(grad, weight, groups)
         if ctx.needs_input_grad[1]:
             # Groups along the reduced dimension: one [out, in] block per expert.
-            grad_w = torch._grouped_mm(grad.t(), x, offs=groups.offsets)
+            grad_w = _product(grad.t(), x, groups)
             # An expert without rows must get an exact zero, whatever the kernel leaves there.
             grad_w = grad_w.masked_fill(groups.empty.view(-1, 1, 1), 0)
         if ctx.has_bias and ctx.needs_input_grad[2]:

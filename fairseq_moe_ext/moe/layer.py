@@ -86,6 +86,9 @@ class MoELayer(nn.Module):
         self.cache = cache
         self.name = name
         self._group_checked = False
+        # The most rows this worker's experts computed in one call since rows_received.take_peak
+        # last read it: with dropless routing nothing bounds it, and it is what runs a GPU out of memory.
+        self.rows_received_peak = 0
         self.router = TopKRouter(
             model_dim, num_experts, k, router_type=router_type, fp32=fp32_router,
             gate_noise=gate_noise, normalize_gates=normalize_gates,
@@ -204,6 +207,7 @@ class MoELayer(nn.Module):
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
         loads, exchange = self._read_counts(expert_load)
         served = sum(loads)
+        self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
         if served == n * k:
             # Dropless: sorting is a permutation of all slots, so both directions are gathers.
             slot_row = inverse_permutation(order)
@@ -234,7 +238,9 @@ class MoELayer(nn.Module):
             "num_slots": num_slots.float(),
             "dropped_slots": (num_slots - expert_load.sum()).float(),
             "expert_slots": routed_load.float(),
-            "router_entropy_sum": -(probs * torch.log(probs.clamp_min(1e-20))).sum().float(),
+            # In fp32 whatever the router's dtype: pads' (and underflowed) probabilities are 0, and
+            # 0 * log(0) must count 0 (xlogy), not NaN as with fp16's clamp_min(1e-20) == 0.
+            "router_entropy_sum": -torch.special.xlogy(probs.float(), probs.float()).sum(),
         }
         return y, MoEAux(aux_balance, aux_z, stats)
 

@@ -164,7 +164,13 @@ class TopKRouter(nn.Module):
             expert_index = torch.topk(selection_scores, self.k, dim=-1, sorted=True).indices
             gates = take_chosen(scores, expert_index)
             if self.normalize_gates or sigmoid:
-                gates = gates / gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
+                total = gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
+                if self.k == 1:
+                    # One normalised gate is exactly 1 (so an upcycled layer is exactly its dense FFN),
+                    # and p / p would give the router no gradient at all: divide by p's value only, so
+                    # the router learns from d log p, the unnormalised (Switch) gate's gradient over p.
+                    total = total.detach()
+                gates = gates / total
         # Batch-prioritised routing (Riquelme et al.): when an expert is over capacity, the tokens
         # the router is most confident about are served first.
         priority_score = -gates[:, 0].detach() if self.batch_prioritized else None

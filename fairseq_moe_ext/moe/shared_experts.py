@@ -46,7 +46,11 @@ class SharedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., model_dim]``; every token, pad tokens included (as fairseq's dense FFN)."""
         flat = x.reshape(-1, x.shape[-1])
-        return self.ffn(flat, [flat.shape[0]]).view_as(x)
+        rows = flat.shape[0]
+        # The row count also on the device, made there (a fill, not a host-to-device copy): the
+        # grouped kernel's offsets would otherwise cost a second host sync per layer forward.
+        on_device = torch.full((1,), rows, dtype=torch.int64, device=flat.device)
+        return self.ffn(flat, [rows], on_device).view_as(x)
 
     def extra_repr(self):
         return f"shared_experts={self.count}, hidden_dim={self.hidden_dim} each"

@@ -16,6 +16,9 @@ when used:
   DDP's broadcast and all-reduce. Missing: the attributes it sets, set here.
 * ``GradScaler._per_optimizer_states`` (``stage``, ``found_inf_per_device``): where ``--amp`` records
   another worker's overflow. Missing or changed: a one-line error naming --fp16/--bf16 instead.
+* ``torch.distributed.distributed_c10d._get_default_store``: the rendezvous store through which a
+  worker that stops tells the others why (moe/stop_notice.py). Missing: the others keep their
+  transport error.
 
 ``PRIVATE_APIS`` names each with a probe; the GPU one-shot prints which ones the machine's torch has.
 """
@@ -109,6 +112,19 @@ def scaler_optimizer_state(scaler, optimizer) -> Dict:
     return state
 
 
+def default_store():
+    """The default process group's key-value store, or None (no group, or no accessor in this torch)."""
+    import torch.distributed as dist
+
+    getter = getattr(getattr(dist, "distributed_c10d", None), "_get_default_store", None)
+    if getter is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return getter()
+    except Exception:  # noqa: BLE001 - no store means no notice, never a failure
+        return None
+
+
 def _has_scaler_states() -> bool:
     try:
         scaler = torch.amp.GradScaler("cpu")
@@ -128,6 +144,7 @@ PRIVATE_APIS: Dict[str, Callable[[], bool]] = {
     "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model": lambda: hasattr(
         torch.nn.parallel.DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model"),
     "GradScaler._per_optimizer_states": _has_scaler_states,
+    "distributed_c10d._get_default_store": lambda: _lookup("distributed.distributed_c10d._get_default_store") is not None,
 }
 
 
