@@ -21,6 +21,7 @@ class LoadTarget:
     model: Any  # the unwrapped model being resumed (its parameter shapes judge the checkpoint); None
     # for an expert-sharded inference load, whose model is built after the load
     model_cfg: Any  # its cfg.model (the flags that decide which parameters it has)
+    criterion_cfg: Any = None  # its cfg.criterion (the resume policy logs changed loss weights)
 
 
 @dataclass

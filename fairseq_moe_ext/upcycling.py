@@ -87,6 +87,17 @@ def moe_layer_test(model_cfg):
 
 def upcycled_checkpoint(path: str, moe_flags: dict, noise: float, router_std: float, seed: int) -> dict:
     """The whole upcycled checkpoint (every expert, update 0) of the dense checkpoint ``path``."""
+    dense = moe_ckpt.safe_load(dense_file(path))
+    options = UpcycleOptions(moe_flags["moe_expert_count"], noise, router_std, seed,
+                             moe_flags.get("moe_expert_ffn_dim"))
+    dense = check_upcyclable(dense, path, options)  # before the config: an MoE or non-FFN one is refused first
+    cfg = upcycled_cfg(dense.get("cfg"), path, moe_flags)
+    return upcycle_state(dense, path, options, moe_layer_test(cfg["model"]), cfg)
+
+
+def dense_file(path: str) -> str:
+    """The file a dense checkpoint's name ``path`` refers to, resolved as --path, --restore-file and the
+    checkpoint tool resolve names: a set's name or one of its rank files is an MoE checkpoint already."""
     resolved = moe_ckpt.resolve(path, fallback=False)
     if resolved is None:
         raise moe_ckpt.CheckpointSetError(f"no checkpoint named {path}: pass the dense checkpoint's file")
@@ -95,12 +106,7 @@ def upcycled_checkpoint(path: str, moe_flags: dict, noise: float, router_std: fl
             f"{path} is already an MoE checkpoint (a set of per-rank files): upcycling starts from a dense fairseq "
             f"checkpoint; train on from this one with --restore-file, or reshard it"
         )
-    dense = moe_ckpt.safe_load(resolved.path)
-    options = UpcycleOptions(moe_flags["moe_expert_count"], noise, router_std, seed,
-                             moe_flags.get("moe_expert_ffn_dim"))
-    dense = check_upcyclable(dense, path, options)  # before the config: an MoE or non-FFN one is refused first
-    cfg = upcycled_cfg(dense.get("cfg"), path, moe_flags)
-    return upcycle_state(dense, path, options, moe_layer_test(cfg["model"]), cfg)
+    return resolved.path
 
 
 def check_upcycle_start(checkpoint_cfg) -> None:
@@ -129,7 +135,7 @@ def load_upcycled(trainer, path: str) -> None:
     options = UpcycleOptions(model_cfg.moe_expert_count, float(moe_option(model_cfg, "moe_upcycle_noise")),
                              float(moe_option(model_cfg, "moe_upcycle_router_std")),
                              int(trainer.cfg.common.seed), moe_option(model_cfg, "moe_expert_ffn_dim"))
-    dense = moe_ckpt.check_is_checkpoint(moe_ckpt.safe_load(path), path)
+    dense = moe_ckpt.check_is_checkpoint(moe_ckpt.safe_load(dense_file(path)), path)
     dense_model_cfg = flag(dense.get("cfg"), "model")
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
         moe_architecture_of(dense_model_cfg, path)

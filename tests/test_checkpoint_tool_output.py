@@ -1,7 +1,7 @@
 """The checkpoint tool's output appears whole or not at all, and every command answers bad input
 (no checkpoint, a dense one, a missing or unwritable directory, a full disk) with one ``error:``
 line; run in process through ``main(argv)`` (tests run as root, where chmod cannot make a directory
-read-only, so failing calls are injected)."""
+read-only, so failing calls are injected; tests/test_disk_full.py fills a real filesystem)."""
 
 import errno
 import os
@@ -51,7 +51,22 @@ def permission_denied(*args, **kwargs):
 
 
 def torch_write_failure(*args, **kwargs):
+    """What torch.save to a path raises for a short write: its stream writer's check, no errno."""
     raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+
+def torch_write_failure_on_a_full_disk(*args, **kwargs):
+    """torch.save to a path on a full filesystem: the same check, and the filesystem has no block left."""
+    os.statvfs = lambda path: os.statvfs_result((4096, 4096, 64, 0, 0, 100, 90, 90, 4096, 255))
+    torch_write_failure()
+
+
+def torch_write_failure_keeping_the_errno(*args, **kwargs):
+    """torch.save to a Python file on a full disk: the stream writer's check, the OSError as its context."""
+    try:
+        enospc()
+    except OSError:
+        torch_write_failure()
 
 
 def part_way(failure):
@@ -75,11 +90,18 @@ def always(failure):
     return lambda files_before_the_failure: failure
 
 
+FULL = ("no space left on device on the filesystem that holds", "free space there, then rerun (nothing was written)")
+# (id, what fails, how, the problem the line names, its fix)
 FAILURES = [
-    ("read-only-directory", "tempfile.mkdtemp", always(permission_denied), "Permission denied"),
-    ("disk-full-in-torch-save", "torch.save", part_way(enospc), "No space left on device"),
-    ("torch-reports-a-failed-write", "torch.save", part_way(torch_write_failure), "unexpected pos"),
-    ("disk-full-writing-the-manifest", "json.dump", always(enospc), "No space left on device"),
+    ("read-only-directory", "tempfile.mkdtemp", always(permission_denied), "is not writable (permission denied)",
+     "choose an output directory you can write to, then rerun (nothing was written)"),
+    ("disk-full-in-torch-save", "torch.save", part_way(enospc), *FULL),
+    ("disk-full-as-torch-reports-it-for-a-file", "torch.save", part_way(torch_write_failure_keeping_the_errno), *FULL),
+    ("disk-full-as-torch-reports-it-for-a-path", "torch.save", part_way(torch_write_failure_on_a_full_disk), *FULL),
+    ("torch-reports-a-failed-write-on-a-disk-with-room", "torch.save", part_way(torch_write_failure),
+     "([enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0)",
+     "check that filesystem (its free space, its health), then rerun (nothing was written)"),
+    ("disk-full-writing-the-manifest", "json.dump", always(enospc), *FULL),
 ]
 
 
@@ -88,24 +110,37 @@ WRITE_FAILURES = [pytest.param(command, *failure, id=f"{failure[0]}-{command[0]}
                   if not (command == ["merge"] and failure[1] == "json.dump")]  # merge writes no manifest
 
 
-@pytest.mark.parametrize("command, failure_id, target, failure, reason", WRITE_FAILURES)
-def test_a_failed_write_reports_one_line_leaves_the_output_directory_as_found_and_a_rerun_succeeds(
-        a_set, tmp_path, capsys, monkeypatch, command, failure_id, target, failure, reason):
+@pytest.mark.parametrize("command, failure_id, target, failure, problem, fix", WRITE_FAILURES)
+def test_a_failed_write_reports_its_cause_in_one_line_leaves_the_output_directory_as_found_and_a_rerun_succeeds(
+        a_set, tmp_path, capsys, monkeypatch, command, failure_id, target, failure, problem, fix):
     out = tmp_path / "out"
     out.mkdir()
     (out / "unrelated.txt").write_text("kept")
     before = fingerprint(out)
     with monkeypatch.context() as patched:
+        patched.setattr(os, "statvfs", os.statvfs)  # put back by the context, should the failure replace it
         patched.setattr(target, failure(files_before_the_failure=0 if command == ["merge"] else 1))
-        code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", *command[1:])
+        code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out / "checkpoint_last.pt",
+                                *command[1:])
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: cannot write ") and reason in err[0], err
-    assert "make room on the disk or choose a writable output directory, then rerun (nothing was written)" in err[0]
+    assert err[0].startswith("error: cannot write ") and problem in err[0] and fix in err[0], err
     assert fingerprint(out) == before
     code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", *command[1:])
     assert code == 0, err
     assert torch.equal(moe_ckpt.load_full(str(out / "checkpoint_last.pt"))["model"][EXPERT_KEY],
                        full_state()["model"][EXPERT_KEY])
+
+
+@pytest.mark.parametrize("command", [["merge"], ["reshard", "--world-size", "2"]], ids=["merge", "reshard"])
+@pytest.mark.parametrize("depth", [["out.pt"], ["sub", "out.pt"]], ids=["parent", "grandparent"])
+def test_an_output_under_a_regular_file_is_reported_as_a_file_not_as_a_missing_directory(
+        a_set, tmp_path, capsys, command, depth):
+    (tmp_path / "notes.txt").write_text("a file")
+    out = tmp_path.joinpath("notes.txt", *depth)
+    code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out, *command[1:])
+    assert code == 2 and len(err) == 1, err
+    assert f"{tmp_path / 'notes.txt'} is a file, not a directory; choose an output name inside a directory" in err[0]
+    assert (tmp_path / "notes.txt").read_text() == "a file"
 
 
 def test_a_set_whose_move_into_place_fails_half_way_is_taken_back_whole(a_set, tmp_path, capsys, monkeypatch):

@@ -277,13 +277,13 @@ def test_expert_initialisation_follows_seed(data, kind):
 @pytest.mark.parametrize("flags, message", [
     (["--moe-expert-count", "4", "--moe-top-k", "5"], "--moe-top-k 5 exceeds --moe-expert-count 4: use --moe-top-k <= 4"),
     (["--moe-expert-count", "0"], "--moe-expert-count must be a positive integer, got 0"),
-    (["--moe-top-k", "0"], "--moe-top-k must be >= 1, got 0"),
+    (["--moe-top-k", "0"], "--moe-top-k must be an integer >= 1, got 0"),
     (["--moe-capacity-factor", "nan"], "--moe-capacity-factor must be a finite number"),
     (["--moe-eval-capacity-factor", "inf"], "--moe-eval-capacity-factor must be a finite number"),
-    (["--moe-gate-noise", "-1"], "--moe-gate-noise must be >= 0"),
-    (["--moe-freq", "-1"], "--encoder-moe-freq / --moe-freq must be an integer >= 0, got -1"),
-    (["--decoder-moe-freq", "-2"], "--decoder-moe-freq / --moe-freq must be an integer >= 0, got -2"),
-    (["--moe-expert-ffn-dim", "0"], "--moe-expert-ffn-dim must be positive, got 0"),
+    (["--moe-gate-noise", "-1"], "--moe-gate-noise must be a finite number >= 0"),
+    (["--moe-freq", "-1"], "--moe-freq must be an integer >= 0, got -1"),
+    (["--decoder-moe-freq", "-2"], "--decoder-moe-freq must be an integer >= 0, got -2"),
+    (["--moe-expert-ffn-dim", "0"], "--moe-expert-ffn-dim must be a positive integer, got 0"),
 ])
 def test_bad_moe_flags_fail_before_building_with_one_line_naming_the_flag(data, flags, message):
     with pytest.raises(ValueError) as error:

@@ -32,6 +32,7 @@ Modules:
     compat.py       whether a checkpoint fits the model being resumed, and which flag to change if not
     inspection.py   the checkpoint tool's ``inspect`` report
     staging.py      the checkpoint tool's output appears whole or not at all
+    write_failure.py  a failed write (a full disk) in one line, the same for every writer
     upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
     upcycle_cli.py  the checkpoint tool's ``upcycle`` flags (fairseq is imported only when it runs)
     __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
@@ -45,6 +46,7 @@ from .contents import check_is_checkpoint, check_rank_states, check_whole, deriv
 from .errors import (
     CheckpointError,
     CheckpointSetError,
+    CheckpointWriteError,
     DamagedCheckpointError,
     NotACheckpointError,
     UnsafeCheckpointError,

@@ -24,3 +24,8 @@ class NotACheckpointError(CheckpointError):
 def load_another(what: str = "it") -> str:
     """The fix for a checkpoint that cannot be loaded, whichever tool tried."""
     return f"restore {what} from a backup, or point --path / --restore-file at another checkpoint"
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint file that could not be written (a full disk, a directory that is not writable);
+    made by ``write_failure.cannot_write`` for every writer."""

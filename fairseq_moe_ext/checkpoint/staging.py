@@ -3,8 +3,10 @@
 ``merge`` and ``reshard`` write into a hidden temporary directory inside the output directory (the
 same file system, so the final moves are renames) and move the files into place only once all of
 them are written, a set's manifest last. Any failure (no such directory, no permission, a full
-disk, an interrupted move) removes what was staged or moved, and is reported as one
-``CheckpointSetError`` line; the output directory is left as it was found, so a rerun can succeed.
+disk, an interrupted move) removes what was staged or moved, and is reported as one line
+(``write_failure.cannot_write``: a full disk as a full disk); the output directory is left as it was
+found, so a rerun can succeed. Every tool that writes checkpoint files (merge, reshard, upcycle, and
+any import or export tool) writes them through ``write_all_or_nothing``.
 """
 
 import os
@@ -12,7 +14,8 @@ import shutil
 import tempfile
 from typing import Callable, List
 
-from .errors import CheckpointSetError
+from .errors import CheckpointError, CheckpointSetError
+from .write_failure import cannot_write
 
 STAGING_PREFIX = ".moe-ckpt-staging-"
 
@@ -23,10 +26,7 @@ def write_all_or_nothing(output_dir: str, what: str, write: Callable[[str], List
     messages. Returns the final paths."""
     output_dir = output_dir or "."
     if not os.path.isdir(output_dir):
-        raise CheckpointSetError(
-            f"cannot write {what}: the output directory {output_dir} does not exist; create it first, or choose "
-            f"another output name (nothing was written)"
-        )
+        raise _not_a_directory(what, output_dir)
     try:
         staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=output_dir)
     except OSError as e:
@@ -35,11 +35,27 @@ def write_all_or_nothing(output_dir: str, what: str, write: Callable[[str], List
         names = write(staging)
         return _move_into_place(staging, output_dir, names)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        if isinstance(e, CheckpointSetError):
+        if isinstance(e, CheckpointError):
             raise
-        raise _cannot_write(what, output_dir, e) from None
+        raise _cannot_write(what, output_dir, e) from None  # asked before the staging is removed
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _not_a_directory(what: str, output_dir: str) -> CheckpointSetError:
+    """The output directory is missing, or it (or a directory above it) is a file."""
+    existing = output_dir
+    while existing and not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if existing and os.path.lexists(existing) and not os.path.isdir(existing):
+        return CheckpointSetError(
+            f"cannot write {what}: {existing} is a file, not a directory; choose an output name inside a directory "
+            f"(nothing was written)"
+        )
+    return CheckpointSetError(
+        f"cannot write {what}: the output directory {output_dir} does not exist; create it first, or choose another "
+        f"output name (nothing was written)"
+    )
 
 
 def _move_into_place(staging: str, output_dir: str, names: List[str]) -> List[str]:
@@ -61,9 +77,6 @@ def _move_into_place(staging: str, output_dir: str, names: List[str]) -> List[st
     return moved
 
 
-def _cannot_write(what: str, output_dir: str, error: BaseException) -> CheckpointSetError:
-    reason = " ".join(str(error).split()) or type(error).__name__
-    return CheckpointSetError(
-        f"cannot write {what} into {output_dir} ({reason}): make room on the disk or choose a writable output "
-        f"directory, then rerun (nothing was written)"
-    )
+def _cannot_write(what: str, output_dir: str, error: BaseException) -> CheckpointError:
+    return cannot_write(error, what, output_dir, writable_fix="choose an output directory you can write to",
+                        then="then rerun (nothing was written)")

@@ -35,13 +35,15 @@ def add_upcycle_parser(sub) -> None:
 
 def upcycle(args):
     """The whole upcycled checkpoint the parsed ``args`` ask for."""
+    from ..option_ranges import UPCYCLE_TOOL_RANGES, check_options
     from ..upcycling import upcycled_checkpoint
 
     from .errors import CheckpointSetError
 
-    for name, value in (("--noise", args.noise), ("--router-std", args.router_std)):
-        if not value >= 0:
-            raise CheckpointSetError(f"{name} must be a standard deviation >= 0, got {value}: use 0 or more")
+    try:
+        check_options(UPCYCLE_TOOL_RANGES, lambda name: getattr(args, name))
+    except ValueError as e:
+        raise CheckpointSetError(str(e)) from None
     flags = dict(moe_expert_count=args.moe_expert_count, moe_top_k=args.moe_top_k, moe_freq=args.moe_freq,
                  encoder_moe_freq=args.encoder_moe_freq, decoder_moe_freq=args.decoder_moe_freq,
                  moe_expert_ffn_dim=args.moe_expert_ffn_dim)

@@ -13,7 +13,6 @@ multi-worker update equal to the single-process one.
 models); the MoE terms are logged beside it.
 """
 
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+
+from ..option_ranges import CRITERION_RANGES, check_options
 
 COMBINE_METHODS = ChoiceEnum(["average", "sum"])
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
@@ -69,9 +70,8 @@ def short_layer_name(name: str) -> str:
 
 class MoELossMixin:
     def _init_moe_loss(self, moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load):
-        for name, value in (("--moe-gate-loss-wt", moe_gate_loss_wt), ("--moe-z-loss-wt", moe_z_loss_wt)):
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        weights = {"moe_gate_loss_wt": moe_gate_loss_wt, "moe_z_loss_wt": moe_z_loss_wt}
+        check_options(CRITERION_RANGES, weights.get)
         self.moe_gate_loss_wt = moe_gate_loss_wt
         self.moe_z_loss_wt = moe_z_loss_wt
         self.moe_combine = str(moe_gate_loss_combine_method)

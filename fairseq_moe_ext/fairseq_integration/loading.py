@@ -11,6 +11,7 @@ from omegaconf import open_dict
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable, flag
+from ..checkpoint.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..models.moe_config import moe_freq
@@ -56,6 +57,12 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     else:
         full = original_load(path, arg_overrides, **kwargs)
         if "moe" not in full:
+            if target is not None and target.model is not None and moe_dist.has_experts(target.model):
+                raise ValueError(
+                    f"{path} is a dense fairseq checkpoint (no MoE layers), which this MoE model cannot load: start "
+                    f"an MoE from it with --moe-upcycle-from {path} and a new --save-dir, or train it on with its "
+                    f"dense --arch"
+                )
             return full
         moe_ckpt.check_whole(full, path)  # a rank file copied out of its set, under any name
         if target is None:
@@ -63,6 +70,8 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         state = moe_ckpt.shard_state(full, target.rank, target.world_size)
     if target.model is not None:  # None: an expert-sharded inference load (no model yet to compare)
         check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
+        check_resume_policy(path, state.get("cfg"), target.model_cfg, target.criterion_cfg,
+                            allow_function_change=bool(flag(target.model_cfg, "moe_allow_function_change")))
     return state
 
 
@@ -89,10 +98,14 @@ def wrap_trainer_load_checkpoint(original):
             if dense:
                 return load_upcycled(self, dense)  # the first launch of an upcycled run: nothing to resume
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
+        if dense:
+            logger.info(f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
+                        f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)")
         layout = moe_dist.expert_layout()
         logger.info(f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
                     f"(expert shard {layout.ep_rank} of {layout.parallel_size})")
-        STATE.load_targets.append(LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model))
+        STATE.load_targets.append(LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model,
+                                             self.cfg.criterion))
         try:
             # Every worker builds its own slice, so nothing is broadcast from rank 0.
             with open_dict(self.cfg.checkpoint):
@@ -100,6 +113,10 @@ def wrap_trainer_load_checkpoint(original):
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
             try:
                 return original(self, resolved.path, *args, **kwargs)
+            except Exception as refused:  # noqa: BLE001 - only a refusal to load is reworded, and re-raised
+                if dense and refuses_the_checkpoint(refused):
+                    raise upcycle_skipped(dense, checkpoint_cfg.save_dir, resolved.path, refused) from None
+                raise
             finally:
                 with open_dict(self.cfg.checkpoint):
                     self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = previous
@@ -107,6 +124,25 @@ def wrap_trainer_load_checkpoint(original):
             STATE.load_targets.pop()
 
     return load_checkpoint
+
+
+def refuses_the_checkpoint(error: BaseException) -> bool:
+    """Our one-line refusals of a checkpoint this model cannot load, and fairseq's own (not the resume
+    policy's: that checkpoint would load, and its line names its own fix)."""
+    if CHANGES_FUNCTION in str(error):
+        return False
+    return isinstance(error, (ValueError, moe_ckpt.CheckpointError)) or \
+        str(error).startswith("Cannot load model parameters from checkpoint")
+
+
+def upcycle_skipped(dense: str, save_dir: str, found: str, refused: BaseException) -> ValueError:
+    """--moe-upcycle-from was skipped for a checkpoint in the save dir, which turned out not to load."""
+    problem = " ".join(str(refused).split()).split(": ", 1)[0]
+    return ValueError(
+        f"--moe-upcycle-from {dense} was skipped because --save-dir {save_dir} already holds {found} (a restarted run "
+        f"resumes its own checkpoint), and this model cannot load that one ({problem}): to upcycle, give this run a "
+        f"new --save-dir"
+    )
 
 
 def decided_on_rank_0(decide):

@@ -1,5 +1,7 @@
 """Hooks 5 and 6: in multi-worker MoE training every worker saves its own rank file, and fairseq's
-save runs inside the checkpoint-set transaction (``checkpoint/save.py``)."""
+save runs inside the checkpoint-set transaction (``checkpoint/save.py``). Every save through the
+hook, an MoE model's or a dense one's, copies by rename and reports a failed write (a full disk) in
+one line (``checkpoint/write_failure.py``), with its half-written files removed."""
 
 import contextlib
 import functools
@@ -12,7 +14,9 @@ from fairseq import checkpoint_utils
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from .. import io_waits
+from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
+from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
 from ..process_state import STATE
 from ..set_identity import save_set_id
 
@@ -72,13 +76,20 @@ def wrap_trainer_state_dict(original):
 def wrap_save_checkpoint(original):
     @functools.wraps(original)
     def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-        if cfg.no_save or not moe_dist.has_experts(trainer._model):
+        if cfg.no_save:
             return original(cfg, trainer, epoch_itr, val_loss)
-        if not is_expert_parallel_trainer(trainer):
-            if trainer.data_parallel_rank > 0:  # every expert on every worker: rank 0 saves them
+        with _write_failures_reported(cfg.save_dir, trainer):
+            return save(cfg, trainer, epoch_itr, val_loss)
+
+    def save(cfg, trainer, epoch_itr, val_loss):
+        if not moe_dist.has_experts(trainer._model) or not is_expert_parallel_trainer(trainer):
+            if trainer.data_parallel_rank > 0:  # every parameter on every worker: rank 0 saves them
                 return original(cfg, trainer, epoch_itr, val_loss)
-            return save_single_file(cfg.save_dir, trainer.checkpoint_suffix,
-                                    lambda: original(cfg, trainer, epoch_itr, val_loss))
+            with _atomic_copies():
+                if not moe_dist.has_experts(trainer._model):
+                    return original(cfg, trainer, epoch_itr, val_loss)
+                return save_single_file(cfg.save_dir, trainer.checkpoint_suffix,
+                                        lambda: original(cfg, trainer, epoch_itr, val_loss))
 
         def write():
             with _atomic_copies(), _removals_deferred() as pruned:
@@ -97,6 +108,36 @@ def wrap_save_checkpoint(original):
                                share)
 
     return save_checkpoint
+
+
+@contextlib.contextmanager
+def _write_failures_reported(save_dir: str, trainer):
+    """A failed write of this worker's save (a full disk, a save dir made read-only) becomes one line
+    naming the cause and the fix, and the ``.tmp`` files it left half-written are removed (every file
+    of a save is written under ``<name>.tmp`` and renamed, so no complete checkpoint is touched)."""
+    try:
+        before = set(os.listdir(save_dir))
+    except OSError:
+        before = set()
+    try:
+        yield
+    except (OSError, RuntimeError, AssertionError) as e:  # AssertionError: fairseq's check of a failed copy
+        if isinstance(e, CheckpointError) or not (is_write_failure(e) or _failed_copy(e)):
+            raise
+        report = cannot_write(
+            e, f"the checkpoint of update {trainer.get_num_updates()}", save_dir,
+            writable_fix="give --save-dir a directory you can write to",
+            then="then rerun the same command (it resumes from the last checkpoint saved whole; the half-written "
+                 "files of this save were removed)")
+        if trainer.should_save_checkpoint_on_current_rank:  # a replica that writes nothing removes nothing
+            endings = [trainer.checkpoint_suffix + ".pt.tmp"]
+            endings += [".set.json.tmp"] if trainer.data_parallel_rank == 0 else []
+            remove_new_partial_files(save_dir, before, endings)
+        raise report from None
+
+
+def _failed_copy(error: BaseException) -> bool:
+    return isinstance(error, AssertionError) and str(error).startswith("Failed to copy")
 
 
 def expert_digest(model) -> str:
@@ -131,9 +172,12 @@ def _atomic_copies():
         @staticmethod
         def copy(src, dst, overwrite=False):
             tmp = dst + ".tmp"
-            ok = inner.copy(src, tmp, overwrite=True)
+            # iopath's copy logs a failure and returns False: then the half-written copy must not
+            # replace the destination (fairseq asserts on the False).
+            if not inner.copy(src, tmp, overwrite=True):
+                return False
             os.replace(tmp, dst)
-            return ok
+            return True
 
     checkpoint_utils.PathManager = AtomicCopyPathManager()
     try:

@@ -1,7 +1,6 @@
 """The ``--moe-*`` model options, named after fairseq's ``moe`` branch where it had them."""
 
 import logging
-import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
@@ -22,6 +21,7 @@ from ..distributed import (
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.router import ROUTER_TYPES
+from ..option_ranges import MODEL_RANGES, check_option, check_options
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,12 @@ class MoEConfig(FairseqDataclass):
                   "in its directory, with a warning, instead of refusing (the default checkpoint_last.pt in "
                   "--save-dir always falls back)"},
     )
+    moe_allow_function_change: bool = field(
+        default=False,
+        metadata={"help": "fairseq-train: resume (or --finetune-from-model) with options that change what the saved "
+                  "weights compute (--moe-router, --moe-top-k, --moe-normalize-gate, --activation-fn), each change "
+                  "logged as a warning; without it such a resume is refused (README: what may change on resume)"},
+    )
     # Sparse upcycling (upcycling.py): read from the command line when training starts, like the above.
     moe_upcycle_from: Optional[str] = field(
         default=None,
@@ -187,73 +193,28 @@ def moe_freq(args, side: str) -> int:
 
 
 def check_moe_args(args) -> None:
-    """Fail before anything is built, with one line that names the flag and the fix."""
+    """Fail before anything is built, with one line that names the flag and the fix: every numeric
+    option against the range of what it is used in (``option_ranges.MODEL_RANGES``), then the
+    options against each other."""
     experts = moe_option(args, "moe_expert_count")
-    if not isinstance(experts, int) or experts < 1:
-        raise ValueError(f"--moe-expert-count must be a positive integer, got {experts!r}: use 1 or more experts")
+    check_option(MODEL_RANGES["moe_expert_count"], experts)
+    check_options(MODEL_RANGES, lambda name: moe_option(args, name), experts=experts)
     k = moe_option(args, "moe_top_k")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"--moe-top-k must be >= 1, got {k!r}: use 1 <= --moe-top-k <= {experts}")
     if k > experts:
         raise ValueError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
-    for name in ("moe_capacity_factor", "moe_eval_capacity_factor"):
-        value = moe_option(args, name)
-        if value is None or not math.isfinite(float(value)):
-            raise ValueError(
-                f"--{name.replace('_', '-')} must be a finite number, got {value!r}: use 0 for dropless routing, "
-                f"> 0 for a fixed capacity, < 0 for a bounded dropless one"
-            )
-    noise = moe_option(args, "moe_gate_noise")
-    noise_fix = "use 0 (no noise) or a standard deviation > 0"
-    if noise is None or not math.isfinite(float(noise)):
-        raise ValueError(f"--moe-gate-noise must be a finite number, got {noise!r}: {noise_fix}")
-    if noise < 0:
-        raise ValueError(f"--moe-gate-noise must be >= 0, got {noise!r}: {noise_fix}")
-    for side in ("encoder", "decoder"):
-        freq = moe_freq(args, side)
-        if not isinstance(freq, int) or freq < 0:
-            raise ValueError(
-                f"--{side}-moe-freq / --moe-freq must be an integer >= 0, got {freq!r}: use N for an MoE layer "
-                f"every N layers, or 0 for none"
-            )
-    timeout = moe_option(args, "moe_comm_timeout")
-    if timeout is None or not math.isfinite(float(timeout)) or timeout <= 0:
-        raise ValueError(
-            f"--moe-comm-timeout must be a positive number of seconds, got {timeout!r}: use e.g. "
-            f"{moe_default('moe_comm_timeout'):g} (the default)"
-        )
-    parallel = moe_option(args, "moe_expert_parallel_size")
-    if parallel is not None and (not isinstance(parallel, int) or parallel < 1):
-        raise ValueError(
-            f"--moe-expert-parallel-size must be a positive integer, got {parallel!r}: use a P dividing both the "
-            f"number of workers and --moe-expert-count, or drop it for the default (the largest such P)"
-        )
-    dim = moe_option(args, "moe_expert_ffn_dim")
-    if dim is not None and dim < 1:
-        raise ValueError(f"--moe-expert-ffn-dim must be positive, got {dim!r}: drop it to use the layer's ffn dim")
     check_routing_extensions(args, k)
 
 
 def check_routing_extensions(args, k: int) -> None:
     """Shared experts, loss-free balancing and the sigmoid router."""
-    shared = moe_option(args, "moe_shared_expert_count")
-    if not isinstance(shared, int) or shared < 0:
-        raise ValueError(f"--moe-shared-expert-count must be an integer >= 0, got {shared!r}: use 0 for no shared experts")
     shared_dim = moe_option(args, "moe_shared_expert_ffn_dim")
-    if shared_dim is not None and (shared == 0 or shared_dim < 1):
+    if shared_dim is not None and moe_option(args, "moe_shared_expert_count") == 0:
         raise ValueError(
-            f"--moe-shared-expert-ffn-dim {shared_dim} needs --moe-shared-expert-count >= 1 and a positive size: "
-            f"add shared experts or drop the flag"
+            f"--moe-shared-expert-ffn-dim {shared_dim} needs --moe-shared-expert-count >= 1: add shared experts or "
+            f"drop the flag"
         )
-    rate = moe_option(args, "moe_bias_update_rate")
-    if rate is not None:
-        if str(moe_option(args, "moe_balance")) != "bias":
-            raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
-        if not math.isfinite(float(rate)) or rate <= 0:
-            raise ValueError(
-                f"--moe-bias-update-rate must be a finite number > 0, got {rate!r}: use e.g. {DEFAULT_BIAS_UPDATE_RATE} "
-                f"(the default, DeepSeek-V3's)"
-            )
+    if moe_option(args, "moe_bias_update_rate") is not None and str(moe_option(args, "moe_balance")) != "bias":
+        raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
     if str(moe_option(args, "moe_router")) == "sigmoid" and k < 2:
         raise ValueError(
             "--moe-router sigmoid normalises the gates over the chosen experts, so with --moe-top-k 1 every gate is 1 "

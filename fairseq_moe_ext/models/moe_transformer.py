@@ -33,7 +33,8 @@ from .moe_model import (  # noqa: F401
 
 # Read from the command line by the checkpoint loader (absent means no fallback): it shapes no model,
 # and the architectures have never written it into a model's args.
-NOT_SET_BY_ARCHITECTURE = ("moe_restore_fallback", "moe_upcycle_from", "moe_upcycle_noise", "moe_upcycle_router_std")
+NOT_SET_BY_ARCHITECTURE = ("moe_restore_fallback", "moe_allow_function_change", "moe_upcycle_from",
+                           "moe_upcycle_noise", "moe_upcycle_router_std")
 
 
 @register_model("moe_transformer")

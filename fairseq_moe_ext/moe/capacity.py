@@ -8,6 +8,10 @@ which slots are dropped when an expert is over capacity.
 * ``cf == 0`` dropless: every slot is served;
 * ``cf < 0``  dropless up to a bound: at most ``k * int(|cf| * spe)`` slots per expert.
 
+``int(|cf| * spe)`` is capped at ``MAX_SLOTS`` (2**40, more token-slots than any batch holds, so
+the same slots are kept), which keeps the capacity within int64 whatever finite factor is given:
+``1e39 * spe`` cast to int64 wraps to a negative or zero capacity, which would drop every slot.
+
 Tutel computes the dropless capacity as the maximum load over ranks because it pads every expert
 to one size. We never pad, so ``cf == 0`` needs no number at all and ``cf < 0`` is simply the bound:
 a slot is dropped exactly when its position in the expert's queue reaches ``k * int(|cf| * spe)``.
@@ -22,6 +26,8 @@ from typing import Optional, Union
 import torch
 
 from .dispatch import bucket_counts
+
+MAX_SLOTS = 2 ** 40  # per expert and choice: beyond any batch's token count, far within int64 (times k)
 
 
 def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> float:
@@ -43,7 +49,7 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: 
     if capacity_factor == 0:
         return None
     tokens_per_expert = (num_tokens + num_experts - 1) // num_experts
-    return k * int(abs(capacity_factor) * tokens_per_expert)
+    return k * min(int(abs(capacity_factor) * tokens_per_expert), MAX_SLOTS)
 
 
 def expert_capacity_tensor(num_tokens: torch.Tensor, num_experts: int, k: int, capacity_factor: float) -> Optional[torch.Tensor]:
@@ -53,7 +59,8 @@ def expert_capacity_tensor(num_tokens: torch.Tensor, num_experts: int, k: int, c
     if capacity_factor == 0:
         return None
     tokens_per_expert = torch.div(num_tokens.long() + (num_experts - 1), num_experts, rounding_mode="floor")
-    return k * torch.floor(abs(capacity_factor) * tokens_per_expert.double()).long()
+    slots = torch.floor(abs(capacity_factor) * tokens_per_expert.double()).clamp(max=float(MAX_SLOTS))
+    return k * slots.long()
 
 
 def slots_within_capacity(
