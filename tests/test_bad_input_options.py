@@ -116,11 +116,11 @@ def test_a_resume_changing_options_that_may_change_and_an_overridden_top_k_train
     inputs = checkpoints.result()
     save_dir = copy_of(inputs.single, tmp_path)
     output = run_fairseq("train", *train_args(
-        inputs.data, save_dir, "--max-update", "4", "--moe-eval-capacity-factor", "1.0", "--moe-comm-timeout", "600",
+        inputs.data, save_dir, "--max-update", "4", "--moe-eval-capacity-factor", "1.0", "--moe-comm-timeout", "900",
         "--moe-gate-loss-wt", "0.1", "--moe-top-k", "1", "--moe-allow-function-change"), timeout=300)
     for logged in ("resuming: {} was trained with --moe-eval-capacity-factor 0.0 and this run has "
                    "--moe-eval-capacity-factor 1.0",
-                   "resuming: {} was trained with --moe-comm-timeout 1800.0 and this run has --moe-comm-timeout 600.0",
+                   "resuming: {} was trained with --moe-comm-timeout 600.0 and this run has --moe-comm-timeout 900.0",
                    "resuming: {} was trained with --moe-gate-loss-wt 0.01 and this run has --moe-gate-loss-wt 0.1",
                    "WARNING | fairseq_moe_ext.checkpoint.resume_policy | --moe-allow-function-change: {} was trained "
                    "with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute"):
