@@ -11,22 +11,9 @@ import re
 
 import pytest
 
+from bad_input_makers import fresh_training, resume
+from bad_input_runner import SET, Case, check_case, checkpoint_tool, copy_of, fairseq_train, train_args
 from fairseq_helpers import run_fairseq
-from test_bad_input import (  # noqa: F401  (checkpoints, data, pool, started: this module's own instances)
-    SET,
-    Case,
-    checkpoint_tool,
-    checkpoints,
-    check_case,
-    copy_of,
-    data,
-    fairseq_train,
-    fresh_training,
-    pool,
-    resume,
-    started,
-    train_args,
-)
 
 pytestmark = pytest.mark.slow
 FUNCTION_FIX = "or use a new --save-dir, or add --moe-allow-function-change to train on from these weights"

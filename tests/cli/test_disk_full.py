@@ -25,7 +25,7 @@ from fairseq_helpers import fairseq_env, run_fairseq, tail
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.fairseq_integration import saving
 from fake_checkpoints import EXPERT_KEY, full_state
-from test_bad_input import last_error_line, train_args
+from bad_input_runner import last_error_line, train_args
 
 FULL = "no space left on device on the filesystem that holds"
 

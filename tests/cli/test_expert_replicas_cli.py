@@ -14,18 +14,12 @@ import torch
 from fairseq_helpers import fairseq_env, json_logs, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
 from paths import SUPPORT
-from test_multiworker_cli import BIN, assert_same_generation, generate, moe_args
+from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
 
 pytestmark = pytest.mark.slow
 
 TWO_EXPERTS = ("--moe-expert-count", "2", "--ddp-backend", "legacy_ddp")
 UPDATES = 4
-
-
-@pytest.fixture(scope="session")
-def data(parallel_data):
-    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
-    return parallel_data
 
 
 @pytest.fixture(scope="module")

@@ -36,17 +36,11 @@ LANGUAGE_MODEL = [
 EVERY_SENTENCE = ["--required-batch-size-multiple", "1"]
 
 
-@pytest.fixture(scope="session")
-def mt_data(parallel_data):
-    """The session's shared preprocessed corpora (conftest.py: parallel_data, lm_data), read only."""
-    return parallel_data
-
-
 @pytest.fixture(scope="module")
-def mt_run(mt_data, tmp_path_factory):
+def mt_run(data, tmp_path_factory):
     """(save dir, training output) of 40 updates of moe_transformer_tiny."""
     save_dir = tmp_path_factory.mktemp("mt_checkpoints")
-    return save_dir, run_fairseq("train", *train_args(mt_data, save_dir, *TRANSLATION, max_update=40))
+    return save_dir, run_fairseq("train", *train_args(data, save_dir, *TRANSLATION, max_update=40))
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +80,20 @@ def test_moe_translation_training_lowers_the_loss_and_logs_moe_metrics(mt_run):
     assert float(last["moe_dropped_frac"]) == 0, "the default capacity factor 0 is dropless"
 
 
-def test_generate_translates_every_test_sentence_and_reports_bleu(mt_data, mt_run):
+def test_generate_translates_every_test_sentence_and_reports_bleu(data, mt_run):
     save_dir, _ = mt_run
     output = run_fairseq(
-        "generate", mt_data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
+        "generate", data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
         "--beam", "2", "--batch-size", "16", *EVERY_SENTENCE,
     )
     assert len(hypotheses(output)) == SPLITS["test"]
     assert re.search(r"^Generate test with beam=2: BLEU4 = \d+\.\d+", output, re.M), output[-2000:]
 
 
-def test_interactive_translates_each_input_line(mt_data, mt_run):
+def test_interactive_translates_each_input_line(data, mt_run):
     save_dir, _ = mt_run
     output = run_fairseq(
-        "interactive", mt_data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
+        "interactive", data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
         "--source-lang", "src", "--target-lang", "tgt", "--beam", "2",
         input="s1 s2 s3\ns5 s9 s11 s20 s7\n",
     )
@@ -141,11 +135,11 @@ def test_hydra_train_runs_the_packaged_yaml_config_in_place_with_command_line_ov
     assert (tmp_path / "checkpoints" / "checkpoint_best.pt").is_file()
 
 
-def test_training_resumes_from_checkpoint_last_under_weights_only_loading(mt_data, mt_run, tmp_path):
+def test_training_resumes_from_checkpoint_last_under_weights_only_loading(data, mt_run, tmp_path):
     first_save_dir, first_output = mt_run
     save_dir = tmp_path / "checkpoints"
     shutil.copytree(first_save_dir, save_dir)
-    output = run_fairseq("train", *train_args(mt_data, save_dir, *TRANSLATION, max_update=50))
+    output = run_fairseq("train", *train_args(data, save_dir, *TRANSLATION, max_update=50))
     assert re.search(r"Loaded checkpoint \S*checkpoint_last\.pt \(epoch \d+ @ 40 updates\)", output), output[-3000:]
     records = json_logs(output)
     assert [r["num_updates"] for r in records] == ["45", "50"]
@@ -185,22 +179,22 @@ def assert_refused(output, file_name, named):
     (lambda tmp_path: OpensAFile(tmp_path / "code_ran"), "io.open"),  # builtins.open pickles as io.open
 ], ids=["plain_object", "code_payload"])
 def test_generate_refuses_a_checkpoint_that_pickles_a_disallowed_object(
-    mt_data, mt_run, tmp_path, make_payload, named
+    data, mt_run, tmp_path, make_payload, named
 ):
     save_dir, _ = mt_run
     tampered = tmp_path / "tampered.pt"
     smuggle(save_dir / "checkpoint_best.pt", make_payload(tmp_path), tampered)
     output = run_fairseq(
-        "generate", mt_data, "--user-dir", USER_DIR, "--path", tampered, "--cpu", expect_failure=True,
+        "generate", data, "--user-dir", USER_DIR, "--path", tampered, "--cpu", expect_failure=True,
     )
     assert_refused(output, "tampered.pt", named)
     assert not (tmp_path / "code_ran").exists(), "unpickling ran code from the checkpoint"
 
 
-def test_resuming_refuses_a_checkpoint_last_that_pickles_a_disallowed_object(mt_data, mt_run, tmp_path):
+def test_resuming_refuses_a_checkpoint_last_that_pickles_a_disallowed_object(data, mt_run, tmp_path):
     first_save_dir, _ = mt_run
     save_dir = tmp_path / "checkpoints"
     save_dir.mkdir()
     smuggle(first_save_dir / "checkpoint_last.pt", fractions.Fraction(1, 3), save_dir / "checkpoint_last.pt")
-    output = run_fairseq("train", *train_args(mt_data, save_dir, *TRANSLATION, max_update=50), expect_failure=True)
+    output = run_fairseq("train", *train_args(data, save_dir, *TRANSLATION, max_update=50), expect_failure=True)
     assert_refused(output, "checkpoint_last.pt", "fractions.Fraction")

@@ -161,12 +161,6 @@ TRIALS = draw_trials(SEED)
 LAST_UPDATE = TRIALS[-1][1] + 3
 
 
-@pytest.fixture(scope="session")
-def data(parallel_data):
-    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
-    return parallel_data
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")

@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,77 +18,18 @@ import torch
 from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
-    assert_loss_falls,
-    assert_shared_identical_experts_distinct_norms_equal,
     fairseq_env,
     json_logs,
-    load_rank_probes,
     run_fairseq,
-    tail,
     torchrun,
 )
+from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args, rewrite_rank_file
 from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
 TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
-BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="session")
-def data(parallel_data):
-    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
-    return parallel_data
-
-
-def moe_args(data, save_dir, max_update, *extra):
-    return [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
-        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4",
-        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--clip-norm", "1.0",
-        "--max-update", str(max_update), "--save-dir", str(save_dir),
-        "--log-format", "json", "--log-interval", "1", *extra,
-    ]
-
-
 def losses_by_update(output):
     return {int(r["num_updates"]): float(r["loss"]) for r in json_logs(output)}
-
-
-@pytest.mark.parametrize("backend", ["legacy_ddp", "c10d"])
-def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct(data, tmp_path, backend):
-    probe = tmp_path / "probe"
-    output = torchrun(2, SUPPORT / "fairseq_rank_probe.py",
-                      [probe, *moe_args(data, tmp_path / "ck", 12, "--ddp-backend", backend, "--no-save")])
-    ranks = load_rank_probes(probe, 2)
-    assert_shared_identical_experts_distinct_norms_equal(ranks, updates=12)
-    records = json_logs(output)
-    assert records and all("moe_gate_loss" in r for r in records)
-
-
-def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_experts_apart_and_shared_weights_equal(
-    data, tmp_path
-):
-    """P defaults to gcd(4, 2) = 2: ranks 0 and 2 hold expert 0, ranks 1 and 3 expert 1, after 20 updates
-    of fairseq-train. (Checkpoint sets of replicated experts are not this test's subject: --no-save.)"""
-    probe = tmp_path / "probe"
-    output = torchrun(4, SUPPORT / "fairseq_rank_probe.py", [
-        probe, *moe_args(data, tmp_path / "ck", 20, "--moe-expert-count", "2", "--ddp-backend", "legacy_ddp",
-                         "--no-save", "--disable-validation"),
-    ])
-    ranks = load_rank_probes(probe, 4)
-    experts = set(ranks[0]["expert_keys"])
-    assert experts and all(ranks[0]["model"][key].shape[0] == 1 for key in experts), "one expert per worker"
-    for key, value in ranks[0]["model"].items():
-        for r in (1, 2, 3):
-            if key in experts and r % 2 == 1:
-                assert not torch.equal(value, ranks[r]["model"][key]), f"experts 0 and 1 equal in {key} (rank {r})"
-            else:
-                assert torch.equal(value, ranks[r]["model"][key]), f"{key} differs between ranks 0 and {r}"
-    for key in experts:
-        assert torch.equal(ranks[1]["model"][key], ranks[3]["model"][key]), f"replicas of expert 1 differ in {key}"
-    assert all(r["grad_norms"] == ranks[0]["grad_norms"] for r in ranks) and len(ranks[0]["grad_norms"]) == 20
-    assert_loss_falls(output)
 
 
 @pytest.fixture(scope="module")
@@ -129,25 +69,6 @@ def test_resuming_with_the_same_world_size_reproduces_the_uninterrupted_run(two_
     assert sorted(got) == [5, 6, 7, 8]
     assert carries_every_digit(want.values()) and carries_every_digit(got.values()), "losses rounded for display"
     assert all(got[u] == want[u] for u in got), (got, want)
-
-
-def generate(data, path, workers=1, extra=(), log_dir=None):
-    args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
-            "--max-tokens", "2000", "--num-workers", "0", *extra]
-    if workers > 1:
-        torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir)
-        output = "\n".join(Path(p).read_text() for p in glob.glob(f"{log_dir}/**/stdout.log", recursive=True))
-    else:
-        output = run_fairseq("generate", *args)
-    hypotheses = {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
-    return hypotheses, output
-
-
-def assert_same_generation(got, want):
-    assert got.keys() == want.keys() and len(want) > 10
-    for i, (score, text) in want.items():
-        assert got[i][1] == text, (i, got[i], want[i])
-        assert got[i][0] == pytest.approx(score, abs=1e-4), (i, got[i], want[i])
 
 
 @pytest.mark.parametrize("workers", [1, 4])
@@ -197,21 +118,6 @@ def test_merge_and_reshard_round_trip_bit_exactly(two_worker_run, tmp_path):
     assert refused.returncode == 2 and "exists; choose another output name" in refused.stderr
 
 
-def _rewrite_rank_file(save_dir, rank, edit):
-    from fairseq_moe_ext import checkpoint as moe_ckpt
-
-    path = save_dir / f"checkpoint_last-rank-{rank}-of-2.pt"
-    state = moe_ckpt.safe_load(str(path))
-    edit(state)
-    torch.save(state, path)
-    manifest_file = save_dir / "checkpoint_last.set.json"
-    manifest = json.loads(manifest_file.read_text())
-    for entry in manifest["files"]:
-        if entry["rank"] == rank:
-            entry.update(moe_ckpt.describe_file(str(path)))
-    manifest_file.write_text(json.dumps(manifest))
-
-
 def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_differ(two_worker_run, tmp_path):
     cli = [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "inspect"]
     healthy = subprocess.run([*cli, two_worker_run["at4"] / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True)
@@ -229,7 +135,7 @@ def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_diffe
         state["model"][key][0] = rank0["model"][key][0]  # the reference thread's symptom
         state["model"][shared] = rank0["model"][shared] + 1.0  # a shared tensor that disagrees
 
-    _rewrite_rank_file(save_dir, 1, doctor)
+    rewrite_rank_file(save_dir, 1, doctor)
     report = subprocess.run([*cli, save_dir / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True)
     assert report.returncode == 1
     assert f"VERDICT PROBLEM: {key}: expert 0 of rank 0 equals expert 0 of rank 1" in report.stdout
@@ -374,39 +280,6 @@ def test_keep_interval_updates_prunes_whole_sets(reference_to_8):
         "checkpoint_1_6-rank-0-of-2.pt", "checkpoint_1_6-rank-1-of-2.pt", "checkpoint_1_6.set.json",
         "checkpoint_1_8-rank-0-of-2.pt", "checkpoint_1_8-rank-1-of-2.pt", "checkpoint_1_8.set.json",
     ], names
-
-
-def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_holding_half_the_experts_each(lm_data, tmp_path):
-    data = lm_data
-    save_dir = tmp_path / "ck"
-    torchrun(2, BIN / "fairseq-train", [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--task", "language_modeling",
-        "--arch", "moe_transformer_lm_tiny", "--criterion", "moe_cross_entropy", "--tokens-per-sample", "32",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "512", "--max-update", "30", "--save-dir", str(save_dir),
-        "--no-epoch-checkpoints", "--required-batch-size-multiple", "1",
-    ])
-    assert (save_dir / "checkpoint_last.set.json").exists()
-    args = [str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"), "--cpu",
-            "--tokens-per-sample", "32", "--max-tokens", "64", "--num-workers", "0"]  # 3 batches: 2 and 1
-    output = run_fairseq("eval_lm", *args)
-    perplexity = float(re.search(r"Perplexity: ([\d.]+)", output).group(1))
-    assert perplexity < 20, output[-2000:]  # 40-token vocabulary: a model that learned nothing sits near 40
-
-    # Then on 2 workers, each scoring its share of the batches (fairseq's eval-lm reports rank 0's, its
-    # other ranks log warnings only): with each worker holding half of the experts (the default for
-    # a set saved by 2, in lock-step) exactly as with every expert on every worker.
-    def rank_0_scores(mode):
-        log_dir = tmp_path / f"logs-{mode}"
-        torchrun(2, BIN / "fairseq-eval-lm", [*args, "--moe-inference-experts", mode], timeout=240, log_dir=log_dir,
-                 redirects=3)
-        text = "".join(Path(p).read_text() for p in sorted(glob.glob(f"{log_dir}/**/0/std*.log", recursive=True)))
-        return text, re.search(r"Evaluated ([\d,]+) tokens.*?(Loss \(base 2\): [\d.]+)", text, flags=re.S).groups()
-
-    sharded, sharded_scores = rank_0_scores("auto")
-    local, local_scores = rank_0_scores("local")
-    assert "expert-sharded inference: worker 0 of 2 holds experts 0..1" in sharded
-    assert "expert-sharded" not in local
-    assert sharded_scores == local_scores and int(local_scores[0]) < int(re.search(r"Evaluated ([\d,]+)", output)[1])
 
 
 def test_fairseq_loads_a_set_by_its_plain_name(two_worker_run):

@@ -18,8 +18,7 @@ from fairseq_helpers import (
     torchrun,
 )
 from paths import SUPPORT
-from test_multiworker_cli import moe_args
-
+from multiworker_cli_runs import moe_args
 
 
 def parsed(*flags):
@@ -53,12 +52,6 @@ def test_an_explicit_tpu_flag_without_torch_xla_is_refused_in_one_line():
         parsed("--bf16", "--tpu")
     message = str(error.value)
     assert "\n" not in message and message.startswith("--tpu needs torch_xla") and "drop --tpu" in message
-
-
-@pytest.fixture(scope="session")
-def data(parallel_data):
-    """The session's shared preprocessed parallel corpus (conftest.py), read only."""
-    return parallel_data
 
 
 @pytest.mark.slow

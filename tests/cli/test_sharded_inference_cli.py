@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fairseq_helpers import USER_DIR, json_logs, preprocess_parallel, run_fairseq, torchrun, write_parallel_corpus
-from test_multiworker_cli import BIN, moe_args
+from multiworker_cli_runs import BIN, moe_args
 
 pytestmark = pytest.mark.slow
 BLEU_ARGS = {"beam": 4, "max_len_a": 1.2, "max_len_b": 10}

@@ -1,4 +1,5 @@
-"""The router losses against the papers' definitions, written out here (no project loss code).
+"""The router losses against the papers' definitions (tests/support/router_loss_definitions.py, no
+project loss code).
 
 * Balance loss (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): ``E * sum_e f_e * P_e``,
   ``f_e`` the fraction of real tokens whose top-1 choice is ``e`` (top-1 only, also for k=2) and
@@ -14,44 +15,17 @@ import pytest
 import torch
 
 from fairseq_moe_ext.moe import MoELayer
+from router_loss_definitions import (
+    E,
+    router_probabilities,
+    st_moe_z_loss,
+    st_moe_z_loss_grad,
+    switch_balance_loss,
+    switch_balance_loss_grad,
+    top1_fractions,
+)
 
-D, H, E = 6, 8, 4
-
-
-def log_sum_exp(logits):
-    top = logits.max(-1, keepdim=True).values
-    return (top + (logits - top).exp().sum(-1, keepdim=True).log()).squeeze(-1)
-
-
-def router_probabilities(logits):
-    return (logits - log_sum_exp(logits).unsqueeze(-1)).exp()
-
-
-def top1_fractions(top1, num_tokens):
-    return torch.tensor([float((top1 == e).sum()) / num_tokens for e in range(E)], dtype=torch.float64)
-
-
-def switch_balance_loss(logits, top1):
-    f = top1_fractions(top1, logits.shape[0]).to(logits.dtype)
-    mean_probability = router_probabilities(logits).sum(0) / logits.shape[0]
-    return E * (f * mean_probability).sum()
-
-
-def switch_balance_loss_grad(logits, top1):
-    """d/dl_nj of E/N sum_e f_e p_ne = E/N * p_nj * (f_j - sum_e f_e p_ne); f is piecewise constant."""
-    n = logits.shape[0]
-    p = router_probabilities(logits)
-    f = top1_fractions(top1, n).to(logits.dtype)
-    return E / n * p * (f - (p * f).sum(-1, keepdim=True))
-
-
-def st_moe_z_loss(logits):
-    return log_sum_exp(logits).pow(2).sum() / logits.shape[0]
-
-
-def st_moe_z_loss_grad(logits):
-    """d/dl_nj of 1/N sum_n lse_n^2 = 2/N * lse_n * p_nj."""
-    return 2.0 / logits.shape[0] * log_sum_exp(logits).unsqueeze(-1) * router_probabilities(logits)
+D, H = 6, 8
 
 
 class WithClosedFormGradient(torch.autograd.Function):

@@ -15,7 +15,7 @@ from fairseq_moe_ext.distributed import ExpertLayout
 from fairseq_moe_ext.fairseq_integration import training
 from fairseq_moe_ext.moe import MoELayer
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases
-from test_fairseq_expert_parallel import collate, sentence_pairs, training_args, write_dictionaries
+from in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
 from thread_world import ThreadWorld
 
 W, P = 4, 2

@@ -6,19 +6,15 @@ directories hold dictionaries only; batches are collated from random tokens.
 """
 
 import os
-from collections import namedtuple
 
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq import options, tasks, utils
-from fairseq.data import Dictionary, LanguagePairDataset
-from fairseq.data.data_utils import collate_tokens
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq import utils
 
-from fairseq_helpers import USER_DIR, VOCAB
 from fairseq_moe_ext.models.moe_transformer import moe_layer_names
 from fairseq_moe_ext.moe import UncollectedMoELossError
+from tiny_fairseq_models import language_model, lm_batch, translation, translation_batch
 
 # fairseq composes its config with hydra's deprecated schema matching on every build.
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
@@ -35,68 +31,6 @@ TINY_LM = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-inpu
 # One expert, top-1, dropless: an MoE layer that must compute exactly its expert's FFN.
 ONE_EXPERT = ["--moe-expert-count", "1", "--moe-top-k", "1", "--moe-capacity-factor", "0",
               "--moe-eval-capacity-factor", "0"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dictionaries")
-    for name, prefix in (("dict.src.txt", "s"), ("dict.tgt.txt", "t"), ("dict.txt", "w")):
-        dictionary = Dictionary()
-        for i in range(VOCAB):
-            dictionary.add_symbol(f"{prefix}{i}")
-        dictionary.save(str(root / name))
-    return root
-
-
-Built = namedtuple("Built", "task model criterion")
-
-
-def build(data, task, arch, *flags, seed=1):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        str(data), "--user-dir", USER_DIR, "--task", task, "--arch", arch, "--cpu", "--seed", str(seed),
-        "--dropout", "0", "--attention-dropout", "0", *flags,
-    ])
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.set_torch_seed(cfg.common.seed)  # what fairseq_cli.train does right before building
-    built_task = tasks.setup_task(cfg.task)
-    return Built(built_task, built_task.build_model(cfg.model), built_task.build_criterion(cfg.criterion))
-
-
-def translation(data, *flags, arch="moe_transformer_tiny", **kw):
-    return build(data, "translation", arch, "--source-lang", "src", "--target-lang", "tgt", *flags, **kw)
-
-
-def language_model(data, *flags, arch="moe_transformer_lm_tiny", **kw):
-    return build(data, "language_modeling", arch, *flags, **kw)
-
-
-def random_sentences(dictionary, lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(dictionary.nspecial, len(dictionary), (n,), generator=g) for n in lengths]
-
-
-def translation_batch(task, seed=0, lengths=(7, 3, 5, 9)):
-    """Sentences of different lengths, so both sides carry padding."""
-    eos = task.src_dict.eos()
-    src = [torch.cat([s, torch.tensor([eos])]) for s in random_sentences(task.src_dict, lengths, seed)]
-    tgt = [torch.cat([s, torch.tensor([eos])]) for s in random_sentences(task.tgt_dict, lengths[::-1], seed + 1)]
-    dataset = LanguagePairDataset(
-        src, [len(s) for s in src], task.src_dict, tgt, [len(t) for t in tgt], task.tgt_dict,
-    )
-    return dataset.collater([dataset[i] for i in range(len(src))])
-
-
-def lm_batch(task, seed=0, lengths=(9, 4, 6)):
-    d = task.dictionary
-    sentences = random_sentences(d, lengths, seed)
-    target = collate_tokens([s[1:] for s in sentences], d.pad())
-    return {
-        "id": torch.arange(len(sentences)), "nsentences": len(sentences),
-        "ntokens": int(target.ne(d.pad()).sum()), "target": target,
-        "net_input": {"src_tokens": collate_tokens([s[:-1] for s in sentences], d.pad()),
-                      "src_lengths": torch.tensor([len(s) - 1 for s in sentences])},
-    }
 
 
 def real_target_logits(model, sample, pad):

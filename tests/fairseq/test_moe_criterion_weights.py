@@ -1,7 +1,7 @@
 """``--moe-gate-loss-wt`` and ``--moe-z-loss-wt`` each add exactly ``weight x term x sample_size`` to
 the training loss, and its gradient to every parameter, and nothing else.
 
-The terms come from the definitions in test_moe_objective_oracle (GShard/Switch balance loss,
+The terms come from the definitions in router_loss_definitions (GShard/Switch balance loss,
 ST-MoE z-loss), evaluated on every router's input tokens as the model saw them, so their
 gradients reach the router weights directly and, through the first MoE layer's output, the
 parameters below the second. A detached or missing term changes the difference, not only its sign.
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fairseq_moe_ext.moe import MoELayer, TopKRouter
-from test_fairseq_models import data, translation, translation_batch  # noqa: F401  (data: fixture)
-from test_moe_objective_oracle import E, st_moe_z_loss, switch_balance_loss
+from router_loss_definitions import E, st_moe_z_loss, switch_balance_loss
+from tiny_fairseq_models import translation, translation_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 

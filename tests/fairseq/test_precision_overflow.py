@@ -13,17 +13,10 @@ import torch
 
 from dist_utils import run_on_workers
 from fairseq_moe_ext.moe.balance_bias import balance_biases
-from test_fairseq_expert_parallel import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
+from gradient_overflow import BALANCE_BIAS, PRECISIONS, first_expert_parameter, inject_once, with_adam
+from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 
 pytestmark = pytest.mark.slow
-
-PRECISIONS = {
-    "amp": ["--amp", "--amp-batch-retries", "0"],
-    "fp16 (not flattened)": ["--fp16", "--fp16-no-flatten-grads"],
-    "memory-efficient fp16": ["--memory-efficient-fp16"],
-}
-# Loss-free balancing on: a skipped step must neither move the bias nor keep the load it counted.
-BALANCE_BIAS = ["--moe-balance", "bias", "--moe-bias-update-rate", "0.05"]
 
 
 def cpu_shims():
@@ -36,31 +29,6 @@ def loss_scale(optimizer):
     if hasattr(optimizer, "_grad_scaler"):
         return float(optimizer.scaler.get_scale())
     return float(optimizer.scaler.loss_scale)
-
-
-def first_expert_parameter(model):
-    return next(p for p in model.parameters() if getattr(p, "expert", False))
-
-
-def inject_once(parameter, value):
-    """The next gradient computed for ``parameter`` becomes ``value`` everywhere; later ones are left alone."""
-    fired = []
-
-    def hook(grad):
-        if fired:
-            return grad
-        fired.append(True)
-        return torch.full_like(grad, value)
-
-    parameter.register_hook(hook)
-
-
-def with_adam(argv):
-    """MemoryEfficientFP16Optimizer refuses SGD; Adam for every precision, so all three compare alike."""
-    argv = list(argv)
-    argv[argv.index("--optimizer") + 1] = "adam"
-    del argv[argv.index("--momentum") : argv.index("--momentum") + 2]
-    return argv
 
 
 def overflow_worker(rank, world, data_dir, flags):

@@ -25,7 +25,6 @@ from fairseq_moe_ext.checkpoint.resume_policy import (
 )
 from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
 from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default, moe_freq
-from test_fairseq_models import data  # noqa: F401  (fixture: the dictionaries models are built with)
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 PATH = "ck/checkpoint_last.pt"
