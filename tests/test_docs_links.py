@@ -24,6 +24,7 @@ _LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\
 _HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)[ \t]*#*[ \t]*$", re.M)
 _REPO_PATH = re.compile(r"(?<![\w/.$-])((?:tests|fairseq_moe_ext|benchmarks|recipes)/[\w./-]*\w)")
 _TEST_NAME = re.compile(r"(?<![\w/.])(test_\w+)(\.\.\.)?(?![\w.]*\.py)")
+_CASE_ID = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)+")
 _TEST_DEF = re.compile(r"^\s*(?:async\s+)?def\s+(test_\w+)\s*\(", re.M)
 
 
@@ -93,6 +94,26 @@ def missing_test_names(doc: Path, defined: set) -> list:
     return sorted(set(problems))
 
 
+def cited_case_ids(markdown: str) -> list:
+    """The bad-input case ids (`top-k-zero`) in the last column of every table headed '... | case |'."""
+    ids, in_case_table = [], False
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            in_case_table = False
+        elif cells[-1] == "case":
+            in_case_table = True
+        elif in_case_table:
+            ids += [span for span in re.findall(r"`([^`]+)`", cells[-1]) if _CASE_ID.fullmatch(span)]
+    return ids
+
+
+def missing_case_ids(doc: Path, tests_dir: Path) -> list:
+    """'doc: id' for every case id doc cites that no test file spells as a quoted string ("top-k-zero")."""
+    sources = "\n".join(f.read_text() for f in tests_dir.rglob("*.py"))
+    return [f"{doc.name}: {i}" for i in sorted(set(cited_case_ids(doc.read_text()))) if f'"{i}"' not in sources]
+
+
 def test_the_docs_checked_are_the_readme_the_changelog_and_every_file_of_docs():
     names = {d.relative_to(ROOT).as_posix() for d in DOC_FILES}
     assert {"README.md", "CHANGELOG.md", "docs/reliability.md", "docs/troubleshooting.md"} <= names
@@ -112,6 +133,13 @@ def test_every_test_function_the_docs_cite_as_evidence_is_defined_under_tests():
     defined = defined_test_names(ROOT / "tests")
     problems = [p for doc in DOC_FILES for p in missing_test_names(doc, defined)]
     assert not problems, "cited tests that no file defines:\n" + "\n".join(problems)
+
+
+def test_every_bad_input_case_the_docs_cite_is_a_case_of_the_bad_input_tests():
+    cited = [i for doc in DOC_FILES for i in cited_case_ids(doc.read_text())]
+    assert len(cited) > 40, "the bad-input table was not found: the check would pass on nothing"
+    problems = [p for doc in DOC_FILES for p in missing_case_ids(doc, ROOT / "tests")]
+    assert not problems, "cited bad-input cases that no test defines:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("heading, slug", [
@@ -141,6 +169,7 @@ BAD_REFERENCES = [
     ("in `fairseq_moe_ext/moe/gone.py`", missing_paths, "fairseq_moe_ext/moe/gone.py"),
     ("backed by `test_a_promise_nobody_tests`", None, "test_a_promise_nobody_tests"),
     ("backed by `test_a_promise_nob...`", None, "test_a_promise_nob..."),
+    ("| input | line | case |\n| --- | --- | --- |\n| x | y | `no-such-case` |", missing_case_ids, "no-such-case"),
 ]
 
 
@@ -154,6 +183,8 @@ def test_each_kind_of_dead_reference_is_reported_naming_the_doc_and_the_target(t
     doc.write_text(f"# Title\n\n{text}\n")
     if check is None:
         problems = missing_test_names(doc, defined_test_names(tmp_path / "tests"))
+    elif check is missing_case_ids:
+        problems = check(doc, tmp_path / "tests")
     else:
         problems = check(doc, tmp_path)
     assert len(problems) == 1 and problems[0].startswith("README.md: ") and reported in problems[0], problems
@@ -163,11 +194,13 @@ def test_good_references_and_the_not_yet_generated_docs_are_not_reported(tmp_pat
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "real.md").write_text("# Real\n\n## A heading\n")
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_x.py").write_text("def test_a_promise_kept():\n    pass\n")
+    (tmp_path / "tests" / "test_x.py").write_text("def test_a_promise_kept():\n    pass\n# Case(\"a-case\")\n")
     doc = tmp_path / "README.md"
-    doc.write_text("# Title\n\n[a](docs/real.md#a-heading) [b](#title) [c](https://example.org/x)\n"
+    doc.write_text("| input | case |\n| --- | --- |\n| x | `a-case`, `tests/test_x.py` |\n\n"
+                   "# Title\n\n[a](docs/real.md#a-heading) [b](#title) [c](https://example.org/x)\n"
                    "[d](docs/options.md) [e](docs/hooks.md) `[f](nowhere.md)` in a code span\n"
                    "`tests/test_x.py::test_a_promise_kept`, `test_a_promise...`, `tests/`\n")
     assert broken_links(doc, tmp_path) == []
     assert missing_paths(doc, tmp_path) == []
     assert missing_test_names(doc, defined_test_names(tmp_path / "tests")) == []
+    assert cited_case_ids(doc.read_text()) == ["a-case"] and missing_case_ids(doc, tmp_path / "tests") == []
