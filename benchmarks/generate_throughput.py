@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 from fairseq_helpers import USER_DIR, source_sentence, translate  # noqa: E402
 from train_wps import BIN, env_for, free_port, model_args, preprocess, run  # noqa: E402

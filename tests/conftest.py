@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 # Two cores: one intra-op thread per xdist worker, two when the suite runs in one process.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))

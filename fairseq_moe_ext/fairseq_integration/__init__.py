@@ -4,7 +4,7 @@ Checked against fairseq 0.12.3 (ve-fairseq==0.12.3, the same sources as fairseq-
 torch 2.13. ``install()`` runs when fairseq imports the ``--user-dir`` package, which happens before
 argument parsing and before distributed initialisation, in every worker and in every fairseq CLI.
 ``HOOKS`` below is the table: ``install()`` patches what it lists, this docstring's list is printed
-from it, and ``tests/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
+from it, and ``tests/fairseq/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
 fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
