@@ -28,7 +28,7 @@ import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
 # Re-exported: the layout and the groups made from it are used together (models, checkpoints).
-from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
+from .moe.expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)

@@ -327,7 +327,7 @@ def replace_rank_1_with_another_runs(inputs: Inputs) -> Callable[[Path], None]:
 
 def lock_held_by_this_test_runner(directory: Path) -> None:
     """The save dir's lock, as a job that is still running (this pytest process) holds it."""
-    from fairseq_moe_ext import save_dir_lock
+    from fairseq_moe_ext.training import save_dir_lock
 
     holder = dict(host=save_dir_lock.this_job().host, pid=os.getpid(), started=save_dir_lock.this_job().started, job="first")
     (directory / save_dir_lock.LOCK_NAME).write_text(json.dumps(holder))
@@ -510,11 +510,11 @@ CASES = [
          "or add --moe-restore-fallback to train from the newest complete set in"),
     # -- one job per save dir
     Case("save-dir-locked-by-a-running-job", fairseq_train, resume(damage=lock_held_by_this_test_runner),
-         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "fairseq_moe_ext.training.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
          "which is still running: two jobs saving into one directory overwrite each other's checkpoints; give this "
          "run another --save-dir, or, if that job is gone, delete"),
     Case("save-dir-locked-by-a-running-job-on-two-workers", two_workers, locked_fresh_save_dir(),
-         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "fairseq_moe_ext.training.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
          "give this run another --save-dir, or, if that job is gone, delete"),
     # -- generation: --path never loads anything but the complete, intact checkpoint it names
     Case("generate-from-a-set-missing-a-rank-file", fairseq_generate,

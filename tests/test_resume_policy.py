@@ -16,7 +16,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from fairseq_helpers import USER_DIR
 from fairseq_moe_ext.checkpoint.compat import check_resumable
-from fairseq_moe_ext.checkpoint.resume_policy import (
+from fairseq_moe_ext.training.resume_policy import (
     CHANGES_FUNCTION,
     CHANGES_PARAMETERS,
     OVERRIDE_FLAG,
