@@ -141,10 +141,6 @@ def moe_statistics_group():
     return None if groups is None else groups.statistics
 
 
-def expert_parallel_world_size() -> int:
-    return expert_layout().parallel_size
-
-
 def has_experts(module: torch.nn.Module) -> bool:
     return any(is_expert(p) for p in module.parameters())
 
