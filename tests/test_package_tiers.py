@@ -167,7 +167,7 @@ def test_the_plugin_root_patches_nothing_of_fairseqs_until_fairseq_is_imported()
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("module", ["fairseq_moe_ext.moe", "fairseq_moe_ext.checkpoint", "fairseq_moe_ext.process_state"])
+@pytest.mark.parametrize("module", [f"{PACKAGE}.moe", f"{PACKAGE}.checkpoint", f"{PACKAGE}.process_state"])
 def test_importing_a_fairseq_free_module_leaves_fairseq_unimported(module):
     done = subprocess.run([sys.executable, "-c", f"import sys, {module}; assert 'fairseq' not in sys.modules"],
                           env=dict(os.environ, PYTHONPATH=str(ROOT.parent)), capture_output=True, text=True,
