@@ -40,18 +40,19 @@ def install_into_fairseq() -> None:
 
 
 class _InstallOnceFairseqLoads(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Sees every import that reaches ``sys.meta_path``. At the first one after fairseq is loaded that
-    no module of fairseq's or of this package is in the middle of (one that imported fairseq must
-    finish before the hooks can import it), it installs and leaves ``sys.meta_path``."""
+    """Installs once fairseq is loaded: right after fairseq's own import finishes, or, where a module
+    of this package was in the middle of importing (one that imports fairseq must finish before the
+    hooks can import it), at the next import after that. Then it leaves ``sys.meta_path``."""
 
     def __init__(self):
         self._imported_by_install = {}
 
     def find_spec(self, fullname, path=None, target=None):
-        if "fairseq" not in sys.modules or _half_imported():
+        if fullname == "fairseq" and "fairseq" not in sys.modules:
+            return self._fairseq_spec(path, target)
+        if "fairseq" not in sys.modules or _half_imported(include_fairseq=True):
             return None
-        sys.meta_path.remove(self)
-        install_into_fairseq()
+        self._install()
         if fullname not in sys.modules:
             return None
         # The install imported ``fullname`` itself. importlib, finding it in sys.modules after a finder
@@ -67,12 +68,40 @@ class _InstallOnceFairseqLoads(importlib.abc.MetaPathFinder, importlib.abc.Loade
         # importlib set ``__spec__`` to this loader's spec; give the module back its own.
         module.__spec__ = self._imported_by_install.pop(module.__name__)[1]
 
+    def _fairseq_spec(self, path, target):
+        """fairseq's own spec, its loader wrapped so that the install follows fairseq's import."""
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)("fairseq", path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
 
-def _half_imported() -> bool:
+        class InstallAfter(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(inner, module):
+                module.__loader__ = module.__spec__.loader = loader
+                loader.exec_module(module)
+                if not _half_imported(include_fairseq=False):
+                    self._install()
+
+        spec.loader = InstallAfter()
+        return spec
+
+    def _install(self):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        install_into_fairseq()
+
+
+def _half_imported(include_fairseq: bool) -> bool:
     # importlib marks a module's spec ``_initializing`` while its body runs (CPython since 3.4).
+    tops = ("fairseq", __name__) if include_fairseq else (__name__,)
     return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
-               for name, module in list(sys.modules.items())
-               if name.split(".")[0] in ("fairseq", "fairseq_cli", __name__))
+               for name, module in list(sys.modules.items()) if name.split(".")[0] in tops)
 
 
 if "fairseq" in sys.modules:

@@ -151,16 +151,22 @@ def test_moe_and_checkpoint_import_and_the_checkpoint_tool_runs_where_fairseq_ca
     assert "upcycle" in done.stdout and "merge" in done.stdout
 
 
-def test_the_plugin_root_patches_nothing_of_fairseqs_until_fairseq_is_imported():
+@pytest.mark.parametrize("first, then", [
+    ("import fairseq_moe_ext.checkpoint", "from fairseq import checkpoint_utils"),
+    ("from fairseq_moe_ext.models import moe_config", "import fairseq_cli.train"),
+])
+def test_a_process_that_imported_the_plugin_before_fairseq_has_its_hooks_once_fairseq_loads(first, then):
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(
-            """
+            f"""
             import sys
-            import fairseq_moe_ext.checkpoint
-            assert "fairseq" not in sys.modules and "fairseq_moe_ext.fairseq_integration" not in sys.modules
-            import fairseq.trainer
-            assert fairseq.trainer.Trainer.load_checkpoint.__wrapped_by_moe_ext__
+            {first}
+            assert "fairseq_moe_ext.fairseq_integration" not in sys.modules
+            {then}
+            import fairseq.checkpoint_utils, fairseq.trainer
             from fairseq.models import ARCH_MODEL_REGISTRY
+            assert fairseq.checkpoint_utils.load_checkpoint_to_cpu.__wrapped_by_moe_ext__
+            assert fairseq.trainer.Trainer.load_checkpoint.__wrapped_by_moe_ext__
             assert "moe_transformer_lm" in ARCH_MODEL_REGISTRY
             """)],
         env=dict(os.environ, PYTHONPATH=str(ROOT.parent)), capture_output=True, text=True, timeout=300)
