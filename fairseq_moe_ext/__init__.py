@@ -18,8 +18,9 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 Installing into fairseq (registering the architectures and criterions, patching what
 ``fairseq_integration.HOOKS`` lists) happens only where fairseq is what is running: at import if
 fairseq is already loaded (``--user-dir`` imports this package after fairseq), else as soon as
-fairseq is loaded later, at the first import after it that no module of this package is in the
-middle of (fairseq's ``--user-dir`` import skips a package it finds imported already).
+fairseq's own import finishes later, or, where a module of this package was mid-import then, at the
+next import after it (fairseq's ``--user-dir`` import skips a package it finds imported already, so
+a process that imported ``moe/`` first still gets the hooks).
 ``install_into_fairseq()`` does it explicitly. Importing ``fairseq_moe_ext.moe`` or
 ``fairseq_moe_ext.checkpoint`` alone imports nothing of fairseq's.
 """
