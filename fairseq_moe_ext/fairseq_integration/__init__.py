@@ -70,11 +70,12 @@ HOOKS = (
          "fairseq's in-place copies made copy + rename and its os.remove recorded instead of done."),
     Hook(7, "fairseq.trainer.Trainer.load_checkpoint", loading.wrap_trainer_load_checkpoint,
          "fairseq-train calls it before reading any batch: it first refuses set-ups that would fail inside "
-         "train_step, claims --save-dir (training/training_save_dir.py); rank 0 then resolves the name to a complete set "
-         "or a single file (training/restore_choice.py: checkpoint_last falls back to the newest complete set) and shares "
-         "its answer, and each worker reads only the files holding its share (checkpoint/share.py), at any "
-         "layout that divides the experts. With --moe-upcycle-from and no checkpoint to resume, the model is "
-         "filled from the dense checkpoint instead (training/upcycling.py), as fairseq's --finetune-from-model would be."),
+         "train_step, claims --save-dir (training/training_save_dir.py); rank 0 then resolves the name to a "
+         "complete set or a single file (training/restore_choice.py: checkpoint_last falls back to the newest "
+         "complete set) and shares its answer, and each worker reads only the files holding its share "
+         "(checkpoint/share.py), at any layout that divides the experts. With --moe-upcycle-from and no "
+         "checkpoint to resume, the model is filled from the dense checkpoint instead (training/upcycling.py), "
+         "as fairseq's --finetune-from-model would be."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
