@@ -28,7 +28,7 @@ import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
 # Re-exported: the layout and the groups made from it are used together (models, checkpoints).
-from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
+from .moe.expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
@@ -139,10 +139,6 @@ def moe_statistics_group():
     and capacity are those of the whole world's batch. ``None`` in one process."""
     groups = _expert_groups()
     return None if groups is None else groups.statistics
-
-
-def expert_parallel_world_size() -> int:
-    return expert_layout().parallel_size
 
 
 def has_experts(module: torch.nn.Module) -> bool:

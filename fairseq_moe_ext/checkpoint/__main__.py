@@ -18,10 +18,13 @@ from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .reshard import experts_per_key, load_full, save_set
 from .staging import write_all_or_nothing
-from .upcycle_cli import add_upcycle_parser, upcycle
 
 
 def main(argv=None) -> int:
+    # The one import of checkpoint/ from a tier above: upcycling is fairseq-train's business
+    # (training/), and training/upcycle_cli.py imports fairseq only when the subcommand runs.
+    from ..training.upcycle_cli import add_upcycle_parser, upcycle
+
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_moe_ext.checkpoint",
         description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files), "

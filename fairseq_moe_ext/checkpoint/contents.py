@@ -5,28 +5,17 @@ Rank files are self-describing (``state["moe"]``: rank, world size, ``experts_he
 so a part copied out of its set, or renamed to look like a single-file checkpoint, is recognised
 on its own and refused instead of loading as a model with a fraction of its experts.
 
-The set id names one save: every worker derives it from what they already agree on (the update
-number, the world size and the launch: seed, save dir, rendezvous address and run id), so no
-collective is needed and every copy fairseq makes of the save (checkpoint_last, checkpoint_best,
-checkpointN) carries the same id. It tells saves apart, not contents: the manifest's sha256s do
-that. Files written before set ids existed carry none, and the checks skip them.
+The set id (``set_id.py``) names one save. Files written before set ids existed carry none, and
+the checks skip them.
 
 Everything here looks at a state already loaded (safe_load.py loads files).
 """
 
-import hashlib
-import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from .errors import CheckpointSetError, NotACheckpointError
 from .names import split_rank_suffix
-
-
-def derive_set_id(num_updates: int, world_size: int, launch: Sequence) -> str:
-    """16 hex digits naming one save; ``launch``: JSON-able values every worker of the run shares."""
-    text = json.dumps([num_updates, world_size, [str(x) for x in launch]])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def experts_held(rank: int, experts_per_worker: int) -> List[int]:

@@ -24,11 +24,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
-from ..set_identity import agreed_set_id
 from .generations import link_previous_generation, remove_previous_generations, sets_to_protect, write_previous_manifest
 from .manifest import describe_file, write_manifest
 from .names import PREVIOUS, base_of, manifest_path
 from .resolve import remove_other_layouts
+from .set_id import agreed_set_id
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class SetDescription:
 
     num_updates: int
     num_experts: Dict[str, int]  # expert parameter name -> experts over all workers
-    set_id: Optional[str]  # this worker's id of the save (see set_identity.py)
+    set_id: Optional[str]  # this worker's id of the save (see set_id.py)
 
 
 @dataclass(frozen=True)

@@ -63,18 +63,19 @@ HOOKS = (
          "the first replica of each expert shard saves it (replicas on the other W - P workers save nothing)."),
     Hook(5, "fairseq.trainer.Trainer.state_dict", saving.wrap_trainer_state_dict,
          "only rank 0 stores the shared state; state['moe'] makes each file self-describing (rank, world "
-         "size, experts_held, the save's set_id from set_identity.py)."),
+         "size, experts_held, the save's set_id from training/set_identity.py)."),
     Hook(6, "fairseq.checkpoint_utils.save_checkpoint", saving.wrap_save_checkpoint,
          "fairseq's save runs as the write step of the checkpoint-set transaction (checkpoint/save.py: "
          "previous generation kept as .prev, manifests last, pruning deferred behind a barrier), with "
          "fairseq's in-place copies made copy + rename and its os.remove recorded instead of done."),
     Hook(7, "fairseq.trainer.Trainer.load_checkpoint", loading.wrap_trainer_load_checkpoint,
          "fairseq-train calls it before reading any batch: it first refuses set-ups that would fail inside "
-         "train_step, claims --save-dir (training_save_dir); rank 0 then resolves the name to a complete set "
-         "or a single file (restore_choice: checkpoint_last falls back to the newest complete set) and shares "
-         "its answer, and each worker reads only the files holding its share (checkpoint/share.py), at any "
-         "layout that divides the experts. With --moe-upcycle-from and no checkpoint to resume, the model is "
-         "filled from the dense checkpoint instead (upcycling.py), as fairseq's --finetune-from-model would be."),
+         "train_step, claims --save-dir (training/training_save_dir.py); rank 0 then resolves the name to a "
+         "complete set or a single file (training/restore_choice.py: checkpoint_last falls back to the newest "
+         "complete set) and shares its answer, and each worker reads only the files holding its share "
+         "(checkpoint/share.py), at any layout that divides the experts. With --moe-upcycle-from and no "
+         "checkpoint to resume, the model is filled from the dense checkpoint instead (training/upcycling.py), "
+         "as fairseq's --finetune-from-model would be."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
@@ -199,3 +200,8 @@ def source_fingerprints() -> Dict[str, str]:
         target = obj.fget if isinstance(obj, property) else obj
         fingerprints[name] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
     return fingerprints
+
+
+# The top tier: importing it means fairseq is what runs, so the hooks go in now (the package root
+# imports it for --user-dir; a process that imports it directly gets the same fairseq).
+install()

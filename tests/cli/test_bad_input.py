@@ -184,11 +184,11 @@ CASES = [
          "or add --moe-restore-fallback to train from the newest complete set in"),
     # -- one job per save dir
     Case("save-dir-locked-by-a-running-job", fairseq_train, resume(damage=lock_held_by_this_test_runner),
-         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "fairseq_moe_ext.training.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
          "which is still running: two jobs saving into one directory overwrite each other's checkpoints; give this "
          "run another --save-dir, or, if that job is gone, delete"),
     Case("save-dir-locked-by-a-running-job-on-two-workers", two_workers, locked_fresh_save_dir(),
-         "fairseq_moe_ext.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
+         "fairseq_moe_ext.training.save_dir_lock.SaveDirLockedError", "is locked by job first (pid",
          "give this run another --save-dir, or, if that job is gone, delete"),
     # -- generation: --path never loads anything but the complete, intact checkpoint it names
     Case("generate-from-a-set-missing-a-rank-file", fairseq_generate,

@@ -2,10 +2,10 @@
 
 The flags are named as fairseq-train's, so the MoE part of a training command can be copied over.
 fairseq is imported only when the subcommand runs (the architecture and criterion registries decide
-which MoE architecture a dense checkpoint becomes; see ``fairseq_moe_ext/upcycling.py``).
+which MoE architecture a dense checkpoint becomes; see ``upcycling.py``).
 """
 
-from .upcycle import DEFAULT_ROUTER_STD
+from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 
 
 def add_upcycle_parser(sub) -> None:
@@ -36,9 +36,9 @@ def add_upcycle_parser(sub) -> None:
 def upcycle(args):
     """The whole upcycled checkpoint the parsed ``args`` ask for."""
     from ..option_ranges import UPCYCLE_TOOL_RANGES, check_options
-    from ..upcycling import upcycled_checkpoint
+    from .upcycling import upcycled_checkpoint
 
-    from .errors import CheckpointSetError
+    from ..checkpoint.errors import CheckpointSetError
 
     try:
         check_options(UPCYCLE_TOOL_RANGES, lambda name: getattr(args, name))
