@@ -1,7 +1,7 @@
 """fairseq-moe-ext: Mixture-of-Experts for stock fairseq, loaded with ``--user-dir``.
 
 Tiers, lowest first; a module imports only from its own tier and the ones below
-(``tests/test_package_tiers.py`` scans every import):
+(``tests/core/test_package_tiers.py`` scans every import):
 
 1. ``moe/``: the MoE math, torch only (router, dispatch, experts, collectives taking ``group=None``,
    the expert layout, which layers are MoE layers).
