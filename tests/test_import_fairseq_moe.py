@@ -95,3 +95,88 @@ def test_import_streams_one_rank_file_at_a_time_and_writes_each_output_file_once
     branch_import.import_branch_set(str(prefix), str(tmp_path / "imported.pt"), 4, report=lambda line: None)
     assert events == [("load", "shared.pt"), ("load", "0.pt"), ("save", "0"), ("load", "1.pt"), ("save", "1"),
                       ("load", "2.pt"), ("save", "2"), ("load", "3.pt"), ("save", "3")]
+
+
+# ---------------------------------------------------------------- bad input: one line, nothing written
+
+def _remove(name):
+    return lambda d: (d / name).unlink()
+
+
+def _copy(src, dst):
+    return lambda d: (d / dst).write_bytes((d / src).read_bytes())
+
+
+def _truncate(name):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:300])
+
+
+def _edit_rank(name, edit):
+    def damage(d):
+        state = torch.load(d / name, weights_only=False)
+        edit(state["model"])
+        torch.save(state, d / name)
+    return damage
+
+
+def _narrow_fc1(model):
+    key = next(k for k in model if k.endswith("fc1.weight"))
+    model[key] = model[key][:-1]
+
+
+def _nudge_expert(model):
+    key = next(k for k in model if k.endswith("fc2.bias"))
+    model[key] = model[key] + 1e-3
+
+
+def _add_key(model):
+    model["decoder.embed_tokens.weight"] = torch.zeros(3, 3)
+
+
+def _hf_dir(d):
+    (d.parent / "hf").mkdir()
+    (d.parent / "hf" / "config.json").write_text('{"model_type": "nllb-moe"}')
+
+
+def _fsdp_shards(d):
+    for f in list(d.iterdir()):
+        if f.suffix == ".pt":
+            f.rename(f.with_name(f.stem + "-shard0.pt"))
+
+
+BAD_BRANCH_SETS = [
+    # (id, rank files, option changes, damage, prefix (default the set's), the one line says)
+    ("missing-rank-file", 4, {}, _remove("ck-rank-2.pt"), None, "ck-rank-2.pt is missing (found ranks [0, 1, 3])"),
+    ("missing-last-rank-file", 4, {}, _remove("ck-rank-3.pt"), None, "ck-rank-3.pt is missing: the run had 4 workers"),
+    ("extra-rank-file", 4, {}, _copy("ck-rank-3.pt", "ck-rank-4.pt"), None, "an extra rank file from another run"),
+    ("missing-shared-file", 4, {}, _remove("ck-shared.pt"), None, "ck-shared.pt is missing"),
+    ("shapes-disagree", 4, {}, _edit_rank("ck-rank-2.pt", _narrow_fc1), None, "has shape [127, 64], but"),
+    ("replicas-differ", 8, {}, _edit_rank("ck-rank-5.pt", _nudge_expert), None, "hold different copies of expert 1"),
+    ("truncated-pickle", 4, {}, _truncate("ck-rank-1.pt"), None, "ck-rank-1.pt is damaged or incomplete"),
+    ("another-models-keys", 4, {}, _edit_rank("ck-rank-1.pt", _add_key), None,
+     "holds decoder.embed_tokens.weight, which is not a branch expert parameter"),
+    ("cmr-gating", 2, {"moe_cmr": True}, None, None, "--moe-cmr True (CMR gating"),
+    ("final-output-masking", 2, {"moe_fom": 0.1}, None, None, "--moe-fom 0.1 (final output masking"),
+    ("unknown-gate-option", 2, {"moe_second_expert_policy": "best"}, None, None,
+     "--moe-second-expert-policy 'best', which the branch's top-2 gate does not define"),
+    ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),
+    ("fsdp-sharded-files", 2, {}, _fsdp_shards, None, "is an FSDP-sharded branch file: consolidate the shards"),
+]
+
+
+@pytest.mark.parametrize("ranks, changes, damage, prefix, message", [row[1:] for row in BAD_BRANCH_SETS],
+                         ids=[row[0] for row in BAD_BRANCH_SETS])
+def test_a_bad_branch_set_is_refused_in_one_line_and_nothing_is_written(
+        data, model, tmp_path, capsys, ranks, changes, damage, prefix, message):  # noqa: F811
+    source = tmp_path / "nllb"
+    write_branch_set(source / "ck", model.model.state_dict(), branch_options(data, **changes), ranks)
+    if damage is not None:
+        damage(source)
+    out = tmp_path / "out"
+    out.mkdir()
+    before = fingerprint(source)
+    code = checkpoint_tool(["import-fairseq-moe", str(source / (prefix or "ck")), str(out / "imported.pt"),
+                            "--world-size", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert fingerprint(out) == {} and fingerprint(source) == before
