@@ -122,11 +122,15 @@ class BranchSet:
         world = len(self.rank_paths)
         declared_world = _declared_world(first)
         if declared_world is not None and declared_world != world:
+            if world < declared_world:
+                raise CheckpointSetError(
+                    f"{prefix}-rank-{world}.pt is missing: the run had {declared_world} workers "
+                    f"(distributed_world_size), {world} rank files are here; copy the others beside them (nothing "
+                    f"was written)")
             raise CheckpointSetError(
-                f"{prefix}: {world} rank files, but the run had {declared_world} workers "
-                f"(distributed_world_size): {'an extra rank file from another run' if world > declared_world else 'rank files are missing'}"
-                f"; keep exactly {prefix}-rank-0.pt ... -rank-{declared_world - 1}.pt (nothing was written)"
-            )
+                f"{prefix}-rank-{declared_world}.pt is an extra rank file from another run: the run had "
+                f"{declared_world} workers (distributed_world_size); move -rank-{declared_world}.pt ... "
+                f"-rank-{world - 1}.pt away (nothing was written)")
         self.world = world
         self.local = max(1, self.experts // world)
         layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in ("encoder", "decoder")}
