@@ -89,7 +89,8 @@ def _ranges(ranks: List[int]) -> str:
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    flat = tensor.detach().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data if flat.numel() else b"").hexdigest()
 
 
 class BranchSet:
@@ -189,7 +190,8 @@ class _Shards:
 
     def __init__(self, branch: BranchSet, shards: int):
         self.branch, self.shards, self.per_shard = branch, shards, branch.experts // shards
-        self.pending: Dict[int, Dict[Tuple[str, str], Dict[int, torch.Tensor]]] = {}
+        # shard -> (layer, tensor name) -> (the stacked output tensor being filled, the ids copied in)
+        self.pending: Dict[int, Dict[Tuple[str, str], Tuple[torch.Tensor, set]]] = {}
         self.digests: Dict[Tuple[str, str, int], Tuple[str, str]] = {}  # -> (sha256, file it came from)
         self.shapes: Dict[Tuple[str, str], Tuple[tuple, str]] = {}
         self.keys: Optional[List[Tuple[str, str]]] = None
@@ -221,9 +223,15 @@ class _Shards:
                     continue
                 self.digests[(*key, gid)] = (digest, path)
                 shard = gid // self.per_shard
-                self.pending.setdefault(shard, {}).setdefault(key, {})[gid] = tensor
+                # Copied into the output at once (not kept and stacked later): the source file's memory is
+                # reused for the next one, and the output is never held twice.
+                stacked, filled = self.pending.setdefault(shard, {}).setdefault(
+                    key, (tensor.new_empty((self.per_shard, *tensor.shape)), set()))
+                stacked[gid - shard * self.per_shard].copy_(tensor)
+                filled.add(gid)
                 touched.add(shard)
-        return sorted(s for s in touched if all(len(self.pending[s].get(k, {})) == self.per_shard for k in self.keys))
+        return sorted(s for s in touched
+                      if all(len(self.pending[s].get(k, (None, ()))[1]) == self.per_shard for k in self.keys))
 
     def _check_shape(self, key, tensor, path):
         first = self.shapes.setdefault(key, (tuple(tensor.shape), path))
@@ -238,10 +246,7 @@ class _Shards:
     def take(self, shard: int) -> Dict[str, torch.Tensor]:
         """Shard ``shard``'s experts as this project's stacked tensors (released from ``pending``)."""
         parts = self.pending.pop(shard)
-        first = shard * self.per_shard
-        return {f"{layer}.{OUR_EXPERT_TENSOR[name]}": torch.stack([parts[(layer, name)][first + j]
-                                                                     for j in range(self.per_shard)])
-                for layer, name in self.keys}
+        return {f"{layer}.{OUR_EXPERT_TENSOR[name]}": parts[(layer, name)][0] for layer, name in self.keys}
 
 
 def expert_ffn_dims(branch: BranchSet, keys: List[Tuple[str, str]], shapes) -> Dict[str, int]:
@@ -283,7 +288,9 @@ def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[
         out = _Shards(branch, shards)
         names, files, parameters, head = [], [], 0, None
         for rank, path, experts in branch.rank_experts():
-            for shard in out.add(path, experts):
+            complete = out.add(path, experts)
+            experts.clear()  # the pieces live on in ``out`` only, so stacking them can release them
+            for shard in complete:
                 model = out.take(shard)
                 if shard == 0:
                     model = {**shared_model(branch), **model}
