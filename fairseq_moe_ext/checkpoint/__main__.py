@@ -1,4 +1,4 @@
-"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle``.
+"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle|import-fairseq-moe``.
 
 The CLI lives apart from the library so that ``-m`` runs a module the package has not imported
 yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integration``).
@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from .branch_import import import_branch_set
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
 from .inspection import inspect_checkpoint
@@ -44,8 +45,17 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
     p.add_argument("checkpoint")
     add_upcycle_parser(sub)
+    p = sub.add_parser("import-fairseq-moe", help="import a fairseq moe/nllb-branch set (<prefix>-shared.pt and "
+                                                   "<prefix>-rank-N.pt, e.g. NLLB-200 MoE) as this project's checkpoint")
+    p.add_argument("prefix", help="e.g. nllb/checkpoint_2_300000 for checkpoint_2_300000-{shared,rank-0,...}.pt")
+    p.add_argument("output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)")
+    p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "import-fairseq-moe":
+            _refuse_overwrite(args.output)
+            import_branch_set(args.prefix, args.output, args.world_size)
+            return 0
         if args.command == "inspect":
             lines = inspect_checkpoint(args.checkpoint)
             print("\n".join(lines))
