@@ -292,6 +292,6 @@ class ExpertParallelModel(ModuleProxyWrapper):
 def unsupported_backend_error(backend: str) -> ValueError:
     return ValueError(
         f"--ddp-backend {backend} is not supported with MoE models (it would shard or average expert "
-        f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp)"
+        f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp / fully_sharded)"
     )
 

@@ -137,6 +137,9 @@ HOOKS = (
     Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.load_state_dict", sharding.wrap_optimizer_load_state_dict,
          "a checkpoint holds whole optimizer states; under fully_sharded each worker keeps its slice of each "
          "shared parameter's state (cut locally, no communication), experts' as they are."),
+    Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.multiply_grads", sharding.wrap_optimizer_multiply_grads,
+         "its one foreach multiply per device and dtype refuses FSDP2's slices mixed with experts' plain tensors: "
+         "under fully_sharded each worker scales its local slices."),
 )
 
 # Hooks on functions that fairseq modules import by name: those bindings are replaced too.

@@ -13,10 +13,10 @@ import contextlib
 import functools
 
 import torch
-from fairseq.distributed import ModuleProxyWrapper
 
 from .. import distributed as moe_dist
 from .. import fully_sharded
+from ..moe.torch_compat import foreach_mul_
 
 
 def is_fully_sharded_backend(cfg) -> bool:
@@ -67,6 +67,22 @@ def wrap_optimizer_load_state_dict(original):
     return load_state_dict
 
 
+def wrap_optimizer_multiply_grads(original):
+    @functools.wraps(original)
+    def multiply_grads(self, c):
+        params = list(self.params)
+        if not any(fully_sharded.is_sharded(p) for p in params):
+            return original(self, c)
+        # torch's foreach refuses a list mixing FSDP2's slices (DTensors) with experts' plain tensors,
+        # and a plain scalar tensor for DTensors: each worker scales its own slices, in place.
+        grads = [fully_sharded.local_part(p.grad) for p in params if p.grad is not None]
+        if grads:
+            factor = c.to(grads[0].device) if torch.is_tensor(c) else c
+            foreach_mul_(grads, factor)
+
+    return multiply_grads
+
+
 def shard_for_training(args, model, process_group, device):
     """Hook 3's branch for fully_sharded: FSDP2 over fairseq's data-parallel group, experts left out."""
     check_options(args)  # a Namespace here: every flag in one place
@@ -75,7 +91,32 @@ def shard_for_training(args, model, process_group, device):
         moe_dist.check_shared_parameters_agree(model, process_group)
     sharded = fully_sharded.shard_model(model, process_group,
                                         reshard_after_forward=not getattr(args, "no_reshard_after_forward", False))
-    return ModuleProxyWrapper(sharded)
+    return FullyShardedModel(sharded)
+
+
+class FullyShardedModel(torch.nn.Module):
+    """What fairseq's Trainer holds as its wrapped model under fully_sharded: the FSDP2 model as
+    ``.module`` (fairseq's wrappers' convention), attributes, state_dict and load_state_dict passed to
+    it. No ``all_reduce_grads``: FSDP2 reduce-scattered the shared gradients during backward."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
 
 
 def gather_full_state(trainer, state):
