@@ -12,7 +12,8 @@ import torch
 
 from dist_utils import run_on_workers
 from test_fairseq_expert_parallel import (
-    assert_step_equals_one_process, expert_parallel_worker, replicated_case_flags, write_dictionaries,
+    assert_step_equals_one_process, build_trainer, micro_batches, one_step, replicated_case_flags, training_args,
+    write_dictionaries,
 )
 
 pytestmark = pytest.mark.slow
@@ -44,14 +45,43 @@ def fully_sharded_cases_worker(rank, world, data_dir):
 
     results = []
     for experts, parallel, shares, extra in CASES[world]:
-        flags = replicated_case_flags(experts, parallel, extra)
-        result = expert_parallel_worker(rank, world, data_dir, shares, "fully_sharded", flags, 1)
+        flags = ["--ddp-backend", "fully_sharded", *replicated_case_flags(experts, parallel, extra)]
+        task, trainer = build_trainer(training_args(data_dir, world, flags))
+        start = sum(shares[:rank])
+        result = one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, 1)])
+        result["held"] = fully_sharded.held_bytes(trainer.get_model(), trainer.optimizer.optimizer)
         results.append(whole(result))
     return results
 
 
+def slice_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of a dim-0 shard (torch.chunk's split, which FSDP2 uses)."""
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def assert_shared_state_held_once_over_the_workers(results, world):
+    """Each worker holds its dim-0 slice of every shared parameter, of its gradient and of its
+    optimizer state (NAG: one buffer), so the bytes per worker fall as 1/W; experts are untouched."""
+    params = results[0]["params"]
+    experts = set(results[0]["expert_names"])
+    shared = {n: p for n, p in params.items() if n not in experts}
+    total = sum(p.numel() * p.element_size() for p in shared.values())
+    for rank, r in enumerate(results):
+        want = sum(slice_rows(p.shape[0], world, rank) * p[0].numel() * p.element_size() for p in shared.values())
+        held = r["held"]
+        assert held["shared_params"] == held["shared_grads"] == want, f"rank {rank}: {held}"
+        assert held["shared_optimizer"] in (0, want), f"rank {rank}: {held}"
+        assert want <= total / world * 1.1, f"rank {rank} holds {want} of {total} shared bytes"
+        mine = sum(r["params"][n].numel() * r["params"][n].element_size() for n in experts)
+        assert held["expert_params"] == mine, f"rank {rank}: experts are not sharded by FSDP2"
+    assert sum(r["held"]["shared_params"] for r in results) == total
+    if any(r["held"]["shared_optimizer"] for r in results):
+        assert sum(r["held"]["shared_optimizer"] for r in results) == total
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_one_fully_sharded_trainer_step_equals_one_process_holding_everything(tmp_path, world):
+def test_one_fully_sharded_step_equals_one_process_and_each_worker_holds_1_over_w_of_shared_state(tmp_path, world):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     by_rank = run_on_workers(fully_sharded_cases_worker, world, data_dir)
@@ -61,3 +91,5 @@ def test_one_fully_sharded_trainer_step_equals_one_process_holding_everything(tm
         assert results[0]["params"][results[0]["expert_names"][0]].shape[0] == experts // parallel_size
         assert_step_equals_one_process(results, data_dir, shares, replicated_case_flags(experts, parallel, extra),
                                        1, parallel_size)
+        assert_shared_state_held_once_over_the_workers(results, world)
+    assert any(r[-1]["held"]["shared_optimizer"] for r in by_rank), "the NAG case should hold optimizer state"
