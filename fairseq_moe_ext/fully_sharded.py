@@ -174,7 +174,7 @@ def full_tensors(state, keep: bool):
         if not keep:
             del whole
             return _DROPPED
-        return whole.detach().cpu() if whole.device.type != "cpu" else whole.detach().clone()
+        return whole.detach().cpu()  # a new tensor (gathered), moved off the accelerator
     return state
 
 
