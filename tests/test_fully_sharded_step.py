@@ -50,8 +50,37 @@ def fully_sharded_cases_worker(rank, world, data_dir):
         start = sum(shares[:rank])
         result = one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, 1)])
         result["held"] = fully_sharded.held_bytes(trainer.get_model(), trainer.optimizer.optimizer)
+        result["save_peak"] = gathered_bytes_alive_during_a_save(trainer)
         results.append(whole(result))
     return results
+
+
+def gathered_bytes_alive_during_a_save(trainer):
+    """The most bytes of gathered (whole) shared tensors alive at once while ``Trainer.state_dict``
+    runs, and the largest one: every gather is recorded, and before each the earlier ones still
+    referenced are counted."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    gathered, peak = [], [0]
+    full_tensor = DTensor.full_tensor
+
+    def recording_full_tensor(self, *args, **kwargs):
+        whole = full_tensor(self, *args, **kwargs)
+        alive = [t() for t in gathered]
+        peak[0] = max(peak[0], whole.nbytes + sum(t.nbytes for t in alive if t is not None))
+        gathered.append(weakref.ref(whole))
+        return whole
+
+    DTensor.full_tensor = recording_full_tensor
+    try:
+        trainer.consolidate_optimizer()  # what checkpoint_utils.save_checkpoint calls first
+        state = trainer.state_dict()
+    finally:
+        DTensor.full_tensor = full_tensor
+    largest = max(p.numel() * p.element_size() for n, p in state["model"].items()) if state["model"] else 0
+    return {"peak": peak[0], "gathers": len(gathered), "largest_saved": largest}
 
 
 def slice_rows(rows: int, world: int, rank: int) -> int:
@@ -76,6 +105,11 @@ def assert_shared_state_held_once_over_the_workers(results, world):
         mine = sum(r["params"][n].numel() * r["params"][n].element_size() for n in experts)
         assert held["expert_params"] == mine, f"rank {rank}: experts are not sharded by FSDP2"
     assert sum(r["held"]["shared_params"] for r in results) == total
+    largest = max(p.numel() * p.element_size() for p in shared.values())
+    for rank, r in enumerate(results[1:], 1):  # rank 0 keeps what it gathers: it writes the file
+        buffers = 2 if r["held"]["shared_optimizer"] else 1  # NAG: one momentum buffer per parameter
+        assert r["save_peak"]["gathers"] == buffers * len(shared), "parameters and optimizer state are gathered"
+        assert r["save_peak"]["peak"] == largest, f"rank {rank} held {r['save_peak']} during a save"
     if any(r["held"]["shared_optimizer"] for r in results):
         assert sum(r["held"]["shared_optimizer"] for r in results) == total
 
