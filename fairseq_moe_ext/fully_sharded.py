@@ -23,6 +23,7 @@ What changes for the rest of training, all here:
   with no communication (fairseq and checkpoint/share.py give every worker the shared state).
 """
 
+import sys
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -31,12 +32,9 @@ import torch.distributed as dist
 from .moe.comm import collective
 from .moe.experts import is_expert
 
-try:  # torch >= 2.6 (the plugin's pins start at 2.6)
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover - an older torch: the backend is refused where it is chosen
-    DeviceMesh = FSDPModule = MixedPrecisionPolicy = fully_shard = DTensor = distribute_tensor = None
+# torch's FSDP2 and DTensor modules take half a second to import: every fairseq CLI imports this
+# plugin, so they are imported when a model is sharded, and a tensor can only be a DTensor once
+# torch.distributed.tensor has been imported.
 
 
 def refused_options(args) -> list:
@@ -69,7 +67,8 @@ def zero_sharding_error() -> ValueError:
 
 
 def is_sharded(tensor) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,9 +111,12 @@ def shard_model(model: torch.nn.Module, group=None, units: Optional[List[torch.n
     """Apply FSDP2 in place: one unit per layer (``wrap_units``) and the root, over ``group`` (the
     data-parallel group; the world if None), with every expert parameter left out. Returns ``model``
     (now an FSDPModule)."""
-    if fully_shard is None:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
         raise ImportError(f"--ddp-backend fully_sharded needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), "
-                          f"found torch {torch.__version__}: upgrade torch or use --ddp-backend legacy_ddp")
+                          f"found torch {torch.__version__}: upgrade torch or use --ddp-backend legacy_ddp") from None
     group = group if group is not None else dist.group.WORLD
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     mesh = DeviceMesh.from_group(group, device.type)
@@ -186,6 +188,8 @@ def sharded_like(like, full: torch.Tensor):
     dtype and device), cut locally: every worker holds ``full``, so nothing is communicated."""
     if not is_sharded(like):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     full = full.to(device=like.to_local().device, dtype=like.dtype)
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
@@ -232,4 +236,6 @@ def held_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
 
 
 def is_fully_sharded(model: torch.nn.Module) -> bool:
-    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+    """Has ``shard_model`` been applied to ``model`` (FSDP2 makes it an FSDPModule)?"""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return fsdp is not None and isinstance(model, fsdp)
