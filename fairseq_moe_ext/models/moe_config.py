@@ -19,6 +19,7 @@ from ..distributed import (
     unsupported_backend_error,
 )
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
+from ..fully_sharded import refused_options, zero_sharding_error
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.placement import places_moe_layer, side_moe_freq
 from ..moe.router import ROUTER_TYPES
@@ -280,6 +281,11 @@ def check_ddp_backend(args) -> None:
     backend = safe_getattr(args, "ddp_backend", None)
     if backend is not None and str(backend) not in SUPPORTED_DDP_BACKENDS:
         raise unsupported_backend_error(str(backend))
+    if str(safe_getattr(args, "zero_sharding", "none")) == "os":
+        raise zero_sharding_error()
+    refused = refused_options(args) if str(backend) == "fully_sharded" else []
+    if refused:
+        raise ValueError(refused[0])
 
 
 def apply_runtime_options(args) -> None:
