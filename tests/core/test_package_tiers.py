@@ -19,7 +19,7 @@ ROOT = Path(fairseq_moe_ext.PACKAGE_DIR)
 TIERS = (
     ("moe",),
     ("checkpoint",),
-    ("process_state", "distributed", "io_waits", "option_ranges"),
+    ("process_state", "distributed", "fully_sharded", "io_waits", "option_ranges"),
     ("models", "criterions"),
     ("training",),
     ("fairseq_integration",),
