@@ -157,6 +157,7 @@ BAD_BRANCH_SETS = [
      "holds decoder.embed_tokens.weight, which is not a branch expert parameter"),
     ("cmr-gating", 2, {"moe_cmr": True}, None, None, "--moe-cmr True (CMR gating"),
     ("final-output-masking", 2, {"moe_fom": 0.1}, None, None, "--moe-fom 0.1 (final output masking"),
+    ("expert-output-masking", 2, {"moe_eom": 0.1}, None, None, "--moe-eom 0.1 (Expert Output Masking"),
     ("unknown-gate-option", 2, {"moe_second_expert_policy": "best"}, None, None,
      "--moe-second-expert-policy 'best', which the branch's top-2 gate does not define"),
     ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),
