@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import fairseq_moe_ext  # noqa: F401  (installs the hooks)
-from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext import fairseq_integration
 from fairseq_moe_ext.process_state import STATE
 

@@ -2,7 +2,6 @@
 that branch's layout, tests/support/branch_sets.py) becomes a checkpoint this project's fairseq models load
 and compute the same function with; what it cannot represent is refused in one line, writing nothing."""
 
-import argparse
 
 import pytest
 import torch

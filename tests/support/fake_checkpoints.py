@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
@@ -25,14 +24,6 @@ def full_state(experts=4, updates=7):
     }
     state["moe"] = moe_ckpt.moe_metadata(names, [EXPERT_KEY], 1, 0, updates, experts_per_worker=experts)
     return state
-
-
-@pytest.fixture
-def a_set(tmp_path) -> Path:
-    """A 2-worker set ``set/checkpoint_last`` written by the checkpoint tool's code."""
-    (tmp_path / "set").mkdir()
-    moe_ckpt.save_set(full_state(), str(tmp_path / "set" / "checkpoint_last"), 2)
-    return tmp_path / "set"
 
 
 def fingerprint(directory: Path):
