@@ -45,10 +45,15 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
     p.add_argument("checkpoint")
     add_upcycle_parser(sub)
-    p = sub.add_parser("import-fairseq-moe", help="import a fairseq moe/nllb-branch set (<prefix>-shared.pt and "
-                                                   "<prefix>-rank-N.pt, e.g. NLLB-200 MoE) as this project's checkpoint")
+    p = sub.add_parser(
+        "import-fairseq-moe",
+        help="import a fairseq moe/nllb-branch set (<prefix>-shared.pt and "
+        "<prefix>-rank-N.pt, e.g. NLLB-200 MoE) as this project's checkpoint",
+    )
     p.add_argument("prefix", help="e.g. nllb/checkpoint_2_300000 for checkpoint_2_300000-{shared,rank-0,...}.pt")
-    p.add_argument("output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)")
+    p.add_argument(
+        "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
+    )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
     args = parser.parse_args(argv)
     try:
@@ -93,7 +98,8 @@ def expert_parallel_size(full, workers: int, given) -> int:
     if given < 1 or workers % given or experts % given:
         raise CheckpointSetError(
             f"--expert-parallel-size {given} must divide both --world-size {workers} and the {experts} experts: use "
-            f"one of {[p for p in range(1, workers + 1) if workers % p == 0 and experts % p == 0]}")
+            f"one of {[p for p in range(1, workers + 1) if workers % p == 0 and experts % p == 0]}"
+        )
     return given
 
 

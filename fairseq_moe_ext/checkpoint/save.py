@@ -157,5 +157,8 @@ def own_files(save_dir: str, suffix: str) -> Dict[str, Tuple[int, int, int]]:
 def changed_files(save_dir: str, suffix: str, before: Dict[str, Tuple[int, int, int]]) -> List[str]:
     """The files of this worker written since ``before`` (new, or rewritten in place or by rename).
     The ``.prev`` links made by protect_previous_generation are the old generation, not this save's."""
-    return [name for name, stamp in own_files(save_dir, suffix).items()
-            if before.get(name) != stamp and not base_of(name).endswith(PREVIOUS)]
+    return [
+        name
+        for name, stamp in own_files(save_dir, suffix).items()
+        if before.get(name) != stamp and not base_of(name).endswith(PREVIOUS)
+    ]

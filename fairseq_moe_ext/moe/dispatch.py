@@ -118,6 +118,8 @@ class _CombineSlots(torch.autograd.Function):
         return grad_out, grad_gates, None, None
 
 
-def combine_slots(expert_out: torch.Tensor, gates: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor) -> torch.Tensor:
+def combine_slots(
+    expert_out: torch.Tensor, gates: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor
+) -> torch.Tensor:
     """``y[t] = sum_j gates[t, j] * expert_out[slot_row[t * k + j]]`` for ``[N, k]`` gates."""
     return _CombineSlots.apply(expert_out, gates.to(expert_out.dtype), sorted_slots, slot_row)

@@ -154,10 +154,12 @@ def test_amp_applies_each_gradient_unscaled_once_as_torch_gradscaler_intends():
     from omegaconf import OmegaConf
     from fairseq.optim.amp_optimizer import AMPOptimizer
 
-    cfg = OmegaConf.create({
-        "common": {"fp16_init_scale": 128, "amp_scale_window": None, "min_loss_scale": 1e-4},
-        "optimizer": {"_name": "sgd", "lr": [1.0], "momentum": 0.0, "weight_decay": 0.0},
-    })
+    cfg = OmegaConf.create(
+        {
+            "common": {"fp16_init_scale": 128, "amp_scale_window": None, "min_loss_scale": 1e-4},
+            "optimizer": {"_name": "sgd", "lr": [1.0], "momentum": 0.0, "weight_decay": 0.0},
+        }
+    )
     weight = torch.nn.Parameter(torch.zeros(2))
     optimizer = AMPOptimizer.build_optimizer(cfg, [weight])
     # fairseq builds torch.cuda.amp.GradScaler, disabled without CUDA: the same scaler on the CPU.

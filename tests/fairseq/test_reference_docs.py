@@ -30,5 +30,7 @@ def test_every_hook_and_every_registered_moe_option_has_its_row_in_the_reference
     from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
     from fairseq_moe_ext.models.moe_config import MoEEncoderDecoderConfig
 
-    names = [n for config in (MoEEncoderDecoderConfig, MoELossConfig) for n in config.__dataclass_fields__ if "moe" in n]
+    names = [
+        n for config in (MoEEncoderDecoderConfig, MoELossConfig) for n in config.__dataclass_fields__ if "moe" in n
+    ]
     assert all(f"| `--{name.replace('_', '-')}` |" in options for name in names + ["moe_inference_experts"])
