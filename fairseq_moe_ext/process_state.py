@@ -47,6 +47,9 @@ class PluginState:
     # Writer and reader: distributed._expert_groups (one distributed.ExpertGroups, this rank's
     # expert-parallel, replica and statistics groups, per default group, timeout and P).
     expert_groups: Dict[Any, Any] = field(default_factory=dict)
+    # Writer and reader: distributed._new_expert_groups (whether close_process_groups is registered
+    # to run at exit, once per process).
+    closes_groups_at_exit: bool = False
     # Writer: distributed.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
     # generation builds models holding every expert). Reader: distributed.expert_world_size.
     all_experts_local_depth: int = 0
