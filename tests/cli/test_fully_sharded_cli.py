@@ -6,16 +6,16 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
+from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
-TRAIN_EVERY_DIGIT = Path(__file__).parent / "fairseq_train_every_digit.py"
+TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
 
 
 def train_args(data, save_dir, max_update, backend):

@@ -106,7 +106,7 @@ def router_update_and_balance_gradient(data_dir, gate_loss_wt):
     """One single-process step without clipping: the decoder router's gradient as the update reveals
     it (SGD: ``-lr * grad``), and the gradient of the GShard/Switch balance loss w.r.t. that router's
     weight, written from its definition on the router's input tokens."""
-    from test_moe_objective_oracle import switch_balance_loss
+    from router_loss_definitions import switch_balance_loss
 
     argv = training_args(data_dir, 1, ["--clip-norm", "0"])
     argv[argv.index("--moe-gate-loss-wt") + 1] = str(gate_loss_wt)
