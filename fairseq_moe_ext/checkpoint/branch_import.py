@@ -1,11 +1,6 @@
 """``import-fairseq-moe``: a fairseq ``moe``/``nllb``-branch checkpoint set becomes this project's.
 
-The branch's layout (its ``checkpoint_utils.py``): every rank r wrote ``<prefix>-rank-<r>.pt``
-holding its experts, numbered from 0 in each file (``<side>.layers.<i>.moe_layer.experts.<j>.fc1|fc2
-.weight|bias``), and the data-parallel master wrote ``<prefix>-shared.pt`` holding everything else,
-the routers (``...moe_layer.gate.wg.weight``, ``[E, d]``) included. With E >= R rank files, rank r
-holds experts ``r*E/R + j``; with E < R, rank r holds expert ``r % E`` (the others are replicas,
-which must be identical).
+The branch's layout and how it is read: ``branch_set.py``.
 
 Here each MoE layer's experts are stacked tensors (``<side>.layers.<i>.fc1.experts.batched_fc1_w``
 ``[E, hidden, d]`` etc., ``moe/experts.py``) beside the router ``fc1.router.wg.weight``. The import
@@ -21,168 +16,23 @@ continued training starts a fresh optimizer, as after upcycling. Files are read 
 
 import argparse
 import copy
-import glob
-import hashlib
 import math
 import os
-import re
 import secrets
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .branch_options import branch_flags, model_options
+from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
 from .errors import CheckpointSetError
 from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file
 from .rank_state import moe_metadata
-from .safe_load import safe_load
 from .staging import write_all_or_nothing
 
-BRANCH_EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<local>\d+)\."
-                           r"(?P<tensor>fc1\.weight|fc1\.bias|fc2\.weight|fc2\.bias)$")
-BRANCH_ROUTER = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.gate\.wg\.weight$")
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
                      "fc2.weight": "fc1.experts.batched_fc2_w", "fc2.bias": "fc1.experts.batched_fc2_b"}
 OUR_ROUTER = "fc1.router.wg.weight"
-RANK_FILE = re.compile(r"-rank-(\d+)\.pt$")
-
-
-def branch_files(prefix: str) -> Tuple[str, List[str]]:
-    """(``<prefix>-shared.pt``, ``[<prefix>-rank-0.pt, ...]``) after checking the ranks run 0..R-1."""
-    shared = f"{prefix}-shared.pt"
-    found = {}
-    for path in glob.glob(glob.escape(prefix) + "-rank-*.pt"):
-        match = RANK_FILE.search(path)
-        if match and path == f"{prefix}-rank-{int(match.group(1))}.pt":  # not -rank-01.pt, -rank-0-shard0.pt
-            found[int(match.group(1))] = path
-    sharded = sorted(glob.glob(glob.escape(prefix) + "-shared-shard*.pt") + glob.glob(glob.escape(prefix) + "-rank-*-shard*.pt"))
-    if not found and sharded:
-        raise CheckpointSetError(
-            f"{sharded[0]} is an FSDP-sharded branch file: consolidate the shards with the branch's "
-            f"consolidate_fsdp_shards first and import its <prefix>_consolidated files (nothing was written)"
-        )
-    if not found:
-        hint = (" (it holds config.json: a Hugging Face checkpoint; use import-hf)"
-                if os.path.isfile(os.path.join(prefix, "config.json")) else "")
-        raise CheckpointSetError(
-            f"no {prefix}-rank-0.pt: import-fairseq-moe reads <prefix>-shared.pt and <prefix>-rank-N.pt files written "
-            f"by the moe/nllb branch{hint}; pass the prefix of those files (nothing was written)"
-        )
-    ranks = sorted(found)
-    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
-    if missing:
-        raise CheckpointSetError(
-            f"{prefix}-rank-{missing[0]}.pt is missing (found ranks {_ranges(ranks)}): every rank file of the run is "
-            f"needed; copy it beside the others (nothing was written)"
-        )
-    if not os.path.isfile(shared):
-        raise CheckpointSetError(
-            f"{shared} is missing: the branch's data-parallel master wrote every parameter that is not an expert "
-            f"there; copy it beside the rank files (nothing was written)"
-        )
-    return shared, [found[r] for r in ranks]
-
-
-def _ranges(ranks: List[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().data if flat.numel() else b"").hexdigest()
-
-
-class BranchSet:
-    """What the shared file and rank 0 say about the set: options, MoE layers, expert count, shapes."""
-
-    def __init__(self, prefix: str, load: Callable[[str], Dict] = safe_load):
-        self.prefix = prefix
-        self.load = load
-        self.shared_path, self.rank_paths = branch_files(prefix)
-        self.shared = self._load(self.shared_path)
-        first = self._load(self.rank_paths[0])
-        self.options = model_options(first, self.rank_paths[0])
-        self.head = {k: first.get(k) for k in ("cfg", "args", "optimizer_history", "extra_state", "task_state")}
-        self.routers = {m["layer"]: self.shared["model"][k].shape for k in self.shared["model"]
-                        if (m := BRANCH_ROUTER.match(k))}
-        if not self.routers:
-            raise CheckpointSetError(
-                f"{self.shared_path} holds no MoE router (<side>.layers.N.moe_layer.gate.wg.weight): not a moe/nllb-"
-                f"branch checkpoint (this project's own sets are used as they are; a Hugging Face NllbMoe directory "
-                f"goes through import-hf) (nothing was written)"
-            )
-        counts = {shape[0] for shape in self.routers.values()}
-        self.experts = int(next(iter(counts)))
-        declared = int(getattr(self.options, "moe_expert_count", 0) or 0)
-        if len(counts) > 1 or declared != self.experts:
-            raise CheckpointSetError(
-                f"{self.shared_path}: the routers' expert counts {sorted(counts)} disagree with --moe-expert-count "
-                f"{declared} in {self.rank_paths[0]}: files from different runs (nothing was written)"
-            )
-        world = len(self.rank_paths)
-        declared_world = _declared_world(first)
-        if declared_world is not None and declared_world != world:
-            if world < declared_world:
-                raise CheckpointSetError(
-                    f"{prefix}-rank-{world}.pt is missing: the run had {declared_world} workers "
-                    f"(distributed_world_size), {world} rank files are here; copy the others beside them (nothing "
-                    f"was written)")
-            raise CheckpointSetError(
-                f"{prefix}-rank-{declared_world}.pt is an extra rank file from another run: the run had "
-                f"{declared_world} workers (distributed_world_size); move -rank-{declared_world}.pt ... "
-                f"-rank-{world - 1}.pt away (nothing was written)")
-        self.world = world
-        self.local = max(1, self.experts // world)
-        layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in ("encoder", "decoder")}
-        self.flags, self.notes = branch_flags(self.options, self.rank_paths[0], layers)
-        self.first_state = first  # rank 0's experts, consumed by the first pass of ``rank_experts``
-        self.num_updates = int(((first.get("optimizer_history") or [{}])[-1] or {}).get("num_updates", 0) or 0)
-
-    def _load(self, path: str) -> Dict:
-        state = self.load(path)
-        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise CheckpointSetError(f"{path} holds no model state: not a fairseq checkpoint file (nothing was written)")
-        return state
-
-    def source_of(self, rank: int) -> List[int]:
-        """The global expert ids rank ``rank``'s local experts 0, 1, ... are."""
-        if self.experts >= self.world:
-            return [rank * self.local + j for j in range(self.local)]
-        return [rank % self.experts]
-
-    def rank_experts(self):
-        """Yield (rank, {(layer, tensor): {global id: tensor}}) for each rank file, one loaded at a time."""
-        for rank, path in enumerate(self.rank_paths):
-            state = self.first_state if rank == 0 else self._load(path)
-            self.first_state = None
-            ids = self.source_of(rank)
-            out: Dict[Tuple[str, str], Dict[int, torch.Tensor]] = {}
-            for key, tensor in state["model"].items():
-                match = BRANCH_EXPERT.match(key)
-                if not match:
-                    raise CheckpointSetError(
-                        f"{path} holds {key}, which is not a branch expert parameter (<side>.layers.N.moe_layer."
-                        f"experts.J.fc1|fc2.weight|bias): another model's file (nothing was written)"
-                    )
-                local = int(match["local"])
-                if match["layer"] not in self.routers or local >= len(ids):
-                    raise CheckpointSetError(
-                        f"{path} holds {key}, but the set has {len(ids)} expert(s) per rank file and no router for "
-                        f"{match['layer']}: a file from another run (nothing was written)"
-                    )
-                out.setdefault((match["layer"], match["tensor"]), {})[ids[local]] = tensor
-            del state
-            yield rank, path, out
-
-
-def _declared_world(state: Dict) -> Optional[int]:
-    cfg = state.get("cfg")
-    section = cfg.get("distributed_training") if isinstance(cfg, dict) else None
-    value = (section.get("distributed_world_size") if isinstance(section, dict)
-             else getattr(section, "distributed_world_size", None) if section is not None
-             else getattr(state.get("args"), "distributed_world_size", None))
-    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 class _Shards:
@@ -212,7 +62,7 @@ class _Shards:
         for key, by_id in experts.items():
             for gid, tensor in by_id.items():
                 self._check_shape(key, tensor, path)
-                digest = _digest(tensor)
+                digest = digest_of(tensor)
                 seen = self.digests.get((*key, gid))
                 if seen is not None:
                     if seen[0] != digest:
@@ -268,7 +118,8 @@ def imported_cfg(branch: BranchSet, flags: Dict) -> Tuple[Optional[Dict], Option
     return cfg, None
 
 
-CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_size", "sentence_avg", "moe_gate_loss_wt")
+CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_size", "sentence_avg",
+                  "moe_gate_loss_wt")
 
 
 def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print) -> str:
@@ -277,8 +128,10 @@ def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     branch = BranchSet(prefix)
     shards = math.gcd(workers, branch.experts)
+    held = (f"{branch.local} per rank file" if branch.experts >= branch.world
+            else f"{branch.world // branch.experts} replicas each")
     report(f"found {prefix}: {branch.world} rank files + shared, arch {getattr(branch.options, 'arch', '?')}, "
-           f"{branch.experts} experts ({'%d per rank file' % branch.local if branch.experts >= branch.world else '%d replicas each' % (branch.world // branch.experts)}), "
+           f"{branch.experts} experts ({held}), "
            f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}")
     set_id = secrets.token_hex(8)
     base = base_of(output)

@@ -86,7 +86,8 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
                      f"Face NllbMoe use")
     experts = int(_get(options, "moe_expert_count", 0))
     flags = {"moe_expert_count": experts, "moe_top_k": 2, "moe_normalize_gate": True, "moe_capacity_factor": 1.0,
-             "moe_gating_use_fp32": True, "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False))}
+             "moe_gating_use_fp32": True,
+             "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False))}
     freq = int(_get(options, "moe_freq", 0))
     for side in layers:
         flags[f"{side}_moe_freq"] = max(int(_get(options, f"{side}_moe_freq", 0)), freq)

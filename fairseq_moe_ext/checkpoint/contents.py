@@ -82,10 +82,12 @@ def check_rank_states(manifest: Dict, states: List, directory: str) -> None:
         meta = state.get("moe") if isinstance(state.get("moe"), dict) else {}
         if meta.get("rank") != f["rank"] or meta.get("world_size") != manifest["world_size"]:
             raise CheckpointSetError(
-                f"{f['name']} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {f['rank']} of {manifest['world_size']}: a file from another run?"
+                f"{f['name']} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {f['rank']} "
+                f"of {manifest['world_size']}: a file from another run?"
             )
         if meta.get("num_updates") != manifest["num_updates"]:
             raise CheckpointSetError(
-                f"{f['name']} holds update {meta.get('num_updates')} but the set is update {manifest['num_updates']}: files from different saves"
+                f"{f['name']} holds update {meta.get('num_updates')} but the set is update "
+                f"{manifest['num_updates']}: files from different saves"
             )
         check_belongs_to_set(meta, f["name"], manifest)

@@ -62,7 +62,8 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
     for r, key in shared_in_other_ranks:
         if not torch.equal(states[r]["model"][key], states[0]["model"][key]):
             lines.append(
-                f"VERDICT PROBLEM: shared parameter {key} differs between rank 0 and rank {r} (a bug: shared weights must agree)"
+                f"VERDICT PROBLEM: shared parameter {key} differs between rank 0 and rank {r} "
+                f"(a bug: shared weights must agree)"
             )
     if not shared_in_other_ranks:
         lines.append("VERDICT OK: shared parameters are stored once (rank 0)")

@@ -131,7 +131,8 @@ def write_manifests(save_dir: str, reports: List[Tuple], describe: SetDescriptio
                            agreed_set_id(base, entries), workers=workers, replicas=replicas)
             remove_other_layouts(base, shards)
         else:
-            logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")
+            ranks = sorted(e["rank"] for e in entries)
+            logger.warning(f"checkpoint {base}: only ranks {ranks} wrote files; no manifest")
     for _, removed, _ in reports:
         for name in removed:
             manifest = manifest_path(base_of(os.path.join(save_dir, name)))

@@ -32,7 +32,8 @@ def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable
         raise CheckpointSetError(
             f"{manifest_file}: the replicas of expert shard(s) {differing} differed when the set was saved (a bug in "
             f"training, reported by inspect): resume from an earlier set, or merge this one (python -m "
-            f"fairseq_moe_ext.checkpoint merge, which keeps replica 0's experts) and pass the merged file as --restore-file"
+            f"fairseq_moe_ext.checkpoint merge, which keeps replica 0's experts) and pass the merged file as "
+            f"--restore-file"
         )
     shards, directory = manifest["world_size"], os.path.dirname(manifest_file)
     entries = {entry["rank"]: entry for entry in manifest["files"]}

@@ -128,14 +128,16 @@ HOOKS = (
          "fairscale-only paths (its import, optimizer consolidation, norm aggregation, fp16 wrapper) stay off: "
          "False, after refusing in one line the options FSDP2 cannot honour here (--cpu-offload, "
          "--use-sharded-state, --store-ema, mixed precision)."),
-    Hook(20, "fairseq.trainer.Trainer.always_call_state_dict_during_save_checkpoint", sharding.wrap_always_call_state_dict,
+    Hook(20, "fairseq.trainer.Trainer.always_call_state_dict_during_save_checkpoint",
+         sharding.wrap_always_call_state_dict,
          "under fully_sharded a save gathers the shared state one tensor at a time (collectives), so every worker "
          "calls Trainer.state_dict, including those that write no file."),
     Hook(21, "fairseq.distributed.fully_sharded_data_parallel.fsdp_enable_wrap", sharding.wrap_fsdp_enable_wrap,
          "fairseq-train builds a fully_sharded model inside fairscale's wrapping context (an ImportError without "
          "fairscale, fairscale FSDP units with it): a no-op, also where it was imported by name (fairseq.distributed, "
          "fairseq_cli.train, a -m run's __main__)."),
-    Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.load_state_dict", sharding.wrap_optimizer_load_state_dict,
+    Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.load_state_dict",
+         sharding.wrap_optimizer_load_state_dict,
          "a checkpoint holds whole optimizer states; under fully_sharded each worker keeps its slice of each "
          "shared parameter's state (cut locally, no communication), experts' as they are."),
     Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.multiply_grads", sharding.wrap_optimizer_multiply_grads,

@@ -35,8 +35,8 @@ def hooks_markdown() -> str:
             for hook in HOOKS]
     return (HEADER.format(source="`HOOKS` in fairseq_moe_ext/fairseq_integration/__init__.py")
             + "# fairseq hooks\n\nEvery place the plugin replaces a fairseq (or argparse) attribute, in the order "
-              "`install()` patches them. `tests/fairseq/test_fairseq_integration.py` pins the source of every target, so a "
-              "fairseq that changes under a hook fails the suite.\n\n"
+              "`install()` patches them. `tests/fairseq/test_fairseq_integration.py` pins the source of every "
+              "target, so a fairseq that changes under a hook fails the suite.\n\n"
             + "| # | fairseq target | module | why |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
 
 

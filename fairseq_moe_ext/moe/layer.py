@@ -122,7 +122,8 @@ class MoELayer(nn.Module):
             self.cache.record(self.name, aux)
         return y
 
-    def forward_with_aux(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+    def forward_with_aux(self, x: torch.Tensor,
+                         padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
         if x.dim() < 2 or x.shape[-1] != self.model_dim:
             raise ValueError(f"MoE layer expects input of shape [..., {self.model_dim}], got {tuple(x.shape)}")
         flat = x.reshape(-1, self.model_dim)

@@ -11,8 +11,10 @@ from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 def add_upcycle_parser(sub) -> None:
     p = sub.add_parser("upcycle", help="turn a dense fairseq checkpoint into an MoE one that computes the same "
                                        "function (sparse upcycling: every expert a copy of the dense FFN)")
-    p.add_argument("checkpoint", help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)")
-    p.add_argument("output", help="output name, e.g. moe/checkpoint_upcycled.pt (a set of rank files if --world-size > 1)")
+    p.add_argument("checkpoint",
+                   help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)")
+    p.add_argument("output",
+                   help="output name, e.g. moe/checkpoint_upcycled.pt (a set of rank files if --world-size > 1)")
     p.add_argument("--moe-expert-count", type=int, required=True, help="experts per MoE layer (E)")
     p.add_argument("--moe-top-k", type=int, default=2, help="experts per token (default 2)")
     p.add_argument("--moe-freq", type=int, default=None,
