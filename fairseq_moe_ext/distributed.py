@@ -18,6 +18,7 @@ gradient is the sum over that group's tokens. Consequences, handled here:
   mismatch is an error (with ``legacy_ddp`` nothing would ever re-synchronise them).
 """
 
+import atexit
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,14 +29,15 @@ import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
 # Re-exported: the layout and the groups made from it are used together (models, checkpoints).
-from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
+from .moe.expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
+from .fully_sharded import is_sharded, local_part, sharded_grad_norm_squared
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
 from .moe.torch_compat import foreach_mul_
 from .process_state import STATE
 
-SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp")
+SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp", "fully_sharded")
 
 
 def set_comm_timeout(seconds: float) -> None:
@@ -109,6 +111,12 @@ def _new_expert_groups(layout: ExpertLayout) -> ExpertGroups:
     world = tuple(range(layout.world_size))
     wanted = layout.all_parallel_groups() if layout.parallel_size > 1 else []
     wanted += layout.all_replica_groups() if layout.num_replicas > 1 else []
+    # fairseq's CLIs never close their process groups; left open, gloo's threads abort the interpreter
+    # at exit now and then ("terminate called without an active exception", exit status -6, seen after
+    # a 2-worker fairseq-train had finished). Registered once: atexit keeps one entry per call.
+    if not STATE.closes_groups_at_exit:
+        atexit.register(close_process_groups)
+        STATE.closes_groups_at_exit = True
     made = {}
     for ranks in wanted + [world]:
         if ranks not in made:
@@ -118,6 +126,11 @@ def _new_expert_groups(layout: ExpertLayout) -> ExpertGroups:
         replica=made[layout.replica_group_ranks] if layout.num_replicas > 1 else None,
         statistics=made[world],
     )
+
+
+def close_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def expert_parallel_group():
@@ -141,10 +154,6 @@ def moe_statistics_group():
     return None if groups is None else groups.statistics
 
 
-def expert_parallel_world_size() -> int:
-    return expert_layout().parallel_size
-
-
 def has_experts(module: torch.nn.Module) -> bool:
     return any(is_expert(p) for p in module.parameters())
 
@@ -165,10 +174,11 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     is all-reduced on the group's device: no host read at all, where a ``.cpu()`` per parameter
     used to stall the GPU once per parameter per step."""
     grads = [(p.grad.detach(), is_expert(p)) for p in params if p is not None and p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
-    shared_sq = torch.zeros((), dtype=torch.float64, device=device)
+    device = local_part(grads[0][0]).device if grads else torch.device("cpu")
+    # --ddp-backend fully_sharded: each worker holds a slice of each shared gradient.
+    shared_sq = sharded_grad_norm_squared([g for g, _ in grads if is_sharded(g)], device)
     expert_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for grad, expert in grads:
+    for grad, expert in ((g, e) for g, e in grads if not is_sharded(g)):
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).double().to(device) ** 2
         if expert:
             expert_sq = expert_sq + sq
@@ -222,7 +232,7 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     total_norm = global_grad_norm(params)
     if max_norm > 0:
         clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
-        grads = [p.grad.detach() for p in params if p is not None and p.grad is not None]
+        grads = [local_part(p.grad.detach()) for p in params if p is not None and p.grad is not None]
         if grads:
             foreach_mul_(grads, clip_coef.to(grads[0].device))
     return total_norm
@@ -290,6 +300,6 @@ class ExpertParallelModel(ModuleProxyWrapper):
 def unsupported_backend_error(backend: str) -> ValueError:
     return ValueError(
         f"--ddp-backend {backend} is not supported with MoE models (it would shard or average expert "
-        f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp)"
+        f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp / fully_sharded)"
     )
 

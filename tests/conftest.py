@@ -49,7 +49,9 @@ def _shares_a_module_fixture(item) -> bool:
     definitions = getattr(item, "_fixtureinfo", None)
     if definitions is None:
         return False
-    return any(d.scope in ("module", "class", "package") for defs in definitions.name2fixturedefs.values() for d in defs)
+    return any(
+        d.scope in ("module", "class", "package") for defs in definitions.name2fixturedefs.values() for d in defs
+    )
 
 
 def pytest_itemcollected(item):
@@ -68,5 +70,6 @@ def pytest_collection_modifyitems(config, items):
             if mark and "@" not in item.nodeid:
                 item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
     # Slow tests first, groups before single tests; the order within a module is kept.
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
-                                 item.get_closest_marker("xdist_group") is None))
+    items.sort(
+        key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("xdist_group") is None)
+    )

@@ -6,7 +6,8 @@
 # Other arguments go to pytest. Two pytest-xdist workers (MOE_TEST_WORKERS=N to change, 0 for one
 # process); tests that share a module-scoped fixture stay on one worker (tests/conftest.py adds their
 # xdist_group). At the end it prints the wall time and the CPU time (user + sys of pytest and every
-# process it started), so that a figure taken on a loaded machine can still be compared.
+# process it started), so that a figure taken on a loaded machine can still be compared. Without
+# paths (the whole suite, or --fast) it first runs the linter (ruff, settings in pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/lib/venv.sh
@@ -25,7 +26,10 @@ for arg in "$@"; do
   fi
   previous=$arg
 done
-[ ${#paths[@]} -gt 0 ] || paths=(tests)
+if [ ${#paths[@]} -eq 0 ]; then
+  paths=(tests)
+  ruff check --quiet . || { echo "[tests/run.sh] ruff check found the problems above (settings: pyproject.toml)" >&2; exit 1; }
+fi
 
 started=$(date +%s.%N)
 status=0

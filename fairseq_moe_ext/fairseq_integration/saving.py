@@ -18,7 +18,8 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
 from ..process_state import STATE
-from ..set_identity import save_set_id
+from ..training.set_identity import save_set_id
+from . import sharding
 
 
 def is_expert_parallel_trainer(trainer) -> bool:
@@ -54,7 +55,7 @@ def wrap_should_save(original_fget):
 def wrap_trainer_state_dict(original):
     @functools.wraps(original)
     def state_dict(self):
-        state = original(self)
+        state = sharding.gather_full_state(self, original(self))  # FSDP2's slices made whole
         if not moe_dist.has_experts(self._model):
             return state
         layout = moe_dist.expert_layout()

@@ -14,12 +14,14 @@ from fairseq.logging import metrics
 from .. import distributed as moe_dist
 from ..checkpoint.compat import flag
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
+from ..fully_sharded import is_sharded
 from ..moe import rows_received
 from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..moe.torch_compat import ignore_in_ddp
 from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
 from ..process_state import STATE
+from . import sharding
 
 logger = logging.getLogger(__name__)
 
@@ -46,29 +48,17 @@ def wrap_distributed_model(original):
     def distributed_fairseq_model(args, model, process_group, device):
         backend = args.ddp_backend
         moe = moe_dist.has_experts(model)
-        if moe:
-            if backend not in moe_dist.SUPPORTED_DDP_BACKENDS:
-                raise moe_dist.unsupported_backend_error(backend)
-            model = model.to(device)
-            moe_dist.check_shared_parameters_agree(model, process_group)
-            if backend in ("c10d", "pytorch_ddp"):
-                ignore_in_ddp(model, moe_dist.expert_parameter_names(model))
-        if backend in ("c10d", "pytorch_ddp") and device.type == "cpu":
-            # fairseq passes device_ids=[device_id], which torch refuses for CPU modules.
-            wrapped = ModuleProxyWrapper(
-                torch.nn.parallel.DistributedDataParallel(
-                    module=model.to(device),
-                    broadcast_buffers=args.broadcast_buffers,
-                    bucket_cap_mb=args.bucket_cap_mb,
-                    process_group=process_group,
-                    find_unused_parameters=args.find_unused_parameters,
-                    gradient_as_bucket_view=args.gradient_as_bucket_view,
-                )
-            )
-            if getattr(args, "heartbeat_timeout", -1) > 0:  # fairseq's own branch adds its watchdog too
-                wrapped = DistributedTimeoutWrapper(wrapped, timeout=args.heartbeat_timeout)
+        if moe and backend not in moe_dist.SUPPORTED_DDP_BACKENDS:
+            raise moe_dist.unsupported_backend_error(backend)
+        if backend == "fully_sharded":  # torch FSDP2 for every model (hooks 20-22), experts left out
+            wrapped = sharding.shard_for_training(args, model, process_group, device)
         else:
-            wrapped = original(args, model, process_group, device)
+            if moe:
+                model = model.to(device)
+                moe_dist.check_shared_parameters_agree(model, process_group)
+                if backend in ("c10d", "pytorch_ddp"):
+                    ignore_in_ddp(model, moe_dist.expert_parameter_names(model))
+            wrapped = _data_parallel(original, args, model, process_group, device)
         if not moe:
             return wrapped
         STATE.expert_parallel_training = True
@@ -78,11 +68,30 @@ def wrap_distributed_model(original):
     return distributed_fairseq_model
 
 
+def _data_parallel(original, args, model, process_group, device):
+    if args.ddp_backend not in ("c10d", "pytorch_ddp") or device.type != "cpu":
+        return original(args, model, process_group, device)
+    # fairseq passes device_ids=[device_id], which torch refuses for CPU modules.
+    wrapped = ModuleProxyWrapper(
+        torch.nn.parallel.DistributedDataParallel(
+            module=model.to(device),
+            broadcast_buffers=args.broadcast_buffers,
+            bucket_cap_mb=args.bucket_cap_mb,
+            process_group=process_group,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
+    )
+    if getattr(args, "heartbeat_timeout", -1) > 0:  # fairseq's own branch adds its watchdog too
+        wrapped = DistributedTimeoutWrapper(wrapped, timeout=args.heartbeat_timeout)
+    return wrapped
+
+
 def wrap_clip_grad_norm(original):
     @functools.wraps(original)
     def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if any(moe_dist.is_expert(p) for p in params):
+        if any(moe_dist.is_expert(p) or is_sharded(p) for p in params):  # experts, or FSDP2's slices
             if aggregate_norm_fn is not None:
                 raise moe_dist.unsupported_backend_error("fully_sharded")
             return moe_dist.clip_grad_norm_(params, max_norm)
@@ -156,7 +165,8 @@ def out_of_memory_error(trainer, exc, layers) -> MoEOutOfMemoryError:
     training = trainer._model.training
     capacity = "--moe-capacity-factor" if training else "--moe-eval-capacity-factor"
     rows = max(layer.rows_received_peak for layer in layers)
-    received = f"its experts received up to {rows} rows per MoE call" if rows else "its experts had received no rows yet"
+    received = (f"its experts received up to {rows} rows per MoE call" if rows
+                else "its experts had received no rows yet")
     # No "out of memory" in the line: fairseq would take a peer's relayed copy for its own OOM.
     message = (
         f"worker {trainer.data_parallel_rank} of {trainer.data_parallel_world_size} ran out of device memory in "

@@ -120,8 +120,14 @@ def test_at_every_step_of_a_save_over_an_earlier_set_some_complete_set_loads_and
         assert_loadable_and_consistent(tmp_path)
         checks.append(f"write {name}")
 
-    errors = run_save(str(tmp_path), updates=4, group=ThreadGroup(WORLD, observe), names=("checkpoint_last", "checkpoint_4"),
-                      prune=("checkpoint_2",), during_write=during_write)
+    errors = run_save(
+        str(tmp_path),
+        updates=4,
+        group=ThreadGroup(WORLD, observe),
+        names=("checkpoint_last", "checkpoint_4"),
+        prune=("checkpoint_2",),
+        during_write=during_write,
+    )
     assert errors == [None, None]
     assert_loadable_and_consistent(tmp_path)
     assert len(checks) >= 6
@@ -143,7 +149,10 @@ def test_the_save_protects_before_anything_is_written_and_writes_manifests_only_
         assert moe_ckpt.validate_set(str(previous))["num_updates"] == 2, "a file was overwritten before .prev existed"
         assert manifest_of(tmp_path)["num_updates"] == 2, "a manifest was written before every worker wrote"
 
-    assert run_save(str(tmp_path), updates=5, group=ThreadGroup(WORLD, observe), during_write=during_write) == [None, None]
+    assert run_save(str(tmp_path), updates=5, group=ThreadGroup(WORLD, observe), during_write=during_write) == [
+        None,
+        None,
+    ]
     rank0 = [e for e in events if e != "write 1"]
     assert rank0 == ["broadcast", "barrier", "barrier", "write 0", "all_gather", "barrier"]
 
@@ -163,7 +172,10 @@ def test_pruned_files_are_deleted_only_after_rank_0_removed_the_manifest_that_li
     assert run_save(str(tmp_path), updates=4, names=("checkpoint_4",), prune=("checkpoint_2",)) == [None, None]
     assert removed_while_listed == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint_4-rank-0-of-2.pt", "checkpoint_4-rank-1-of-2.pt", "checkpoint_4.set.json"]
+        "checkpoint_4-rank-0-of-2.pt",
+        "checkpoint_4-rank-1-of-2.pt",
+        "checkpoint_4.set.json",
+    ]
 
 
 def test_a_worker_that_dies_in_its_write_leaves_the_previous_set_loadable(tmp_path):
@@ -210,7 +222,8 @@ def test_the_transaction_runs_at_any_world_size(tmp_path, world):
 
 
 def test_with_more_workers_than_shards_the_first_replica_of_each_shard_writes_and_the_manifest_records_the_replicas(
-        tmp_path):
+    tmp_path,
+):
     from fairseq_moe_ext.checkpoint.save import WorkerShare
 
     workers, shards = 4, 2
@@ -227,8 +240,9 @@ def test_with_more_workers_than_shards_the_first_replica_of_each_shard_writes_an
 
         share = WorkerShare(shard, shards, writes=replica == 0, expert_digest=f"{shard:064x}")
         try:
-            save_rank_files(str(tmp_path), suffix, group.for_rank(rank), SetDescription(5, {"experts": 12}, "0" * 16),
-                            write, share)
+            save_rank_files(
+                str(tmp_path), suffix, group.for_rank(rank), SetDescription(5, {"experts": 12}, "0" * 16), write, share
+            )
         except BaseException as error:  # noqa: B036
             errors[rank] = error
             group.sync.abort()
@@ -241,4 +255,7 @@ def test_with_more_workers_than_shards_the_first_replica_of_each_shard_writes_an
     assert (manifest["world_size"], manifest["workers"]) == (2, 4)
     assert manifest["replicas"] == [[f"{0:064x}"] * 2, [f"{1:064x}"] * 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint_last-rank-0-of-2.pt", "checkpoint_last-rank-1-of-2.pt", "checkpoint_last.set.json"]
+        "checkpoint_last-rank-0-of-2.pt",
+        "checkpoint_last-rank-1-of-2.pt",
+        "checkpoint_last.set.json",
+    ]

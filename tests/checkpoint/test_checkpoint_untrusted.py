@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, a_set, fingerprint, full_state  # noqa: F401  (a_set: fixture)
+from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import foreign
 
@@ -192,7 +192,7 @@ def test_every_worker_derives_the_same_set_id_for_one_save_and_another_for_the_n
 def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch_into_another(monkeypatch):
     from types import SimpleNamespace
 
-    from fairseq_moe_ext.set_identity import save_set_id
+    from fairseq_moe_ext.training.set_identity import save_set_id
 
     def worker(rank):  # what differs between workers of one launch: the rank
         cfg = SimpleNamespace(common=SimpleNamespace(seed=1), checkpoint=SimpleNamespace(save_dir="ck"),
@@ -207,7 +207,7 @@ def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch
 
 
 def test_workers_that_derived_different_set_ids_get_a_manifest_without_one_so_their_set_still_loads(caplog):
-    from fairseq_moe_ext.set_identity import agreed_set_id
+    from fairseq_moe_ext.checkpoint.set_id import agreed_set_id
 
     agreeing = [{"rank": 0, "set_id": "a" * 16}, {"rank": 1, "set_id": "a" * 16}]
     assert agreed_set_id("ck/checkpoint_last", agreeing) == "a" * 16

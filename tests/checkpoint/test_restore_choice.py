@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
-from fairseq_moe_ext.restore_choice import resolve_restore
+from fairseq_moe_ext.training.restore_choice import resolve_restore
 
 SUFFIX = "-rank-0-of-2"  # what fairseq-train's checkpoint_suffix is on worker 0 of 2
 

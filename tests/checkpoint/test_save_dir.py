@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from fairseq_moe_ext import save_dir_lock, shared_save_dir
-from fairseq_moe_ext.save_dir_lock import Holder, SaveDirLockedError
+from fairseq_moe_ext.training import save_dir_lock, shared_save_dir
+from fairseq_moe_ext.training.save_dir_lock import Holder, SaveDirLockedError
 
 
 def a_dead_pid() -> int:

@@ -69,7 +69,9 @@ def test_every_expert_of_an_upcycled_layer_is_the_dense_ffn_the_router_starts_at
 
 @pytest.mark.parametrize("router_std", [0.0, 0.5], ids=["zero-router", "random-router"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_an_upcycled_layer_with_normalised_gates_computes_the_dense_ffn_whichever_experts_the_router_picks(k, router_std):
+def test_an_upcycled_layer_with_normalised_gates_computes_the_dense_ffn_whichever_experts_the_router_picks(
+    k, router_std
+):
     dense = dense_model_state()
     moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=E, router_std=router_std), every_second_layer)
     x = torch.randn(5, 7, D)
@@ -128,7 +130,9 @@ def test_upcycling_noise_and_router_weights_are_seeded_and_as_large_as_asked():
     dense = dense_model_state(layers=2)
 
     def upcycle(seed):
-        return upcycle_model_state(dense, UpcycleOptions(E, noise=0.01, router_std=0.1, seed=seed), every_second_layer)[0]
+        return upcycle_model_state(dense, UpcycleOptions(E, noise=0.01, router_std=0.1, seed=seed), every_second_layer)[
+            0
+        ]
 
     a, b, other = upcycle(3), upcycle(3), upcycle(4)
     key, router = "encoder.layers.1.fc1.experts.batched_fc1_w", "encoder.layers.1.fc1.router.wg.weight"
@@ -142,12 +146,24 @@ def test_upcycling_noise_and_router_weights_are_seeded_and_as_large_as_asked():
 def test_a_checkpoint_that_cannot_be_upcycled_is_refused_in_one_line_naming_the_fix():
     dense = {"model": dense_model_state(layers=1), "cfg": {}}
     cases = [
-        ({"model": {"decoder.layers.0.conv.weight": torch.zeros(2)}}, UpcycleOptions(E),
-         "has no fairseq feed-forward block", "(transformer, transformer_lm)"),
-        (dict(dense, moe={"expert_keys": []}), UpcycleOptions(E), "is already an MoE checkpoint",
-         "train on from this one with --restore-file"),
-        (dense, UpcycleOptions(E, expert_ffn_dim=2 * H), f"--moe-expert-ffn-dim {2 * H} differs from the dense "
-         f"FFN's hidden size {H}", f"drop --moe-expert-ffn-dim or pass {H}"),
+        (
+            {"model": {"decoder.layers.0.conv.weight": torch.zeros(2)}},
+            UpcycleOptions(E),
+            "has no fairseq feed-forward block",
+            "(transformer, transformer_lm)",
+        ),
+        (
+            dict(dense, moe={"expert_keys": []}),
+            UpcycleOptions(E),
+            "is already an MoE checkpoint",
+            "train on from this one with --restore-file",
+        ),
+        (
+            dense,
+            UpcycleOptions(E, expert_ffn_dim=2 * H),
+            f"--moe-expert-ffn-dim {2 * H} differs from the dense FFN's hidden size {H}",
+            f"drop --moe-expert-ffn-dim or pass {H}",
+        ),
     ]
     for state, options, problem, fix in cases:
         with pytest.raises(CheckpointSetError) as refused:

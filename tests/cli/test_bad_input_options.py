@@ -109,7 +109,7 @@ def test_a_resume_changing_options_that_may_change_and_an_overridden_top_k_train
                    "--moe-eval-capacity-factor 1.0",
                    "resuming: {} was trained with --moe-comm-timeout 600.0 and this run has --moe-comm-timeout 900.0",
                    "resuming: {} was trained with --moe-gate-loss-wt 0.01 and this run has --moe-gate-loss-wt 0.1",
-                   "WARNING | fairseq_moe_ext.checkpoint.resume_policy | --moe-allow-function-change: {} was trained "
+                   "WARNING | fairseq_moe_ext.training.resume_policy | --moe-allow-function-change: {} was trained "
                    "with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute"):
         assert logged.format(save_dir / "checkpoint_last.pt") in output, logged
     assert re.search(r"num_updates 4\b", output), output[-3000:]

@@ -58,7 +58,11 @@ def test_four_workers_sharing_two_expert_shards_train_exactly_as_plain_data_para
     assert carries_every_digit([float(r["loss"]) for r in got]), "losses rounded for display"
     for replicated, reference in zip(got, want):
         for key in ("loss", "moe_gate_loss", "gnorm"):
-            assert float(replicated[key]) == pytest.approx(float(reference[key]), rel=1e-6), (key, replicated, reference)
+            assert float(replicated[key]) == pytest.approx(float(reference[key]), rel=1e-6), (
+                key,
+                replicated,
+                reference,
+            )
     experts = experts_by_global_id([save_dir / f"checkpoint_last-rank-{r}-of-2.pt" for r in range(2)])
     reference_experts = experts_by_global_id([tmp_path / "plain" / "checkpoint_last.pt"])
     assert experts.keys() == reference_experts.keys() and len(experts) == 8
@@ -67,14 +71,18 @@ def test_four_workers_sharing_two_expert_shards_train_exactly_as_plain_data_para
 
 
 def test_four_workers_with_two_experts_store_each_expert_once_and_resume_at_two_and_one_workers(
-        data, replicated_run, tmp_path):
+    data, replicated_run, tmp_path
+):
     save_dir = tmp_path / "ck"
     shutil.copytree(replicated_run[0], save_dir)  # resumed below, in place
     manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
     assert (manifest["world_size"], manifest["workers"]) == (2, 4)
     assert all(len(digests) == 2 and len(set(digests)) == 1 for digests in manifest["replicas"]), manifest["replicas"]
     assert sorted(p.name for p in Path(save_dir).glob("checkpoint_last*")) == [
-        "checkpoint_last-rank-0-of-2.pt", "checkpoint_last-rank-1-of-2.pt", "checkpoint_last.set.json"]
+        "checkpoint_last-rank-0-of-2.pt",
+        "checkpoint_last-rank-1-of-2.pt",
+        "checkpoint_last.set.json",
+    ]
     report = checkpoint_tool("inspect", save_dir / "checkpoint_last.pt")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "saved by 4 workers: each of the 2 expert shards had 2 replicas" in report.stdout

@@ -194,7 +194,9 @@ def test_twenty_seeded_sigkills_during_training_and_saving_never_lose_a_complete
         resumed_from = loaded_update(log)
         assert resumed_from == last_completed, f"{what}: resumed from {resumed_from}, newest complete set was {last_completed}"
         losses = job.losses()  # empty when the kill came within the first step
-        assert not losses or min(losses) == resumed_from + 1, f"{what}: resumed from {resumed_from}, logged {sorted(losses)}"
+        assert not losses or min(losses) == resumed_from + 1, (
+            f"{what}: resumed from {resumed_from}, logged {sorted(losses)}"
+        )
         wrong = {u: (loss, want[u]) for u, loss in losses.items() if loss != want[u]}
         assert not wrong, f"{what}: losses differ from the uninterrupted run {wrong}"
         assert not job.order_violations(), f"{what}: {job.order_violations()}"
@@ -213,7 +215,9 @@ def test_twenty_seeded_sigkills_during_training_and_saving_never_lose_a_complete
             assert moe_ckpt.complete_sets(str(save_dir))[0]["num_updates"] == on_disk, what
 
     # The end state equals the uninterrupted run's, and the save dir holds only complete sets.
-    final, reference = (moe_ckpt.load_full(str(d / "checkpoint_last.pt")) for d in (save_dir, uninterrupted["save_dir"]))
+    final, reference = (
+        moe_ckpt.load_full(str(d / "checkpoint_last.pt")) for d in (save_dir, uninterrupted["save_dir"])
+    )
     assert final["moe"]["num_updates"] == LAST_UPDATE
     for key, value in reference["model"].items():
         assert torch.equal(final["model"][key], value), key
@@ -234,11 +238,25 @@ def test_without_a_launcher_watching_a_dead_worker_makes_the_other_exit_within_s
     """As with srun or a hand-written launcher: nobody stops the survivor, the survivor stops itself."""
     port, workers = free_port(), []
     for rank in range(2):
-        env = dict(fairseq_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONUNBUFFERED="1", CRASH_PLAN="1:3:all_to_all:2")
+        env = dict(
+            fairseq_env(),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONUNBUFFERED="1",
+            CRASH_PLAN="1:3:all_to_all:2",
+        )
         log = open(tmp_path / f"rank{rank}.log", "w")
-        workers.append(subprocess.Popen([sys.executable, str(PROBE), *train_args(data, tmp_path / "ck")],
-                                        stdout=log, stderr=subprocess.STDOUT, env=env))
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, str(PROBE), *train_args(data, tmp_path / "ck")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        )
     try:
         assert workers[1].wait(timeout=300) == -signal.SIGKILL
         died = time.monotonic()

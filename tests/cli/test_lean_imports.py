@@ -23,10 +23,13 @@ print("now", type(sys.modules["sklearn.metrics"]).__name__, type(sys.modules["sc
 
 
 def test_fairseq_processes_started_by_tests_import_scikit_learn_only_when_called_and_then_the_real_one():
-    done = subprocess.run([sys.executable, "-c", PROGRAM], env=fairseq_env(), capture_output=True, text=True,
-                          timeout=150)
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM], env=fairseq_env(), capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    said = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ")[0] in ("deferred", "f1", "now"))
+    said = dict(
+        line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ")[0] in ("deferred", "f1", "now")
+    )
     assert said["deferred"] == "['scipy.stats', 'sklearn', 'sklearn.metrics']", done.stdout
     # y_true 1 0 1 1, y_pred 1 1 1 0: 2 true positives, 1 false positive, 1 false negative: F1 = 2/3.
     assert float(said["f1"]) == pytest.approx(2 / 3)

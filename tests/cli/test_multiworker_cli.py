@@ -179,7 +179,7 @@ def test_a_damaged_set_is_never_loaded_and_the_newest_complete_set_is_used(two_w
 def test_without_hard_links_a_two_worker_run_resumes_and_every_save_keeps_a_complete_set(two_worker_run, data,
                                                                                           tmp_path):
     from fairseq_moe_ext import checkpoint as moe_ckpt
-    from fairseq_moe_ext.save_dir_lock import LOCK_NAME
+    from fairseq_moe_ext.training.save_dir_lock import LOCK_NAME
 
     save_dir = tmp_path / "ck"
     shutil.copytree(two_worker_run["at4"], save_dir)
@@ -200,7 +200,7 @@ def test_without_hard_links_a_two_worker_run_resumes_and_every_save_keeps_a_comp
 def one_worker_set_resumed_twice(two_worker_run, data, tmp_path_factory):
     """The 2-worker set resharded to a 1-of-1 set, resumed by 1-process fairseq-train to update 5,
     then again to 6; before the first, the save dir holds the lock of a job that died."""
-    from fairseq_moe_ext.save_dir_lock import LOCK_NAME, this_job
+    from fairseq_moe_ext.training.save_dir_lock import LOCK_NAME, this_job
 
     save_dir = tmp_path_factory.mktemp("one") / "ck"
     save_dir.mkdir()
@@ -229,7 +229,7 @@ def test_a_set_resharded_to_one_worker_resumes_in_one_process_twice_in_a_row(one
 
 
 def test_a_stale_lock_of_a_dead_job_is_taken_over_and_a_finished_run_leaves_no_lock(one_worker_set_resumed_twice):
-    from fairseq_moe_ext.save_dir_lock import LOCK_NAME
+    from fairseq_moe_ext.training.save_dir_lock import LOCK_NAME
 
     first, _ = one_worker_set_resumed_twice["outputs"]
     assert f"taking over the lock {one_worker_set_resumed_twice['save_dir'] / LOCK_NAME} of job died " \

@@ -78,25 +78,31 @@ def test_eval_bleu_in_two_worker_training_logs_the_bleu_of_one_process_generatin
     for rank in (0, 1):
         best, of_epoch = (torch.load(bleu_run["save_dir"] / f"{name}-rank-{rank}-of-2.pt", weights_only=False)["model"]
                           for name in ("checkpoint_best", f"checkpoint{best_epoch}"))
-        assert all(torch.equal(best[key], of_epoch[key]) for key in of_epoch), f"checkpoint_best is not epoch {best_epoch}"
+        assert all(torch.equal(best[key], of_epoch[key]) for key in of_epoch), (
+            f"checkpoint_best is not epoch {best_epoch}"
+        )
     _, (output,) = one_process_valid
     one_process_bleu = float(re.search(r"BLEU = ([\d.]+)", output).group(1))
     assert one_process_bleu == pytest.approx(bleus[best_epoch], abs=0.005), (one_process_bleu, bleus)
 
 
-@pytest.mark.parametrize("subset, extra", [
-    ("valid", VALID),
-    # One batch: the second worker's shard is empty; sampling draws what one process draws.
-    ("test", ["--max-tokens", "4000", "--sampling", "--sampling-topk", "5", "--nbest", "4", "--seed", "7"]),
-])
+@pytest.mark.parametrize(
+    "subset, extra",
+    [
+        ("valid", VALID),
+        # One batch: the second worker's shard is empty; sampling draws what one process draws.
+        ("test", ["--max-tokens", "4000", "--sampling", "--sampling-topk", "5", "--nbest", "4", "--seed", "7"]),
+    ],
+)
 def test_expert_sharded_generation_on_two_workers_writes_the_hypotheses_of_one_process(
     bleu_run, one_process_valid, tmp_path, subset, extra
 ):
     path = bleu_run["save_dir"] / "checkpoint_best.pt"
     one = one_process_valid[0] if subset == "valid" else generate(bleu_run["data"], path, subset, 1, extra=extra)[0]
     two, outputs = generate(bleu_run["data"], path, subset, 2, log_dir=tmp_path / "logs", extra=extra)
-    assert all(f"expert-sharded inference: worker {r} of 2 holds experts {2 * r}..{2 * r + 1}" in outputs[-1]
-               for r in (0, 1)), outputs[-1][-3000:]
+    assert all(
+        f"expert-sharded inference: worker {r} of 2 holds experts {2 * r}..{2 * r + 1}" in outputs[-1] for r in (0, 1)
+    ), outputs[-1][-3000:]
     assert_same_hypotheses(two, one)
     if subset == "valid":
         assert all(re.search(r"^H-", o, flags=re.M) for o in outputs[:2]), "a worker generated nothing"
@@ -107,8 +113,19 @@ def test_interactive_translates_with_the_merged_set_in_one_process_as_generate_d
     sources = dict(re.findall(r"^S-(\d+)\t(.*)$", output, flags=re.M))
     ids = sorted(sources, key=int)[:3]
     translated = run_fairseq(
-        "interactive", bleu_run["data"], "--user-dir", USER_DIR, "--path", bleu_run["save_dir"] / "checkpoint_best.pt",
-        "--cpu", "--source-lang", "src", "--target-lang", "tgt", *GENERATION[:-2],
-        input="".join(sources[i] + "\n" for i in ids))
+        "interactive",
+        bleu_run["data"],
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        bleu_run["save_dir"] / "checkpoint_best.pt",
+        "--cpu",
+        "--source-lang",
+        "src",
+        "--target-lang",
+        "tgt",
+        *GENERATION[:-2],
+        input="".join(sources[i] + "\n" for i in ids),
+    )
     got = re.findall(r"^H-\d+\t\S+\t(.*)$", translated, flags=re.M)
     assert got == [one_process_valid[0][int(i)][0][1] for i in ids]

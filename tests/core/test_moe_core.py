@@ -1,6 +1,5 @@
 """Specification of the fairseq-free MoE core (fairseq_moe_ext.moe)."""
 
-import math
 
 import pytest
 import torch
@@ -232,7 +231,7 @@ def test_cache_returns_every_layer_of_one_forward_and_nothing_stale():
     with torch.no_grad():
         model(torch.randn(4, D))  # e.g. inference: never collected
     cache.start_pass()
-    y = model(torch.randn(5, D))
+    model(torch.randn(5, D))
     records = cache.collect()
     assert [r.layer for r in records] == ["a", "b"]
     assert all(r.aux.stats["num_tokens"].item() == 5 for r in records)

@@ -105,7 +105,9 @@ def test_the_balance_loss_and_its_logit_gradient_are_E_times_sum_of_top1_fractio
     want = switch_balance_loss(logits, top1)
     torch.testing.assert_close(aux.balance_loss.double(), want, rtol=1e-5, atol=1e-6)
     aux.balance_loss.backward()
-    torch.testing.assert_close(real_rows_of_gradient(layer_logits, real), switch_balance_loss_grad(logits, top1), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        real_rows_of_gradient(layer_logits, real), switch_balance_loss_grad(logits, top1), rtol=1e-4, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
@@ -114,7 +116,9 @@ def test_the_z_loss_and_its_logit_gradient_are_the_mean_over_real_tokens_of_squa
     aux, layer_logits, logits, real = routed(k, padded, seed=1)
     torch.testing.assert_close(aux.z_loss.double(), st_moe_z_loss(logits), rtol=1e-5, atol=1e-6)
     aux.z_loss.backward()
-    torch.testing.assert_close(real_rows_of_gradient(layer_logits, real), st_moe_z_loss_grad(logits), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        real_rows_of_gradient(layer_logits, real), st_moe_z_loss_grad(logits), rtol=1e-4, atol=1e-7
+    )
 
 
 def test_the_project_loss_functions_have_the_definitions_gradients_in_float64():

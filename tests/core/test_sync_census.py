@@ -55,7 +55,9 @@ def tokens(rows, padded, seed=0):
     return x, mask
 
 
-CASES = [(path, router, "loop") for path in PATHS for router in ROUTERS] + [(path, "top", "grouped_mm") for path in PATHS]
+CASES = [(path, router, "loop") for path in PATHS for router in ROUTERS] + [
+    (path, "top", "grouped_mm") for path in PATHS
+]
 
 
 @pytest.mark.parametrize("path, router, matmul", CASES)
@@ -89,8 +91,22 @@ def test_the_census_sees_every_kind_of_host_sync():
         torch.repeat_interleave(t), torch.tensor([1, 2]), t.new_tensor([3])
         torch.repeat_interleave(t, t, output_size=15), t.sum(), t.argsort()  # these three are not syncs
     kinds = [site.split(" at ")[0] for site in census.sites]
-    assert kinds == ["item"] * 3 + ["tolist", "cpu", "numpy", "nonzero", "boolean indexing", "bincount", "unique",
-                                    "masked_select", "repeat_interleave without output_size"] + ["host-to-device copy"] * 2
+    assert (
+        kinds
+        == ["item"] * 3
+        + [
+            "tolist",
+            "cpu",
+            "numpy",
+            "nonzero",
+            "boolean indexing",
+            "bincount",
+            "unique",
+            "masked_select",
+            "repeat_interleave without output_size",
+        ]
+        + ["host-to-device copy"] * 2
+    )
 
 
 def test_the_grad_norm_and_the_criterion_read_the_host_at_most_once_per_step():

@@ -89,7 +89,9 @@ def test_without_ddps_private_setter_experts_are_marked_ignored_exactly_as_torch
         names = ["0.weight", "1.running_mean"]
         torch_compat.ignore_in_ddp(model, names)
         tensors = dict(model.named_parameters(), **dict(model.named_buffers()))
-        return model._ddp_params_and_buffers_to_ignore, {n: getattr(t, "_ddp_ignored", False) for n, t in tensors.items()}
+        return model._ddp_params_and_buffers_to_ignore, {
+            n: getattr(t, "_ddp_ignored", False) for n, t in tensors.items()
+        }
 
     by_torch = marks()
     monkeypatch.delattr(torch.nn.parallel.DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")

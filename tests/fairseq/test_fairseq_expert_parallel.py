@@ -13,35 +13,12 @@ import pytest
 import torch
 
 from dist_utils import run_on_workers
-from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
+from in_process_trainer import (
+    assert_step_equals_one_process, build_trainer, collate, micro_batches, one_step, replicated_case_flags,
+    sentence_pairs, training_args, write_dictionaries,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def one_step(task, trainer, *micro_batches, steps=1):
-    """``steps`` updates (each on the same micro-batches), logged together."""
-    from fairseq.logging import metrics
-
-    buffers = []
-    with metrics.aggregate(new_root=True) as agg:
-        for _ in range(steps):
-            trainer.train_step([collate(task, pairs) for pairs in micro_batches])
-            buffers.append({n: b.detach().clone() for n, b in trainer.get_model().named_buffers()})
-    model = trainer.get_model()
-    return {  # meters' raw averages: the smoothed values are rounded for display
-        "loss": float(agg["loss"].avg),
-        "gate_loss": float(agg["moe_gate_loss"].avg),
-        "gnorm": float(agg["gnorm"].avg),
-        "dropped": float(agg["moe_dropped_frac"].avg),
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "buffers": buffers,  # after each step
-        "expert_names": [n for n, p in model.named_parameters() if getattr(p, "expert", False)],
-    }
-
-
-def micro_batches(shares, count):
-    """``count`` micro-batches, each of ``sum(shares)`` sentence pairs."""
-    return [sentence_pairs(sum(shares), seed=i) for i in range(count)]
 
 
 def expert_parallel_worker(rank, world, data_dir, shares, backend, extra, count, steps=1):
@@ -71,38 +48,6 @@ def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp
     results = run_on_workers(expert_parallel_worker, 2, data_dir, shares, backend, extra, count)
 
     assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size=2)
-
-
-def assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size, steps=1):
-    """The workers' step (``results`` by rank) equals one process's step on the whole batch. Rank r
-    holds the experts of ``ep_rank = r % parallel_size`` (global ids ``ep_rank*E/P ..``); ranks of the
-    same ep_rank hold replicas, which must be bitwise identical. Buffers (the balance biases) are
-    shared state: bitwise identical on every worker, and equal to the single process's."""
-    task, trainer = build_trainer(training_args(data_dir, 1, extra))
-    reference = one_step(task, trainer, *micro_batches(shares, count), steps=steps)
-    assert (reference["dropped"] > 0) == ("--moe-capacity-factor" in extra)
-
-    for r in results:
-        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-        assert r["gate_loss"] == pytest.approx(reference["gate_loss"], rel=1e-5)
-        assert r["gnorm"] == pytest.approx(reference["gnorm"], rel=1e-5)
-        assert r["gnorm"] > 0.7, "the case should exercise clipping"
-    experts = set(reference["expert_names"])
-    assert experts and experts == set(results[0]["expert_names"])
-    for name, want in reference["params"].items():
-        for rank, r in enumerate(results):
-            replica_of = results[rank % parallel_size] if name in experts else results[0]
-            assert torch.equal(r["params"][name], replica_of["params"][name]), f"{name} differs between replicas"
-        if name in experts:
-            got = torch.cat([r["params"][name] for r in results[:parallel_size]])  # by global id
-        else:
-            got = results[0]["params"][name]
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
-    for step, buffers in enumerate(reference["buffers"]):
-        for name, want in buffers.items():
-            for r in results:
-                assert torch.equal(r["buffers"][step][name], results[0]["buffers"][step][name]), f"{name} differs"
-            torch.testing.assert_close(results[0]["buffers"][step][name], want, rtol=0, atol=1e-7, msg=name)
 
 
 ROUTING_EXTENSIONS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-balance", "bias",
@@ -138,11 +83,6 @@ REPLICATED_CASES = [
 ]
 
 
-def replicated_case_flags(experts, parallel, extra):
-    given = [] if parallel is None else ["--moe-expert-parallel-size", str(parallel)]
-    return ["--moe-expert-count", str(experts), *given, *extra]
-
-
 def replicated_cases_worker(rank, world, data_dir):
     return [
         expert_parallel_worker(rank, world, data_dir, shares, backend, replicated_case_flags(e, p, extra), 1)
@@ -166,7 +106,7 @@ def router_update_and_balance_gradient(data_dir, gate_loss_wt):
     """One single-process step without clipping: the decoder router's gradient as the update reveals
     it (SGD: ``-lr * grad``), and the gradient of the GShard/Switch balance loss w.r.t. that router's
     weight, written from its definition on the router's input tokens."""
-    from test_moe_objective_oracle import switch_balance_loss
+    from router_loss_definitions import switch_balance_loss
 
     argv = training_args(data_dir, 1, ["--clip-norm", "0"])
     argv[argv.index("--moe-gate-loss-wt") + 1] = str(gate_loss_wt)

@@ -208,17 +208,23 @@ def test_expert_initialisation_follows_seed(data, kind):
     assert not torch.equal(weights[0], weights[1]), "--seed 0 is a seed of its own"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--moe-expert-count", "4", "--moe-top-k", "5"], "--moe-top-k 5 exceeds --moe-expert-count 4: use --moe-top-k <= 4"),
-    (["--moe-expert-count", "0"], "--moe-expert-count must be a positive integer, got 0"),
-    (["--moe-top-k", "0"], "--moe-top-k must be an integer >= 1, got 0"),
-    (["--moe-capacity-factor", "nan"], "--moe-capacity-factor must be a finite number"),
-    (["--moe-eval-capacity-factor", "inf"], "--moe-eval-capacity-factor must be a finite number"),
-    (["--moe-gate-noise", "-1"], "--moe-gate-noise must be a finite number >= 0"),
-    (["--moe-freq", "-1"], "--moe-freq must be an integer >= 0, got -1"),
-    (["--decoder-moe-freq", "-2"], "--decoder-moe-freq must be an integer >= 0, got -2"),
-    (["--moe-expert-ffn-dim", "0"], "--moe-expert-ffn-dim must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--moe-expert-count", "4", "--moe-top-k", "5"],
+            "--moe-top-k 5 exceeds --moe-expert-count 4: use --moe-top-k <= 4",
+        ),
+        (["--moe-expert-count", "0"], "--moe-expert-count must be a positive integer, got 0"),
+        (["--moe-top-k", "0"], "--moe-top-k must be an integer >= 1, got 0"),
+        (["--moe-capacity-factor", "nan"], "--moe-capacity-factor must be a finite number"),
+        (["--moe-eval-capacity-factor", "inf"], "--moe-eval-capacity-factor must be a finite number"),
+        (["--moe-gate-noise", "-1"], "--moe-gate-noise must be a finite number >= 0"),
+        (["--moe-freq", "-1"], "--moe-freq must be an integer >= 0, got -1"),
+        (["--decoder-moe-freq", "-2"], "--decoder-moe-freq must be an integer >= 0, got -2"),
+        (["--moe-expert-ffn-dim", "0"], "--moe-expert-ffn-dim must be a positive integer, got 0"),
+    ],
+)
 def test_bad_moe_flags_fail_before_building_with_one_line_naming_the_flag(data, flags, message):
     with pytest.raises(ValueError) as error:
         translation(data, *flags)
@@ -258,10 +264,11 @@ def test_an_moe_criterion_on_a_dense_model_says_which_architectures_it_needs(dat
 
 
 def test_the_moe_criterion_collects_every_moe_layer_of_the_forward_pass(data):
-    built = translation(data, "--moe-freq", "1", "--criterion", "moe_label_smoothed_cross_entropy",
-                        "--label-smoothing", "0.1")
+    built = translation(
+        data, "--moe-freq", "1", "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1"
+    )
     _, _, log = built.criterion(built.model, translation_batch(built.task))
-    layers = sorted(key[len("moe_stat_"):-len("_num_tokens")] for key in log if key.endswith("_num_tokens"))
+    layers = sorted(key[len("moe_stat_") : -len("_num_tokens")] for key in log if key.endswith("_num_tokens"))
     assert layers == ["dec0", "dec1", "enc0", "enc1"]
     assert len(built.model.moe_cache) == 0, "collected records must not linger into the next pass"
 

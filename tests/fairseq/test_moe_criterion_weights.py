@@ -85,8 +85,12 @@ def criterion_with_weights(built, gate, z):
                                  moe_gate_loss_wt=gate, moe_z_loss_wt=z)
 
 
-@pytest.mark.parametrize("term, weights", [("balance", (GATE_WT, 0)), ("z", (0, Z_WT))], ids=["gate-loss-wt", "z-loss-wt"])
-def test_each_loss_weight_adds_exactly_weight_times_term_times_sample_size_to_loss_and_gradients(unweighted, term, weights):
+@pytest.mark.parametrize(
+    "term, weights", [("balance", (GATE_WT, 0)), ("z", (0, Z_WT))], ids=["gate-loss-wt", "z-loss-wt"]
+)
+def test_each_loss_weight_adds_exactly_weight_times_term_times_sample_size_to_loss_and_gradients(
+    unweighted, term, weights
+):
     built, sample, base = unweighted
     weighted = step(built, sample, criterion_with_weights(built, *weights))
     weight = max(weights)
@@ -104,4 +108,6 @@ def test_each_loss_weight_adds_exactly_weight_times_term_times_sample_size_to_lo
         # fp32 rounding of the two backward passes; the floor covers gradients that are zero in exact
         # arithmetic (a key projection's bias) and come out as noise of ~1e-8.
         tolerance = 1e-4 * max(float(base["grads"][name].abs().max()), float(want.abs().max())) + 2e-7
-        torch.testing.assert_close(got - base["grads"][name], want, rtol=1e-3, atol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got - base["grads"][name], want, rtol=1e-3, atol=tolerance, msg=lambda m: f"{name}: {m}"
+        )

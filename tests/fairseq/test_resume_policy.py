@@ -1,4 +1,4 @@
-"""What may change when a run resumes, option by option (``checkpoint/resume_policy.POLICY``).
+"""What may change when a run resumes, option by option (``training/resume_policy.POLICY``).
 
 One test per row: an option that changes what the saved weights compute is refused in one line
 naming the flag, both values and the fix (and resumes, logged as a warning, with
@@ -16,7 +16,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from fairseq_helpers import USER_DIR
 from fairseq_moe_ext.checkpoint.compat import check_resumable
-from fairseq_moe_ext.checkpoint.resume_policy import (
+from fairseq_moe_ext.training.resume_policy import (
     CHANGES_FUNCTION,
     CHANGES_PARAMETERS,
     OVERRIDE_FLAG,

@@ -72,7 +72,9 @@ def test_once_the_deadline_has_passed_every_check_says_skip_and_the_files_still_
 
 
 @pytest.mark.slow
-def test_without_cuda_a_gpu_run_reports_the_environment_and_skips_the_gpu_sized_checks_instead_of_running_them(tmp_path):
+def test_without_cuda_a_gpu_run_reports_the_environment_and_skips_the_gpu_sized_checks_instead_of_running_them(
+    tmp_path,
+):
     done, summary, _ = oneshot(tmp_path, ONESHOT_WHEELS=str(tmp_path / "no-wheels"), ONESHOT_ONLY="env,layer,fairseq")
     status = status_of(summary)
     assert done.returncode == 1  # env_versions: no CUDA device
@@ -88,13 +90,16 @@ def test_without_python_the_summary_says_so_instead_of_no_cuda_device(tmp_path):
 
 def test_a_python_without_torch_is_named_in_the_summary_with_its_import_error(tmp_path):
     fake = tmp_path / "python3"
-    fake.write_text("#!/bin/sh\nif [ \"$1\" = -V ]; then echo 'Python 3.12.3'; exit 0; fi\n"
-                    "echo \"ModuleNotFoundError: No module named 'torch'\" >&2; exit 1\n")
+    fake.write_text(
+        "#!/bin/sh\nif [ \"$1\" = -V ]; then echo 'Python 3.12.3'; exit 0; fi\n"
+        "echo \"ModuleNotFoundError: No module named 'torch'\" >&2; exit 1\n"
+    )
     fake.chmod(0o755)
     done, summary, _ = oneshot(tmp_path, PYTHON=str(fake))
     assert done.returncode == 2
-    assert summary[-1] == (f"FAIL environment: Python 3.12.3 at {fake} cannot import torch: "
-                           "ModuleNotFoundError: No module named 'torch'")
+    assert summary[-1] == (
+        f"FAIL environment: Python 3.12.3 at {fake} cannot import torch: ModuleNotFoundError: No module named 'torch'"
+    )
 
 
 def test_the_oneshot_parses_and_lists_its_knobs():

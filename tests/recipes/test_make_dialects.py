@@ -38,14 +38,19 @@ def test_more_synonyms_put_more_distinct_source_words_in_the_same_number_of_sent
     one, three = source_words_by_dialect(tmp_path / "1"), source_words_by_dialect(tmp_path / "3")
     for dialect in one:
         assert len(three[dialect]) > 2 * len(one[dialect])
-    assert (tmp_path / "1" / "train.tgt").read_text().count("\n") == (tmp_path / "3" / "train.tgt").read_text().count("\n")
+    assert (tmp_path / "1" / "train.tgt").read_text().count("\n") == (tmp_path / "3" / "train.tgt").read_text().count(
+        "\n"
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_fewer_than_one_synonym_is_refused_in_one_line_naming_the_flag_and_writes_nothing(tmp_path, value):
     out = tmp_path / "corpus"
-    done = subprocess.run([sys.executable, str(RECIPES / "make_dialects.py"), str(out), "--synonyms", value],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(RECIPES / "make_dialects.py"), str(out), "--synonyms", value],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2
     assert f"--synonyms must be 1 or more, got {value}" in done.stderr.splitlines()[-1]
     assert not out.exists()

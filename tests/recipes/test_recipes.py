@@ -6,7 +6,6 @@ with the virtual environment that runs these tests.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -199,7 +199,7 @@ def replace_rank_1_with_another_runs(inputs: Inputs) -> Callable[[Path], None]:
 
 def lock_held_by_this_test_runner(directory: Path) -> None:
     """The save dir's lock, as a job that is still running (this pytest process) holds it."""
-    from fairseq_moe_ext import save_dir_lock
+    from fairseq_moe_ext.training import save_dir_lock
 
     holder = dict(host=save_dir_lock.this_job().host, pid=os.getpid(), started=save_dir_lock.this_job().started, job="first")
     (directory / save_dir_lock.LOCK_NAME).write_text(json.dumps(holder))

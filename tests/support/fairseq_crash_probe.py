@@ -179,8 +179,11 @@ def watch_checkpoint_file_order(violations_file):
         if files is None:
             return False
         directory = os.path.dirname(manifest)
-        return all(os.path.isfile(os.path.join(directory, e["name"]))
-                   and os.path.getsize(os.path.join(directory, e["name"])) == e["bytes"] for e in files)
+        return all(
+            os.path.isfile(os.path.join(directory, e["name"]))
+            and os.path.getsize(os.path.join(directory, e["name"])) == e["bytes"]
+            for e in files
+        )
 
     def report(message):
         with open(violations_file, "a") as f:
@@ -201,8 +204,10 @@ def watch_checkpoint_file_order(violations_file):
                     continue
                 previous = manifest[: -len(".set.json")] + ".prev.set.json"
                 if not complete_on_disk(previous):
-                    report(f"replaced {os.path.basename(dst)} of {os.path.basename(manifest)} with no complete "
-                           f"{os.path.basename(previous)} on disk")
+                    report(
+                        f"replaced {os.path.basename(dst)} of {os.path.basename(manifest)} with no complete "
+                        f"{os.path.basename(previous)} on disk"
+                    )
 
     def replace(src, dst, *args, **kwargs):
         check_overwrite(dst)

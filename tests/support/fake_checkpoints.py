@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
@@ -17,26 +16,30 @@ def full_state(experts=4, updates=7):
     names = ["encoder.embed_tokens.weight", EXPERT_KEY]
     state = {
         "model": model,
-        "optimizer_history": [{"num_updates": updates, "optimizer_name": "Adam", "criterion_name": "x",
-                               "lr_scheduler_state": {"best": 1.0}}],
-        "last_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(5, 3)}, 1: {"exp_avg": torch.ones(experts, 2, 3)}},
-                                 "param_groups": [{"params": [0, 1]}]},
+        "optimizer_history": [
+            {
+                "num_updates": updates,
+                "optimizer_name": "Adam",
+                "criterion_name": "x",
+                "lr_scheduler_state": {"best": 1.0},
+            }
+        ],
+        "last_optimizer_state": {
+            "state": {0: {"exp_avg": torch.zeros(5, 3)}, 1: {"exp_avg": torch.ones(experts, 2, 3)}},
+            "param_groups": [{"params": [0, 1]}],
+        },
         "extra_state": {"epoch": 1},
     }
     state["moe"] = moe_ckpt.moe_metadata(names, [EXPERT_KEY], 1, 0, updates, experts_per_worker=experts)
     return state
 
 
-@pytest.fixture
-def a_set(tmp_path) -> Path:
-    """A 2-worker set ``set/checkpoint_last`` written by the checkpoint tool's code."""
-    (tmp_path / "set").mkdir()
-    moe_ckpt.save_set(full_state(), str(tmp_path / "set" / "checkpoint_last"), 2)
-    return tmp_path / "set"
-
-
 def fingerprint(directory: Path):
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))} if directory.exists() else None
+    return (
+        {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))}
+        if directory.exists()
+        else None
+    )
 
 
 NOT_CHECKPOINTS = {"a-dict": {"a": 1}, "a-tensor": torch.zeros(3), "a-list": [1, 2]}

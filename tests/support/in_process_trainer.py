@@ -1,10 +1,12 @@
 """fairseq's own Trainer in this process (or in each gloo worker): dictionaries, a tiny reversal
 task's sentence pairs, the training flags of the expert-parallel oracle, a Trainer built the way
-fairseq-train builds one, and a batch collated from pairs. Used by the oracles of tests/fairseq/.
+fairseq-train builds one, a batch collated from pairs, one logged step, and the comparison of the
+workers' step with one process's. Used by the oracles of tests/fairseq/.
 """
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -70,3 +72,66 @@ def collate(task, pairs):
     tgt = [to_ids(tgt_dict, t) for _, t in pairs]
     dataset = LanguagePairDataset(src, [len(s) for s in src], src_dict, tgt, [len(t) for t in tgt], tgt_dict)
     return dataset.collater([dataset[i] for i in range(len(pairs))])
+
+
+def one_step(task, trainer, *micro_batches, steps=1):
+    """``steps`` updates (each on the same micro-batches), logged together."""
+    from fairseq.logging import metrics
+
+    buffers = []
+    with metrics.aggregate(new_root=True) as agg:
+        for _ in range(steps):
+            trainer.train_step([collate(task, pairs) for pairs in micro_batches])
+            buffers.append({n: b.detach().clone() for n, b in trainer.get_model().named_buffers()})
+    model = trainer.get_model()
+    return {  # meters' raw averages: the smoothed values are rounded for display
+        "loss": float(agg["loss"].avg),
+        "gate_loss": float(agg["moe_gate_loss"].avg),
+        "gnorm": float(agg["gnorm"].avg),
+        "dropped": float(agg["moe_dropped_frac"].avg),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": buffers,  # after each step
+        "expert_names": [n for n, p in model.named_parameters() if getattr(p, "expert", False)],
+    }
+
+
+def micro_batches(shares, count):
+    """``count`` micro-batches, each of ``sum(shares)`` sentence pairs."""
+    return [sentence_pairs(sum(shares), seed=i) for i in range(count)]
+
+
+def assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size, steps=1):
+    """The workers' step (``results`` by rank) equals one process's step on the whole batch. Rank r
+    holds the experts of ``ep_rank = r % parallel_size`` (global ids ``ep_rank*E/P ..``); ranks of the
+    same ep_rank hold replicas, which must be bitwise identical. Buffers (the balance biases) are
+    shared state: bitwise identical on every worker, and equal to the single process's."""
+    task, trainer = build_trainer(training_args(data_dir, 1, extra))
+    reference = one_step(task, trainer, *micro_batches(shares, count), steps=steps)
+    assert (reference["dropped"] > 0) == ("--moe-capacity-factor" in extra)
+
+    for r in results:
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert r["gate_loss"] == pytest.approx(reference["gate_loss"], rel=1e-5)
+        assert r["gnorm"] == pytest.approx(reference["gnorm"], rel=1e-5)
+        assert r["gnorm"] > 0.7, "the case should exercise clipping"
+    experts = set(reference["expert_names"])
+    assert experts and experts == set(results[0]["expert_names"])
+    for name, want in reference["params"].items():
+        for rank, r in enumerate(results):
+            replica_of = results[rank % parallel_size] if name in experts else results[0]
+            assert torch.equal(r["params"][name], replica_of["params"][name]), f"{name} differs between replicas"
+        if name in experts:
+            got = torch.cat([r["params"][name] for r in results[:parallel_size]])  # by global id
+        else:
+            got = results[0]["params"][name]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+    for step, buffers in enumerate(reference["buffers"]):
+        for name, want in buffers.items():
+            for r in results:
+                assert torch.equal(r["buffers"][step][name], results[0]["buffers"][step][name]), f"{name} differs"
+            torch.testing.assert_close(results[0]["buffers"][step][name], want, rtol=0, atol=1e-7, msg=name)
+
+
+def replicated_case_flags(experts, parallel, extra):
+    given = [] if parallel is None else ["--moe-expert-parallel-size", str(parallel)]
+    return ["--moe-expert-count", str(experts), *given, *extra]

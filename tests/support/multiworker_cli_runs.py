@@ -35,7 +35,9 @@ def generate(data, path, workers=1, extra=(), log_dir=None):
         output = "\n".join(Path(p).read_text() for p in glob.glob(f"{log_dir}/**/stdout.log", recursive=True))
     else:
         output = run_fairseq("generate", *args)
-    hypotheses = {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
+    hypotheses = {
+        i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)
+    }
     return hypotheses, output
 
 

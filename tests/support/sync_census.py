@@ -65,7 +65,10 @@ class SyncCensus(TorchDispatchMode):
             self._record(ALWAYS[func])
         elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
             self._record("boolean indexing")
-        elif func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and kwargs.get("output_size") is None:
+        elif (
+            func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
+            and kwargs.get("output_size") is None
+        ):
             self._record("repeat_interleave without output_size")
         return func(*args, **kwargs)
 

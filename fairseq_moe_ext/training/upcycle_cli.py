@@ -2,17 +2,19 @@
 
 The flags are named as fairseq-train's, so the MoE part of a training command can be copied over.
 fairseq is imported only when the subcommand runs (the architecture and criterion registries decide
-which MoE architecture a dense checkpoint becomes; see ``fairseq_moe_ext/upcycling.py``).
+which MoE architecture a dense checkpoint becomes; see ``upcycling.py``).
 """
 
-from .upcycle import DEFAULT_ROUTER_STD
+from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 
 
 def add_upcycle_parser(sub) -> None:
     p = sub.add_parser("upcycle", help="turn a dense fairseq checkpoint into an MoE one that computes the same "
                                        "function (sparse upcycling: every expert a copy of the dense FFN)")
-    p.add_argument("checkpoint", help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)")
-    p.add_argument("output", help="output name, e.g. moe/checkpoint_upcycled.pt (a set of rank files if --world-size > 1)")
+    p.add_argument("checkpoint",
+                   help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)")
+    p.add_argument("output",
+                   help="output name, e.g. moe/checkpoint_upcycled.pt (a set of rank files if --world-size > 1)")
     p.add_argument("--moe-expert-count", type=int, required=True, help="experts per MoE layer (E)")
     p.add_argument("--moe-top-k", type=int, default=2, help="experts per token (default 2)")
     p.add_argument("--moe-freq", type=int, default=None,
@@ -36,9 +38,9 @@ def add_upcycle_parser(sub) -> None:
 def upcycle(args):
     """The whole upcycled checkpoint the parsed ``args`` ask for."""
     from ..option_ranges import UPCYCLE_TOOL_RANGES, check_options
-    from ..upcycling import upcycled_checkpoint
+    from .upcycling import upcycled_checkpoint
 
-    from .errors import CheckpointSetError
+    from ..checkpoint.errors import CheckpointSetError
 
     try:
         check_options(UPCYCLE_TOOL_RANGES, lambda name: getattr(args, name))

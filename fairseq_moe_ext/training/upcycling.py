@@ -18,13 +18,13 @@ import logging
 
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-from . import checkpoint as moe_ckpt
-from . import distributed as moe_dist
-from .checkpoint.compat import check_resumable, flag
-from .checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
-from .models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_freq, moe_option
-from .models.moe_layers import is_moe_layer
-from .models.moe_transformer import NOT_SET_BY_ARCHITECTURE
+from .. import checkpoint as moe_ckpt
+from .. import distributed as moe_dist
+from ..checkpoint.compat import check_resumable, flag
+from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
+from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_freq, moe_option
+from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
+from ..moe.placement import is_moe_layer
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
 
 logger = logging.getLogger(__name__)

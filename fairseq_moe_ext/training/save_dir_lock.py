@@ -103,7 +103,11 @@ def read_holder(path: str) -> Optional[Holder]:
 
 def why_stale(holder: Holder, me: Holder) -> Optional[str]:
     """Why ``holder``'s lock no longer protects a running job, or None if it may."""
-    if holder.job == me.job and holder.job == launcher_job_id() and (holder.host != me.host or not pid_alive(holder.pid)):
+    if (
+        holder.job == me.job
+        and holder.job == launcher_job_id()
+        and (holder.host != me.host or not pid_alive(holder.pid))
+    ):
         return f"it is this job ({holder.job}), restarted"
     if holder.host != me.host:
         return None

@@ -9,7 +9,7 @@ unless ``--moe-restore-fallback`` asks for the newest complete set in its direct
 
 import os
 
-from .checkpoint import CheckpointSetError, resolve
+from ..checkpoint import CheckpointSetError, resolve
 
 
 FAIRSEQ_DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's CheckpointConfig.restore_file default

@@ -1,0 +1,132 @@
+"""Hooks 20-22: ``--ddp-backend fully_sharded`` runs on torch's FSDP2 (``fully_sharded.py``), for
+every model, instead of fairscale's FSDP (unmaintained, and it does not run on CPU).
+
+fairseq takes fairscale-specific paths wherever ``Trainer.is_fsdp`` is true (it imports fairscale in
+``__init__``, consolidates optimizer state through fairscale, aggregates the norm itself): that
+property answers False, and hook 3 applies FSDP2 when fairseq wraps the model for data parallelism.
+fairseq-train builds the model inside ``fsdp_enable_wrap`` (fairscale's wrapping context): that is
+a no-op. Saves gather the sharded state one tensor at a time on every worker (hook 5), so every
+worker must call ``Trainer.state_dict`` during a save; loads cut whole tensors into slices (the
+model's pre-hook in fully_sharded.py, the optimizer's here)."""
+
+import contextlib
+import functools
+
+import torch
+
+from .. import distributed as moe_dist
+from .. import fully_sharded
+from ..moe.torch_compat import foreach_mul_
+
+
+def is_fully_sharded_backend(cfg) -> bool:
+    return str(getattr(cfg, "ddp_backend", None)) == "fully_sharded"
+
+
+def check_options(*nodes) -> None:
+    """Raise the first refusal found in ``nodes`` (a Namespace, or a cfg's sections)."""
+    refused = [line for node in nodes for line in fully_sharded.refused_options(node)]
+    if refused:
+        raise ValueError(refused[0])
+
+
+def wrap_is_fsdp(original_fget):
+    def is_fsdp(self):
+        if original_fget(self):  # fully_sharded: FSDP2 through hook 3, never fairscale's paths
+            check_options(self.cfg.distributed_training, self.cfg.common, self.cfg.ema)
+        return False
+
+    return is_fsdp
+
+
+def wrap_always_call_state_dict(original_fget):
+    def always_call_state_dict_during_save_checkpoint(self):
+        # The save's gathers are collectives: workers that write nothing still take part.
+        return is_fully_sharded_backend(self.cfg.distributed_training) or original_fget(self)
+
+    return always_call_state_dict_during_save_checkpoint
+
+
+def wrap_fsdp_enable_wrap(original):
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def fsdp_enable_wrap(cfg):
+        yield  # models are built as they are; hook 3 shards them with FSDP2
+
+    return fsdp_enable_wrap
+
+
+def wrap_optimizer_load_state_dict(original):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        params = list(self.params)
+        if any(fully_sharded.is_sharded(p) for p in params) and "state" in state_dict:
+            state_dict = fully_sharded.sharded_optimizer_state(state_dict, params)
+        return original(self, state_dict, optimizer_overrides)
+
+    return load_state_dict
+
+
+def wrap_optimizer_multiply_grads(original):
+    @functools.wraps(original)
+    def multiply_grads(self, c):
+        params = list(self.params)
+        if not any(fully_sharded.is_sharded(p) for p in params):
+            return original(self, c)
+        # torch's foreach refuses a list mixing FSDP2's slices (DTensors) with experts' plain tensors,
+        # and a plain scalar tensor for DTensors: each worker scales its own slices, in place.
+        grads = [fully_sharded.local_part(p.grad) for p in params if p.grad is not None]
+        if grads:
+            factor = c.to(grads[0].device) if torch.is_tensor(c) else c
+            foreach_mul_(grads, factor)
+
+    return multiply_grads
+
+
+def shard_for_training(args, model, process_group, device):
+    """Hook 3's branch for fully_sharded: FSDP2 over fairseq's data-parallel group, experts left out."""
+    check_options(args)  # a Namespace here: every flag in one place
+    model = model.to(device)
+    if moe_dist.has_experts(model):
+        moe_dist.check_shared_parameters_agree(model, process_group)
+    sharded = fully_sharded.shard_model(model, process_group,
+                                        reshard_after_forward=not getattr(args, "no_reshard_after_forward", False))
+    return FullyShardedModel(sharded)
+
+
+class FullyShardedModel(torch.nn.Module):
+    """What fairseq's Trainer holds as its wrapped model under fully_sharded: the FSDP2 model as
+    ``.module`` (fairseq's wrappers' convention), attributes, state_dict and load_state_dict passed to
+    it. No ``all_reduce_grads``: FSDP2 reduce-scattered the shared gradients during backward."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
+
+
+def gather_full_state(trainer, state):
+    """Trainer.state_dict's model and optimizer state with every shared tensor whole on rank 0 (one
+    at a time, see fully_sharded.full_tensors) and left out on the other workers."""
+    if not fully_sharded.is_fully_sharded(trainer._model):
+        return state
+    keep = trainer.data_parallel_rank == 0
+    state["model"] = fully_sharded.full_tensors(state["model"], keep)
+    optimizer = state.get("last_optimizer_state")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        state["last_optimizer_state"] = fully_sharded.full_optimizer_state(optimizer, keep)
+    return state
