@@ -10,7 +10,6 @@ plus a panel with the balance loss, the imbalance (largest share x E) and the dr
 
 import argparse
 import json
-import logging
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -51,7 +50,6 @@ def main(argv=None):
     import matplotlib
 
     matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
     layers = sorted(series, key=lambda name: (not name.startswith("enc"), name))

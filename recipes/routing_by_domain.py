@@ -68,7 +68,6 @@ def plot(matrices: dict, domains: list, info: dict, png: Path, title: str) -> No
     import matplotlib
 
     matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
     layers = list(matrices)
@@ -104,6 +103,10 @@ def main(argv=None):
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--title", default="routing by domain")
     args = parser.parse_args(argv)
+    # fairseq 0.12 calls logging.basicConfig(level=DEBUG) when it imports its models
+    # (models/wav2vec/wav2vec2_classification.py): take the root logger back to INFO, or every
+    # library's debug lines (matplotlib's, on import) reach the job's output.
+    logging.basicConfig(level=logging.INFO, force=True)
 
     torch.set_grad_enabled(False)
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})

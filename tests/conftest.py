@@ -28,7 +28,7 @@ def _seeded():
 
 @pytest.fixture(scope="session")
 def parallel_data(tmp_path_factory):
-    """fairseq-preprocess'ed tests/fairseq_helpers.write_parallel_corpus (seed 0), shared by every
+    """fairseq-preprocess'ed tests/support/fairseq_helpers.write_parallel_corpus (seed 0), shared by every
     test of the session that only reads it (training, generation). Preprocessed in this process."""
     from fairseq_helpers import preprocess_in_process, write_parallel_corpus
 
@@ -38,7 +38,7 @@ def parallel_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def lm_data(tmp_path_factory):
-    """fairseq-preprocess'ed tests/fairseq_helpers.write_lm_corpus (seed 0), shared read-only."""
+    """fairseq-preprocess'ed tests/support/fairseq_helpers.write_lm_corpus (seed 0), shared read-only."""
     from fairseq_helpers import preprocess_in_process, write_lm_corpus
 
     root = tmp_path_factory.mktemp("lm_data")

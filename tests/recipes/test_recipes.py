@@ -57,6 +57,8 @@ def test_main_job_tiny_mode_trains_moe_and_both_dense_baselines_generates_scores
     output = run_recipe("main.sh", work, TINY="1")
     for stage in range(1, 12):
         assert f"==> [{stage}/11]" in output
+    debug = [line for line in output.splitlines() if "DEBUG:" in line]
+    assert not debug, "library debug lines in the job's output:\n" + "\n".join(debug[:10])
 
     assert_set(work / "moe" / "ckpt")
     test_lines = len((work / "data" / "raw" / "test.tgt").read_text().splitlines())
