@@ -69,6 +69,8 @@ MODEL_RANGES = {
     "moe_gate_noise": Range("--moe-gate-noise", False, "a finite number >= 0",
                             "use 0 (no noise) or a standard deviation > 0", low=0, high=FP32_MAX,
                             holder="the fp32 router scores it is added to"),
+    "moe_eom": Range("--moe-eom", False, "a probability in [0, 1)", "use 0 (off) or a rate such as 0.2 (NLLB-200's)",
+                     low=0, high=0.999999, holder="a masking rate below 1"),
     "moe_shared_expert_count": Range("--moe-shared-expert-count", True, "an integer >= 0",
                                      "use 0 for no shared experts", low=0, high=INT64_MAX, holder=SIZE),
     "moe_shared_expert_ffn_dim": Range("--moe-shared-expert-ffn-dim", True, "a positive integer",

@@ -112,6 +112,12 @@ class MoEConfig(FairseqDataclass):
         metadata={"help": "when an expert is over capacity, serve tokens with the highest top-1 gate first "
                   "instead of in batch order"},
     )
+    moe_eom: float = field(
+        default=0.0,
+        metadata={"help": "Expert Output Masking (NLLB): in training, each token's output from each of its experts is "
+                  "zeroed with this probability (the whole vector, no rescaling); in validation and inference every "
+                  "expert output is multiplied by 1 - p (default 0: off)"},
+    )
     moe_normalize_gate: bool = field(
         default=False, metadata={"help": "renormalise each token's k gate values to sum to 1"}
     )

@@ -69,6 +69,7 @@ def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group,
         shared_expert_count=moe_option(args, "moe_shared_expert_count"),
         shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim") or expert_dim,
         balance_bias_rate=bias_update_rate(args),
+        expert_output_masking=float(moe_option(args, "moe_eom")),
     )
 
 

@@ -62,6 +62,7 @@ class MoELayer(nn.Module):
         shared_expert_count: int = 0,
         shared_expert_dim: Optional[int] = None,
         balance_bias_rate: Optional[float] = None,
+        expert_output_masking: float = 0.0,
     ):
         super().__init__()
         world = comm.group_size(group)
@@ -72,6 +73,10 @@ class MoELayer(nn.Module):
                 f"{num_experts} experts cannot be split evenly over {world} workers: use an expert "
                 f"count that is a multiple of the world size (e.g. {world * max(1, num_experts // world)})"
             )
+        if not 0.0 <= float(expert_output_masking) < 1.0:
+            raise ValueError(f"expert_output_masking must be in [0, 1), got {expert_output_masking!r}")
+        # Expert Output Masking (NLLB, the nllb branch's moe_layer.py ``tok_dropout``): see _mask_expert_outputs.
+        self.expert_output_masking = float(expert_output_masking)
         self.capacity_factor = check_capacity_factor(capacity_factor)
         self.eval_capacity_factor = check_capacity_factor(eval_capacity_factor, "eval_capacity_factor")
         self.model_dim = model_dim
@@ -218,13 +223,13 @@ class MoELayer(nn.Module):
             # Dropless: sorting is a permutation of all slots, so both directions are gathers.
             slot_row = inverse_permutation(order)
             dispatched = dispatch_slots(tokens, order, slot_row, k)
-            expert_out = self._run_experts(dispatched, loads, expert_load, exchange)
+            expert_out = self._mask_expert_outputs(self._run_experts(dispatched, loads, expert_load, exchange))
             y = combine_slots(expert_out, routing.gates, order, slot_row)
         else:
             sorted_slots = order[:served]
             slot_row = served_slot_rows(sorted_slots, n * k)  # unserved slots: row `served`, past the end
             dispatched = dispatch_slots(tokens, sorted_slots, slot_row, k)
-            expert_out = self._run_experts(dispatched, loads, expert_load, exchange)
+            expert_out = self._mask_expert_outputs(self._run_experts(dispatched, loads, expert_load, exchange))
             if served == 0:  # nothing routed here (only padding: fairseq's dummy batch)
                 # Zeros that still depend on expert_out: its backward is this rank's share of the
                 # all-to-all backward, which every rank must issue.
@@ -249,6 +254,20 @@ class MoELayer(nn.Module):
             "router_entropy_sum": -torch.special.xlogy(probs.float(), probs.float()).sum(),
         }
         return y, MoEAux(aux_balance, aux_z, stats)
+
+    def _mask_expert_outputs(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """Expert Output Masking with rate p: in training each served slot's expert output (one token's
+        output from one of its experts, the whole vector) is zeroed with probability p, without
+        rescaling the others; in evaluation every expert output is multiplied by 1 - p, its expectation.
+        As the nllb branch's MoE layer does it (per dispatched slot, before the gates weight it);
+        Hugging Face's NllbMoe trains with element-wise dropout instead (same evaluation)."""
+        p = self.expert_output_masking
+        if p == 0.0:
+            return expert_out
+        if not self.training:
+            return expert_out * (1.0 - p)
+        keep = torch.rand(expert_out.shape[0], device=expert_out.device) >= p
+        return expert_out * keep.unsqueeze(1).to(expert_out.dtype)
 
     def _slots_within_capacity(self, routing, capacity, expert_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``expert_index`` (default the router's) may send pad slots to the id ``num_experts``."""

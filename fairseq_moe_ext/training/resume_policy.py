@@ -54,6 +54,7 @@ POLICY: Dict[str, Rule] = {
                                          "cosine has other parameters"),
     "moe_top_k": Rule(CHANGES_FUNCTION, "a token is sent to another number of experts"),
     "moe_normalize_gate": Rule(CHANGES_FUNCTION, "the gates a token's expert outputs are weighted with"),
+    "moe_eom": Rule(CHANGES_FUNCTION, "inference multiplies every expert output by 1 - p"),
     "activation_fn": Rule(CHANGES_FUNCTION, "the activation of the experts and of the dense layers"),
     # other parameters: compat.check_resumable refuses them by parameter shapes and names
     "moe_expert_count": Rule(CHANGES_PARAMETERS, "another number of experts and router rows"),
