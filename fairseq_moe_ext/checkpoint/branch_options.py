@@ -29,8 +29,6 @@ REFUSED = (
     ("alternate_ffn_embed_dim", lambda v: bool(v), "pseudo-MoE dense blocks", "there are no pseudo-MoE blocks here"),
     ("alternate_decoder_ffn_embed_dim", lambda v: bool(v), "pseudo-MoE dense blocks",
      "there are no pseudo-MoE blocks here"),
-    ("moe_eom", lambda v: bool(v), "Expert Output Masking (inference scales each expert's output by 1 - p)",
-     "there is no Expert Output Masking here yet"),
     ("moe_fom", lambda v: bool(v), "final output masking (inference scales the MoE output by 1 - p)",
      "there is no final output masking here"),
 )
@@ -114,6 +112,9 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
     if not _get(options, "use_moe_pad_mask", False):
         notes.append("the branch routed pad tokens too (no --use-moe-pad-mask), where they took capacity; pad tokens "
                      "are never routed here")
+    eom = float(_get(options, "moe_eom", 0.0))
+    if eom:
+        flags["moe_eom"] = eom  # Expert Output Masking: the same per-slot mask and 1 - p scaling here
     grad = str(_get(options, "moe_normalize_expert_grad", "world_size"))
     notes.append(f"training only: the branch's balance loss mean(me*ce)*E^2 (here E*sum(me*ce), the same value), "
                  f"--moe-normalize-expert-grad {grad} and --moe-local-drop are not reproduced; dropout after the MoE "

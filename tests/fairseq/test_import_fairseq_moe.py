@@ -71,15 +71,17 @@ def test_an_imported_branch_set_loads_into_moe_transformer_and_computes_the_same
 def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_as_notes(data, model, tmp_path,
                                                                                        capsys):  # noqa: F811
     options = branch_options(data, moe_second_expert_policy="sampling", moe_eval_capacity_token_fraction=0.5,
-                             encoder_moe_freq=1, moe_freq=2)
+                             encoder_moe_freq=1, moe_freq=2, moe_eom=0.2)
     prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), options, 2, cfg_as_dict=False)
     assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt")]) == 0
     printed = capsys.readouterr().out
     assert "NOTE --moe-second-expert-policy sampling" in printed
     assert f"--moe-eval-capacity-factor {0.5 * EXPERTS / 2:g}" in printed  # ceil(0.5 S) ~ 2 int(cf ceil(S/E))
     assert "--encoder-moe-freq 2" in printed  # max(encoder_moe_freq, moe_freq), as the branch's encoder reads it
+    assert "--moe-eom 0.2" in printed  # Expert Output Masking, as NLLB-200 MoE was trained with it
     state = torch.load(tmp_path / "imported.pt", weights_only=False)
     assert state["args"].arch == "moe_transformer" and state["args"].moe_eval_capacity_factor == 1.0
+    assert state["args"].moe_eom == 0.2
     assert "last_optimizer_state" not in state and state["moe"]["num_updates"] == 300
 
 
@@ -156,7 +158,6 @@ BAD_BRANCH_SETS = [
      "holds decoder.embed_tokens.weight, which is not a branch expert parameter"),
     ("cmr-gating", 2, {"moe_cmr": True}, None, None, "--moe-cmr True (CMR gating"),
     ("final-output-masking", 2, {"moe_fom": 0.1}, None, None, "--moe-fom 0.1 (final output masking"),
-    ("expert-output-masking", 2, {"moe_eom": 0.1}, None, None, "--moe-eom 0.1 (Expert Output Masking"),
     ("unknown-gate-option", 2, {"moe_second_expert_policy": "best"}, None, None,
      "--moe-second-expert-policy 'best', which the branch's top-2 gate does not define"),
     ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),

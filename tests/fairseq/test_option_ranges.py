@@ -48,6 +48,7 @@ MODEL = {
     "moe_capacity_factor": row("--moe-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
     "moe_eval_capacity_factor": row("--moe-eval-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
     "moe_gate_noise": row("--moe-gate-noise", "a finite number >= 0", "ok type type type high high type ok"),
+    "moe_eom": row("--moe-eom", "a probability in [0, 1)", "ok type type type high high type ok"),
     "moe_shared_expert_count": row("--moe-shared-expert-count", "an integer >= 0",
                                    "ok type type type type high high type"),
     "moe_shared_expert_ffn_dim": row("--moe-shared-expert-ffn-dim", "a positive integer",

@@ -36,6 +36,7 @@ CHANGED = {
     "moe_router": (FUNCTION, "top", "sigmoid"),
     "moe_top_k": (FUNCTION, 2, 1),
     "moe_normalize_gate": (FUNCTION, False, True),
+    "moe_eom": (FUNCTION, 0.0, 0.2),
     "activation_fn": (FUNCTION, "relu", "gelu"),
     "moe_capacity_factor": (FREE, 1.25, 2.0),
     "moe_eval_capacity_factor": (FREE, 0.0, 1.0),
