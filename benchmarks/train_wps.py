@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """fairseq-train words per second: moe_transformer against a dense transformer with the same
 active parameters, on the same generated data with the same settings, in one process and with two
-workers (torchrun, gloo, legacy_ddp).
+workers (torchrun, gloo, legacy_ddp; ``--backends legacy_ddp fully_sharded`` adds the MoE model
+under fully_sharded, torch FSDP2), with each run's peak resident memory per worker.
 
     python benchmarks/train_wps.py            # about 3-4 minutes on 2 CPU cores
     python benchmarks/train_wps.py --repeats 3 --max-update 80
@@ -13,7 +14,8 @@ routing, dispatch and combine (and, with two workers, of the all-to-all exchange
 
 wps is fairseq's own figure from ``--log-format json`` train_inner records (target tokens per
 second over all workers); the first record of each run is dropped as warm-up and the median of the
-rest is reported.
+rest is reported. Peak memory is the largest resident set of any process of the run (a worker:
+torchrun itself stays small), from getrusage of a wrapper that runs only that command.
 """
 
 import argparse
@@ -48,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--sentences", type=int, default=4000, help="training sentence pairs to generate")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default 1 2)")
+    p.add_argument("--backends", nargs="+", default=["legacy_ddp"], choices=["legacy_ddp", "fully_sharded"],
+                   help="--ddp-backend of the multi-worker MoE runs (default legacy_ddp); the dense runs use "
+                        "legacy_ddp")
     p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE runs this many times")
     p.add_argument("--baseline-user-dir", help="also time the MoE model with the plugin of another checkout "
@@ -68,13 +73,22 @@ def write_corpus(raw: Path, train_lines: int, seed: int = 0) -> Path:
     return raw
 
 
+# Runs the command and prints the largest resident set (KiB) of it or any descendant it waited for.
+PEAK_RSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+            "print(f'peak rss kib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}'); sys.exit(code)")
+
+
 def run(command, env, timeout, log: Path) -> str:
-    done = subprocess.run([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=env, timeout=timeout)
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, *[str(c) for c in command]], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout)
     log.write_text(done.stdout)
     if done.returncode != 0:
         sys.exit(f"train_wps.py: exit {done.returncode}: {' '.join(map(str, command))}\n{tail(done.stdout)}")
     return done.stdout
+
+
+def peak_rss_mib(output: str) -> float:
+    return int(output.rsplit("peak rss kib ", 1)[1].split()[0]) / 1024
 
 
 def env_for(threads_per_worker: int):
@@ -104,7 +118,8 @@ def model_args(args, moe: bool):
             "--moe-expert-ffn-dim", args.ffn_dim // args.top_k]
 
 
-def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR):
+def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR,
+                  backend="legacy_ddp"):
     common = [data, "--user-dir", user_dir, "--cpu", "--seed", "1", "--num-workers", "0",
               "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--dropout", "0.1",
               "--max-tokens", args.max_tokens, "--max-update", args.max_update, "--disable-validation",
@@ -114,7 +129,7 @@ def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, use
     if workers == 1:
         return [train, *common]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", workers, "--master_port",
-            free_port(), train, *common, "--distributed-world-size", workers, "--ddp-backend", "legacy_ddp"]
+            free_port(), train, *common, "--distributed-world-size", workers, "--ddp-backend", backend]
 
 
 def free_port() -> int:
@@ -145,28 +160,28 @@ def main(argv=None):
           f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
           f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run")
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
-    results = {}
+    results, memory = {}, {}
     for workers in args.workers:
         env = env_for(max(1, args.threads // workers))
         for rep in range(args.repeats):
-            arms = [("dense", False, USER_DIR), ("moe", True, USER_DIR)]
+            arms = [("dense", False, USER_DIR, "legacy_ddp")]
+            arms += [("moe" if b == "legacy_ddp" else f"moe {b}", True, USER_DIR, b)
+                     for b in (args.backends if workers > 1 else ["legacy_ddp"])]
             if args.baseline_user_dir:
-                arms.append(("baseline", True, args.baseline_user_dir))
-            for arm, moe, user_dir in arms:  # alternating, so drifts in machine load hit all alike
-                name = f"{arm}-{workers}w-{rep}"
-                output = run(train_command(args, data, work / name, moe, workers, user_dir), env, args.timeout,
-                             work / f"{name}.log")
+                arms.append(("baseline", True, args.baseline_user_dir, "legacy_ddp"))
+            for arm, moe, user_dir, backend in arms:  # alternating, so drifts in machine load hit all alike
+                name = f"{arm.replace(' ', '-')}-{workers}w-{rep}"
+                output = run(train_command(args, data, work / name, moe, workers, user_dir, backend), env,
+                             args.timeout, work / f"{name}.log")
                 results.setdefault((workers, arm), []).append(measured_wps(output))
-    baseline = f"{'baseline wps':>14}{'baseline/dense':>16}" if args.baseline_user_dir else ""
-    print(f"\n{'workers':>8}{'dense wps':>12}{'moe wps':>12}{'moe/dense':>11}{baseline}")
+                memory.setdefault((workers, arm), []).append(peak_rss_mib(output))
+    print(f"\n{'workers':>8}  {'run':<18}{'wps':>8}{'/ dense':>9}{'peak MiB per worker':>21}")
     for workers in args.workers:
         dense = statistics.median(results[(workers, "dense")])
-        moe = statistics.median(results[(workers, "moe")])
-        line = f"{workers:>8}{dense:>12.0f}{moe:>12.0f}{moe / dense:>11.3f}"
-        if args.baseline_user_dir:
-            base = statistics.median(results[(workers, "baseline")])
-            line += f"{base:>14.0f}{base / dense:>16.3f}"
-        print(line)
+        for (w, arm), wps in results.items():
+            if w == workers:
+                wps = statistics.median(wps)
+                print(f"{workers:>8}  {arm:<18}{wps:>8.0f}{wps / dense:>9.3f}{max(memory[(w, arm)]):>21.0f}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
