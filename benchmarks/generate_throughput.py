@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 from fairseq_helpers import USER_DIR, source_sentence, translate  # noqa: E402
 from train_wps import BIN, env_for, free_port, model_args, preprocess, run  # noqa: E402
@@ -100,9 +100,11 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     print(f"# fairseq-generate sentences/s (beam 5), {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
           f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}")
-    print(f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE every "
-          f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
-          f"{args.sentences} sentences of {args.length} tokens, --batch-size {args.batch_size}, {args.threads} threads per run")
+    print(
+        f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE every "
+        f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
+        f"{args.sentences} sentences of {args.length} tokens, --batch-size {args.batch_size}, {args.threads} threads per run"
+    )
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
     for moe in (False, True):
         train(args, data, work / ("moe" if moe else "dense"), moe, work)
@@ -111,15 +113,18 @@ def main(argv=None):
         for workers in (1, 2):
             for moe in (False, True):  # alternating, so drifts in machine load hit both alike
                 name = f"{'moe' if moe else 'dense'}-{workers}w-{rep}"
-                rate = sentences_per_second(args, data, work / ("moe" if moe else "dense"), workers,
-                                            work / f"{name}.log")
+                rate = sentences_per_second(
+                    args, data, work / ("moe" if moe else "dense"), workers, work / f"{name}.log"
+                )
                 results.setdefault((workers, moe), []).append(rate)
     print(f"\n{'workers':>8}{'dense sent/s':>14}{'moe sent/s':>12}{'moe/dense':>11}{'moe per process':>17}")
     for workers in (1, 2):
         dense, moe = (statistics.median(results[(workers, m)]) for m in (False, True))
         print(f"{workers:>8}{dense:>14.1f}{moe:>12.1f}{moe / dense:>11.3f}{moe / workers:>17.1f}")
-    print("2 workers: both split the sentences; the MoE model keeps half of the experts on each worker and "
-          "decodes in lock-step (one extra all-reduce per decoder step, plus the all-to-alls)")
+    print(
+        "2 workers: both split the sentences; the MoE model keeps half of the experts on each worker and "
+        "decodes in lock-step (one extra all-reduce per decoder step, plus the all-to-alls)"
+    )
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 

@@ -52,8 +52,8 @@ if ! "$PYTHON" -c 'import torch' 2>"$ONESHOT_WORK/logs/torch-import.log"; then
 fi
 
 if [[ "$DRY_RUN" == 1 ]]; then
-    # tests/lean_imports (run by device_site's sitecustomize) defers scikit-learn's import: start-up only.
-    export PYTHONPATH="$ROOT/benchmarks/device/device_site:$ROOT/tests/lean_imports:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    # tests/support/lean_imports (run by device_site's sitecustomize) defers scikit-learn's import: start-up only.
+    export PYTHONPATH="$ROOT/benchmarks/device/device_site:$ROOT/tests/support/lean_imports:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     export DEVICE_SITE_MISSING=${DEVICE_SITE_MISSING:-pytest} DEVICE_SITE_LOG="$ONESHOT_WORK/logs/refused-imports.txt"
     export CUDA_VISIBLE_DEVICES=
     say "SKIP wheels: (dry run) the cp312 set is not installed here; imports are narrowed to the GPU machine's packages and benchmarks/device/wheels.txt"

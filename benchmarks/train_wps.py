@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 sys.path.insert(0, str(HERE.parent))
 
 from fairseq_helpers import USER_DIR, json_logs, source_sentence, tail, translate  # noqa: E402
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE runs this many times")
     p.add_argument("--baseline-user-dir", help="also time the MoE model with the plugin of another checkout "
-                   "(e.g. /work/main/fairseq_moe_ext), alternating with the others: before/after in one run")
+                   "(e.g. ../other-checkout/fairseq_moe_ext), alternating with the others: before/after in one run")
     p.add_argument("--timeout", type=float, default=300, help="seconds per fairseq-train run")
     p.add_argument("--keep", help="keep data and logs in this folder instead of a temporary one")
     return p.parse_args(argv)

@@ -1,21 +1,111 @@
 """fairseq-moe-ext: Mixture-of-Experts for stock fairseq, loaded with ``--user-dir``.
 
-Importing the package (fairseq does it for ``--user-dir``) registers the MoE architectures and
-criterions and installs the few fixes to fairseq behaviour kept in ``fairseq_integration``.
-The MoE math lives in ``fairseq_moe_ext.moe`` and imports torch only.
+Tiers, lowest first; a module imports only from its own tier and the ones below
+(``tests/core/test_package_tiers.py`` scans every import):
+
+1. ``moe/``: the MoE math, torch only (router, dispatch, experts, collectives taking ``group=None``,
+   the expert layout, which layers are MoE layers).
+2. ``checkpoint/``: per-rank checkpoint sets, torch only; imports ``moe/`` and itself. Its
+   ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
+3. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
+   groups, gradient scaling), ``io_waits.py`` (where workers wait for another's file work),
+   ``option_ranges.py`` (every numeric option's range). Fairseq may appear here, models do not.
+4. ``models/`` and ``criterions/``: the fairseq architectures and criterions.
+5. ``training/``: what fairseq-train decides around the model (save dir, restore choice, set ids,
+   resume policy, upcycling).
+6. ``fairseq_integration/``: the hook table and its adapters; importing it installs the hooks.
+
+Installing into fairseq (registering the architectures and criterions, patching what
+``fairseq_integration.HOOKS`` lists) happens only where fairseq is what is running: at import if
+fairseq is already loaded (``--user-dir`` imports this package after fairseq), else as soon as
+fairseq's own import finishes later, or, where a module of this package was mid-import then, at the
+next import after it (fairseq's ``--user-dir`` import skips a package it finds imported already, so
+a process that imported ``moe/`` first still gets the hooks).
+``install_into_fairseq()`` does it explicitly. Importing ``fairseq_moe_ext.moe`` or
+``fairseq_moe_ext.checkpoint`` alone imports nothing of fairseq's.
 """
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
-try:
-    import fairseq  # noqa: F401
-except ImportError:  # the MoE core stays usable without fairseq
-    fairseq = None
 
-if fairseq is not None:
-    from . import fairseq_integration
+def install_into_fairseq() -> None:
+    """Register the MoE architectures and criterions with fairseq and install the hooks (again: no-op)."""
+    from . import criterions, fairseq_integration, models  # noqa: F401  (importing registers)
 
     fairseq_integration.install()
-    from . import criterions, models  # noqa: F401,E402
+
+
+class _InstallOnceFairseqLoads(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Installs once fairseq is loaded: right after fairseq's own import finishes, or, where a module
+    of this package was in the middle of importing (one that imports fairseq must finish before the
+    hooks can import it), at the next import after that. Then it leaves ``sys.meta_path``."""
+
+    def __init__(self):
+        self._imported_by_install = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "fairseq" and "fairseq" not in sys.modules:
+            return self._fairseq_spec(path, target)
+        if "fairseq" not in sys.modules or _half_imported(include_fairseq=True):
+            return None
+        self._install()
+        if fullname not in sys.modules:
+            return None
+        # The install imported ``fullname`` itself. importlib, finding it in sys.modules after a finder
+        # answered, would execute it a second time; this loader hands over the module already loaded.
+        module = sys.modules.pop(fullname)
+        self._imported_by_install[fullname] = (module, module.__spec__)
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return self._imported_by_install[spec.name][0]
+
+    def exec_module(self, module):
+        # importlib set ``__spec__`` to this loader's spec; give the module back its own.
+        module.__spec__ = self._imported_by_install.pop(module.__name__)[1]
+
+    def _fairseq_spec(self, path, target):
+        """fairseq's own spec, its loader wrapped so that the install follows fairseq's import."""
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)("fairseq", path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+
+        class InstallAfter(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(inner, module):
+                module.__loader__ = module.__spec__.loader = loader
+                loader.exec_module(module)
+                if not _half_imported(include_fairseq=False):
+                    self._install()
+
+        spec.loader = InstallAfter()
+        return spec
+
+    def _install(self):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        install_into_fairseq()
+
+
+def _half_imported(include_fairseq: bool) -> bool:
+    # importlib marks a module's spec ``_initializing`` while its body runs (CPython since 3.4).
+    tops = ("fairseq", __name__) if include_fairseq else (__name__,)
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()) if name.split(".")[0] in tops)
+
+
+if "fairseq" in sys.modules:
+    install_into_fairseq()
+else:
+    sys.meta_path.insert(0, _InstallOnceFairseqLoads())

@@ -18,6 +18,7 @@ gradient is the sum over that group's tokens. Consequences, handled here:
   mismatch is an error (with ``legacy_ddp`` nothing would ever re-synchronise them).
 """
 
+import atexit
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
 # Re-exported: the layout and the groups made from it are used together (models, checkpoints).
-from .expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
+from .moe.expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
 from .fully_sharded import is_sharded, local_part, sharded_grad_norm_squared
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
@@ -110,6 +111,12 @@ def _new_expert_groups(layout: ExpertLayout) -> ExpertGroups:
     world = tuple(range(layout.world_size))
     wanted = layout.all_parallel_groups() if layout.parallel_size > 1 else []
     wanted += layout.all_replica_groups() if layout.num_replicas > 1 else []
+    # fairseq's CLIs never close their process groups; left open, gloo's threads abort the interpreter
+    # at exit now and then ("terminate called without an active exception", exit status -6, seen after
+    # a 2-worker fairseq-train had finished). Registered once: atexit keeps one entry per call.
+    if not STATE.closes_groups_at_exit:
+        atexit.register(close_process_groups)
+        STATE.closes_groups_at_exit = True
     made = {}
     for ranks in wanted + [world]:
         if ranks not in made:
@@ -119,6 +126,11 @@ def _new_expert_groups(layout: ExpertLayout) -> ExpertGroups:
         replica=made[layout.replica_group_ranks] if layout.num_replicas > 1 else None,
         statistics=made[world],
     )
+
+
+def close_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def expert_parallel_group():
@@ -140,10 +152,6 @@ def moe_statistics_group():
     and capacity are those of the whole world's batch. ``None`` in one process."""
     groups = _expert_groups()
     return None if groups is None else groups.statistics
-
-
-def expert_parallel_world_size() -> int:
-    return expert_layout().parallel_size
 
 
 def has_experts(module: torch.nn.Module) -> bool:

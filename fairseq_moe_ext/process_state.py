@@ -1,10 +1,21 @@
 """The plugin's process-wide state, in one object.
 
 fairseq calls our hooks separately (a trainer method here, a checkpoint function there) and passes
-none of its arguments between them, so a few facts must outlive one call. They all live here, each
-field saying who writes it and who reads it; nothing else in the plugin keeps state in module
-globals, class attributes or other objects' ``__dict__``. Importing this module imports nothing
-of fairseq's.
+none of its arguments between them, so a few facts must outlive one call. They live here, each
+field saying who writes it and who reads it. Four others are kept beside what they describe, on
+purpose, and are the only ones:
+
+* ``fairseq_integration.ORIGINALS``: fairseq's own objects, as ``install()`` found them before
+  patching (the hook table's record, read by the fingerprint test).
+* ``Trainer._moe_in_train_step`` (``fairseq_integration/training.py``): set on the trainer for the
+  duration of its ``train_step``, because fairseq's --amp retry calls ``train_step`` from inside
+  itself and only the outermost call may count the update.
+* ``MoEFeedForward.padding_mask`` (``models/moe_layers.py``): the layer's padding mask, handed to
+  its feed-forward just before the forward and cleared right after.
+* ``checkpoint.foreign._WARNED_ABOUT``: the files already warned about (one warning per foreign
+  manifest per process); ``checkpoint/`` sits below this module and cannot reach ``STATE``.
+
+Importing this module imports nothing of fairseq's.
 """
 
 import weakref
@@ -36,6 +47,9 @@ class PluginState:
     # Writer and reader: distributed._expert_groups (one distributed.ExpertGroups, this rank's
     # expert-parallel, replica and statistics groups, per default group, timeout and P).
     expert_groups: Dict[Any, Any] = field(default_factory=dict)
+    # Writer and reader: distributed._new_expert_groups (whether close_process_groups is registered
+    # to run at exit, once per process).
+    closes_groups_at_exit: bool = False
     # Writer: distributed.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
     # generation builds models holding every expert). Reader: distributed.expert_world_size.
     all_experts_local_depth: int = 0

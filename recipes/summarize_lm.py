@@ -35,12 +35,20 @@ def main(argv=None):
         directory = Path(directory)
         train = records(directory / "train.log", "train_inner")
         total, active, experts, k = parameter_counts(directory / "ckpt" / "checkpoint_best.pt")
-        runs.append({
-            "name": name, "valid": evaluation(directory / "eval_valid.log"), "test": evaluation(directory / "eval_test.log"),
-            "total": total, "active": active, "experts": experts, "k": k,
-            "updates": train[-1].get("num_updates", "?") if train else "?",
-            "wall": train[-1].get("wall", "?") if train else "?", "last": train[-1] if train else {},
-        })
+        runs.append(
+            {
+                "name": name,
+                "valid": evaluation(directory / "eval_valid.log"),
+                "test": evaluation(directory / "eval_test.log"),
+                "total": total,
+                "active": active,
+                "experts": experts,
+                "k": k,
+                "updates": train[-1].get("num_updates", "?") if train else "?",
+                "wall": train[-1].get("wall", "?") if train else "?",
+                "last": train[-1] if train else {},
+            }
+        )
 
     lines = [args.title, ""]
 
@@ -59,13 +67,18 @@ def main(argv=None):
     moe = next((r for r in runs if r["experts"]), None)
     if moe and moe["last"]:
         last = moe["last"]
-        lines += ["", f"{moe['name']} routing over the last log interval of training: balance loss "
-                  f"{last.get('moe_gate_loss', '?')} (1.0 = balanced), imbalance {last.get('moe_imbalance', '?')}, "
-                  f"dropped fraction {last.get('moe_dropped_frac', '?')}"]
+        lines += [
+            "",
+            f"{moe['name']} routing over the last log interval of training: balance loss "
+            f"{last.get('moe_gate_loss', '?')} (1.0 = balanced), imbalance {last.get('moe_imbalance', '?')}, "
+            f"dropped fraction {last.get('moe_dropped_frac', '?')}",
+        ]
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     if args.json_out:
-        args.json_out.write_text(json.dumps([{k: v for k, v in r.items() if k != "last"} for r in runs], indent=1) + "\n")
+        args.json_out.write_text(
+            json.dumps([{k: v for k, v in r.items() if k != "last"} for r in runs], indent=1) + "\n"
+        )
     print(text, end="")
 
 

@@ -138,16 +138,23 @@ def main(argv=None):
 
     moe = next((r for r in runs if r["experts"] and r["name"] != upcycled_name), None)
     if moe:
-        lines += ["", "forward FLOPs per token: 2 x the weight-matrix elements a token is multiplied by (its k experts,",
-                  "not all E); attention scores, biases and norms not counted (recipes/model_cost.py)"]
+        lines += [
+            "",
+            "forward FLOPs per token: 2 x the weight-matrix elements a token is multiplied by (its k experts,",
+            "not all E); attention scores, biases and norms not counted (recipes/model_cost.py)",
+        ]
         lines += comparisons(moe, [r for r in runs if not r["experts"]])
         for base in (r for r in runs if r["experts"] and r is not moe and r["name"] != upcycled_name):
             lines += effect_lines(moe, base)
         last = moe["last"]
         lines += ["", f"{moe['name']} routing over the last log interval of training:"]
-        lines.append(f"  balance loss {last.get('moe_gate_loss', '?')} (1.0 = perfectly balanced, E = collapsed onto one expert)")
+        lines.append(
+            f"  balance loss {last.get('moe_gate_loss', '?')} (1.0 = perfectly balanced, E = collapsed onto one expert)"
+        )
         lines.append(f"  imbalance {last.get('moe_imbalance', '?')} (busiest expert's share x E; 1.0 = balanced)")
-        lines.append(f"  dropped fraction {last.get('moe_dropped_frac', '?')} (token-slots over capacity; the residual carries them)")
+        lines.append(
+            f"  dropped fraction {last.get('moe_dropped_frac', '?')} (token-slots over capacity; the residual carries them)"
+        )
         lines.append(f"  router entropy {last.get('moe_router_entropy', '?')} nats per token")
     upcycled = next((r for r in runs if r["name"] == upcycled_name), None)
     if upcycled:
@@ -156,13 +163,16 @@ def main(argv=None):
         routing = json.loads(args.routing.read_text())
         lines += ["", "routing by domain on the test set (I = mutual information of domain and first-choice expert):"]
         for layer, data in routing["layers"].items():
-            favourite = [f"{d}->e{max(range(len(s)), key=s.__getitem__)}" for d, s in zip(routing["domains"], data["share"])]
+            favourite = [
+                f"{d}->e{max(range(len(s)), key=s.__getitem__)}" for d, s in zip(routing["domains"], data["share"])
+            ]
             lines.append(f"  {layer}: I = {data['mi_fraction']:.0%} of H(domain); most used: {', '.join(favourite)}")
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     if args.json_out:
-        args.json_out.write_text(json.dumps({r["name"]: {k: v for k, v in r.items() if k != "last"} for r in runs},
-                                            indent=1) + "\n")
+        args.json_out.write_text(
+            json.dumps({r["name"]: {k: v for k, v in r.items() if k != "last"} for r in runs}, indent=1) + "\n"
+        )
     print(text, end="")
 
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 # Two cores: one intra-op thread per xdist worker, two when the suite runs in one process.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
@@ -48,7 +49,9 @@ def _shares_a_module_fixture(item) -> bool:
     definitions = getattr(item, "_fixtureinfo", None)
     if definitions is None:
         return False
-    return any(d.scope in ("module", "class", "package") for defs in definitions.name2fixturedefs.values() for d in defs)
+    return any(
+        d.scope in ("module", "class", "package") for defs in definitions.name2fixturedefs.values() for d in defs
+    )
 
 
 def pytest_itemcollected(item):
@@ -67,5 +70,6 @@ def pytest_collection_modifyitems(config, items):
             if mark and "@" not in item.nodeid:
                 item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
     # Slow tests first, groups before single tests; the order within a module is kept.
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
-                                 item.get_closest_marker("xdist_group") is None))
+    items.sort(
+        key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("xdist_group") is None)
+    )

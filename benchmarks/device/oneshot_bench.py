@@ -58,9 +58,16 @@ def section(name, shape, dev, dtype, top, with_expert_floor):
             text += f", peak +{memory[c.name] / 2**20:.0f} MiB"
         rows.append(text)
     ok = all(t == t and t > 0 for t in seconds.values())
-    emit("PASS" if ok else "FAIL", name,
-         f"{str(dtype)[6:]} d={shape.d_model} H={shape.hidden} E={shape.experts} k={shape.k} {shape.tokens} tokens: "
-         + "; ".join(rows), seconds=seconds, memory_bytes=memory, flops=flops, ceiling_tflops=top)
+    emit(
+        "PASS" if ok else "FAIL",
+        name,
+        f"{str(dtype)[6:]} d={shape.d_model} H={shape.hidden} E={shape.experts} k={shape.k} {shape.tokens} tokens: "
+        + "; ".join(rows),
+        seconds=seconds,
+        memory_bytes=memory,
+        flops=flops,
+        ceiling_tflops=top,
+    )
     del contenders, moes
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -74,8 +81,10 @@ def main():
     if top is None:
         return
     d, h, n = sized((2048, 8192, 65536), (64, 128, 512))
-    shapes = [("bench_layer[E=8]", Shape(d, h, 8, 2, n), False),
-              ("bench_layer[E=64]", Shape(d, h // 8, 64, 2, n), True)]
+    shapes = [
+        ("bench_layer[E=8]", Shape(d, h, 8, 2, n), False),
+        ("bench_layer[E=64]", Shape(d, h // 8, 64, 2, n), True),
+    ]
     for name, shape, expert_floor in shapes:
         if not out_of_time(name, sized(25, 5)):
             run_guarded(name, section, name, shape, dev, dtype, top, expert_floor)

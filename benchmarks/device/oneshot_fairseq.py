@@ -12,7 +12,7 @@
   ranks on one device), then, if that fails, over cpu:gloo,cuda:gloo (each outcome said); with two
   GPUs or more, over NCCL on two GPUs; then one-process fairseq-generate from the set they saved.
 The CPU dry run: tiny runs with --cpu (fp16 and amp need CUDA: SKIP), gloo for the two ranks.
-The corpus is tests/fairseq_helpers.py's generated translation task, larger on the GPU.
+The corpus is tests/support/fairseq_helpers.py's generated translation task, larger on the GPU.
 """
 
 import json

@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for path in (ROOT, ROOT / "benchmarks", ROOT / "tests", HERE):
+for path in (ROOT, ROOT / "benchmarks", ROOT / "tests" / "support", HERE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

@@ -27,6 +27,7 @@ Modules:
     generations.py  the ``.prev`` generation a save keeps until it is complete
     keep_copy.py    hard link, or durable copy where the filesystem has no hard links
     reshard.py      merging a set, slicing a full state, writing a set, loading either layout whole
+    set_id.py       the set id of a save: derived by each worker alone, agreed on in the manifest
     save.py         the save of a set in training, as one transaction with the collectives as values
     share.py        a worker's share of a set, read without the files that hold other workers' experts
     compat.py       whether a checkpoint fits the model being resumed, and which flag to change if not
@@ -34,7 +35,6 @@ Modules:
     staging.py      the checkpoint tool's output appears whole or not at all
     write_failure.py  a failed write (a full disk) in one line, the same for every writer
     upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
-    upcycle_cli.py  the checkpoint tool's ``upcycle`` flags (fairseq is imported only when it runs)
     __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
 
 Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.
@@ -42,7 +42,7 @@ Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.
 
 import os  # noqa: F401 - tests patch the os functions the set code calls as moe_ckpt.os
 
-from .contents import check_is_checkpoint, check_rank_states, check_whole, derive_set_id, experts_held, is_dense
+from .contents import check_is_checkpoint, check_rank_states, check_whole, experts_held, is_dense
 from .errors import (
     CheckpointError,
     CheckpointSetError,
@@ -82,6 +82,7 @@ from .names import (
 from .rank_state import moe_metadata, strip_shared_state
 from .reshard import experts_per_key, load_full, load_set, merge_states, save_set, shard_state
 from .resolve import Resolved, complete_sets, remove_other_layouts, resolve
+from .set_id import LAUNCH_ENVIRONMENT, agreed_set_id, derive_set_id  # noqa: F401
 from .safe_load import (
     CHECKPOINT_SAFE_GLOBALS,
     PICKLE_MAGIC,

@@ -1,4 +1,4 @@
-"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle``.
+"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle|import-fairseq-moe``.
 
 The CLI lives apart from the library so that ``-m`` runs a module the package has not imported
 yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integration``).
@@ -12,16 +12,20 @@ import sys
 
 import torch
 
+from .branch_import import import_branch_set
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .reshard import experts_per_key, load_full, save_set
 from .staging import write_all_or_nothing
-from .upcycle_cli import add_upcycle_parser, upcycle
 
 
 def main(argv=None) -> int:
+    # The one import of checkpoint/ from a tier above: upcycling is fairseq-train's business
+    # (training/), and training/upcycle_cli.py imports fairseq only when the subcommand runs.
+    from ..training.upcycle_cli import add_upcycle_parser, upcycle
+
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_moe_ext.checkpoint",
         description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files), "
@@ -41,8 +45,22 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
     p.add_argument("checkpoint")
     add_upcycle_parser(sub)
+    p = sub.add_parser(
+        "import-fairseq-moe",
+        help="import a fairseq moe/nllb-branch set (<prefix>-shared.pt and "
+        "<prefix>-rank-N.pt, e.g. NLLB-200 MoE) as this project's checkpoint",
+    )
+    p.add_argument("prefix", help="e.g. nllb/checkpoint_2_300000 for checkpoint_2_300000-{shared,rank-0,...}.pt")
+    p.add_argument(
+        "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
+    )
+    p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "import-fairseq-moe":
+            _refuse_overwrite(args.output)
+            import_branch_set(args.prefix, args.output, args.world_size)
+            return 0
         if args.command == "inspect":
             lines = inspect_checkpoint(args.checkpoint)
             print("\n".join(lines))
@@ -80,7 +98,8 @@ def expert_parallel_size(full, workers: int, given) -> int:
     if given < 1 or workers % given or experts % given:
         raise CheckpointSetError(
             f"--expert-parallel-size {given} must divide both --world-size {workers} and the {experts} experts: use "
-            f"one of {[p for p in range(1, workers + 1) if workers % p == 0 and experts % p == 0]}")
+            f"one of {[p for p in range(1, workers + 1) if workers % p == 0 and experts % p == 0]}"
+        )
     return given
 
 

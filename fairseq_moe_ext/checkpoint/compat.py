@@ -17,7 +17,8 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, f
         if is_expert(param) and tensor.shape[1:] == param.shape[1:]:
             raise ValueError(
                 f"{path} holds {tensor.shape[0] * world_size} experts in {key.rsplit('.experts', 1)[0]}, this model "
-                f"{param.shape[0] * world_size}: resume with the checkpoint's --moe-expert-count, or use a new --save-dir"
+                f"{param.shape[0] * world_size}: resume with the checkpoint's --moe-expert-count, or use a new "
+                f"--save-dir"
             )
     if mismatched:
         key = mismatched[0]

@@ -5,28 +5,17 @@ Rank files are self-describing (``state["moe"]``: rank, world size, ``experts_he
 so a part copied out of its set, or renamed to look like a single-file checkpoint, is recognised
 on its own and refused instead of loading as a model with a fraction of its experts.
 
-The set id names one save: every worker derives it from what they already agree on (the update
-number, the world size and the launch: seed, save dir, rendezvous address and run id), so no
-collective is needed and every copy fairseq makes of the save (checkpoint_last, checkpoint_best,
-checkpointN) carries the same id. It tells saves apart, not contents: the manifest's sha256s do
-that. Files written before set ids existed carry none, and the checks skip them.
+The set id (``set_id.py``) names one save. Files written before set ids existed carry none, and
+the checks skip them.
 
 Everything here looks at a state already loaded (safe_load.py loads files).
 """
 
-import hashlib
-import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from .errors import CheckpointSetError, NotACheckpointError
 from .names import split_rank_suffix
-
-
-def derive_set_id(num_updates: int, world_size: int, launch: Sequence) -> str:
-    """16 hex digits naming one save; ``launch``: JSON-able values every worker of the run shares."""
-    text = json.dumps([num_updates, world_size, [str(x) for x in launch]])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def experts_held(rank: int, experts_per_worker: int) -> List[int]:
@@ -92,7 +81,13 @@ def check_rank_states(manifest: Dict, states: List, directory: str) -> None:
         check_is_checkpoint(state, os.path.join(directory, f["name"]))
         meta = state.get("moe") if isinstance(state.get("moe"), dict) else {}
         if meta.get("rank") != f["rank"] or meta.get("world_size") != manifest["world_size"]:
-            raise CheckpointSetError(f"{f['name']} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {f['rank']} of {manifest['world_size']}: a file from another run?")
+            raise CheckpointSetError(
+                f"{f['name']} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {f['rank']} "
+                f"of {manifest['world_size']}: a file from another run?"
+            )
         if meta.get("num_updates") != manifest["num_updates"]:
-            raise CheckpointSetError(f"{f['name']} holds update {meta.get('num_updates')} but the set is update {manifest['num_updates']}: files from different saves")
+            raise CheckpointSetError(
+                f"{f['name']} holds update {meta.get('num_updates')} but the set is update "
+                f"{manifest['num_updates']}: files from different saves"
+            )
         check_belongs_to_set(meta, f["name"], manifest)

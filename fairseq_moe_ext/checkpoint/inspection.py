@@ -29,14 +29,18 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
             lines.append("VERDICT OK: a dense fairseq checkpoint (no experts to check)")
             return lines
         meta = check_whole(state, resolved.path)["moe"]
-        lines.append(f"{resolved.path}: single file, update {_updates(state)}, {len(meta.get('expert_keys', []))} expert tensors")
+        lines.append(
+            f"{resolved.path}: single file, update {_updates(state)}, {len(meta.get('expert_keys', []))} expert tensors"
+        )
         lines.extend(balance_bias_lines(state["model"]))
         lines.append("VERDICT OK: a single-process checkpoint holds every expert")
         return lines
     manifest = read_manifest(resolved.path)
     directory = os.path.dirname(resolved.path)
     set_id = f", set {manifest['set_id']}" if manifest.get("set_id") else ""
-    lines.append(f"{resolved.path}: set of {manifest['world_size']} rank files, update {manifest['num_updates']}{set_id}")
+    lines.append(
+        f"{resolved.path}: set of {manifest['world_size']} rank files, update {manifest['num_updates']}{set_id}"
+    )
     for f in manifest["files"]:
         lines.append(f"  rank {f['rank']}: {f['name']} ({f['bytes']} bytes)")
     try:
@@ -57,7 +61,10 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
     shared_in_other_ranks = [(r, k) for r, s in enumerate(states[1:], 1) for k in s["model"] if k not in experts]
     for r, key in shared_in_other_ranks:
         if not torch.equal(states[r]["model"][key], states[0]["model"][key]):
-            lines.append(f"VERDICT PROBLEM: shared parameter {key} differs between rank 0 and rank {r} (a bug: shared weights must agree)")
+            lines.append(
+                f"VERDICT PROBLEM: shared parameter {key} differs between rank 0 and rank {r} "
+                f"(a bug: shared weights must agree)"
+            )
     if not shared_in_other_ranks:
         lines.append("VERDICT OK: shared parameters are stored once (rank 0)")
     duplicates = []
@@ -68,8 +75,10 @@ def inspect_checkpoint(path: str, load_fn: Callable[[str], Dict] = safe_load) ->
                 if torch.equal(blocks[a][2], blocks[b][2]):
                     duplicates.append((key, blocks[a][:2], blocks[b][:2]))
     if duplicates and meta.get("upcycled_from") and manifest["num_updates"] == 0:
-        lines.append(f"VERDICT OK: every expert is still a copy of its layer's dense FFN (upcycled from "
-                     f"{meta['upcycled_from']}, not trained yet: training makes them distinct)")
+        lines.append(
+            f"VERDICT OK: every expert is still a copy of its layer's dense FFN (upcycled from "
+            f"{meta['upcycled_from']}, not trained yet: training makes them distinct)"
+        )
         return lines
     for key, (ra, ia), (rb, ib) in duplicates:
         lines.append(
@@ -86,7 +95,8 @@ def balance_bias_lines(model: Dict) -> List[str]:
     state, stored once)."""
     return [
         f"  {key}: balance bias (--moe-balance bias) [{', '.join(f'{v:+.4f}' for v in model[key].tolist())}]"
-        for key in sorted(model) if key.endswith(BIAS_KEY_SUFFIX)
+        for key in sorted(model)
+        if key.endswith(BIAS_KEY_SUFFIX)
     ]
 
 
@@ -96,16 +106,20 @@ def replica_findings(manifest: Dict) -> List[str]:
     workers, shards = manifest.get("workers", manifest["world_size"]), manifest["world_size"]
     if workers == shards:
         return []
-    lines = [f"  saved by {workers} workers: each of the {shards} expert shards had {workers // shards} replicas "
-             f"(stored once)"]
+    lines = [
+        f"  saved by {workers} workers: each of the {shards} expert shards had {workers // shards} replicas "
+        f"(stored once)"
+    ]
     if "replicas" not in manifest:
         return lines + ["VERDICT OK: replicas stored once (resharded by the checkpoint tool: no replica digests)"]
     differing = differing_replicas(manifest)
     for shard in differing:
         digests = manifest["replicas"][shard]
         odd = [i for i, d in enumerate(digests) if d != digests[0]]
-        lines.append(f"VERDICT PROBLEM: the replicas of expert shard {shard} differed when saved (replica(s) {odd} != "
-                     f"replica 0; a bug: replicas must stay identical; the set keeps replica 0's experts)")
+        lines.append(
+            f"VERDICT PROBLEM: the replicas of expert shard {shard} differed when saved (replica(s) {odd} != "
+            f"replica 0; a bug: replicas must stay identical; the set keeps replica 0's experts)"
+        )
     if not differing:
         lines.append("VERDICT OK: every shard's replicas were identical when saved")
     return lines

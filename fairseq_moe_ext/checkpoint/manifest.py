@@ -106,7 +106,9 @@ def check_manifest(manifest, path: str) -> None:
         _refuse(path, "num_experts", f"an object of parameter name -> expert count, got {_short(experts)}")
     for key, count in experts.items():
         if not _is_int(count) or count < 1 or count % world:
-            _refuse(path, f"num_experts[{key!r}]", f"an integer >= 1 divisible by world_size {world}, got {_short(count)}")
+            _refuse(
+                path, f"num_experts[{key!r}]", f"an integer >= 1 divisible by world_size {world}, got {_short(count)}"
+            )
     _check_replicas(manifest, path, world)
     files = manifest.get("files")
     if not isinstance(files, list) or len(files) != world:
@@ -128,8 +130,11 @@ def _check_replicas(manifest, path, world):
     if not isinstance(replicas, list) or len(replicas) != world:
         _refuse(path, "replicas", f"a list of world_size = {world} lists, got {_short(replicas)}")
     for shard, digests in enumerate(replicas):
-        if not (isinstance(digests, list) and len(digests) == copies
-                and all(isinstance(d, str) and SHA256_RE.match(d) for d in digests)):
+        if not (
+            isinstance(digests, list)
+            and len(digests) == copies
+            and all(isinstance(d, str) and SHA256_RE.match(d) for d in digests)
+        ):
             _refuse(path, f"replicas[{shard}]", f"{copies} sha256 digests (one per replica), got {_short(digests)}")
 
 
@@ -193,8 +198,11 @@ def _digest_or_refuse(path: str) -> str:
 
 
 def _refuse(path, field, expectation, foreign=False):
-    fix = ("it is not a fairseq-moe-ext manifest: move it out of the directory" if foreign
-           else "the manifest was edited or damaged: restore it from a backup, or move the set out of the directory")
+    fix = (
+        "it is not a fairseq-moe-ext manifest: move it out of the directory"
+        if foreign
+        else "the manifest was edited or damaged: restore it from a backup, or move the set out of the directory"
+    )
     raise CheckpointSetError(f"{path}: field {field} must be {expectation}; {fix}")
 
 
@@ -203,7 +211,9 @@ def _is_int(value) -> bool:
 
 
 def _is_path_like(name) -> bool:
-    return isinstance(name, str) and ("/" in name or "\\" in name or ".." in name or "\0" in name or os.path.isabs(name))
+    return isinstance(name, str) and (
+        "/" in name or "\\" in name or ".." in name or "\0" in name or os.path.isabs(name)
+    )
 
 
 def _json_type(value) -> str:

@@ -109,7 +109,9 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
                 continue
             held, start, count = rows[name]
             sliced["state"][slot] = {
-                k: (v[start : start + count].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v)
+                k: (
+                    v[start : start + count].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v
+                )
                 for k, v in entry.items()
             }
         out["last_optimizer_state"] = sliced
@@ -139,8 +141,9 @@ def save_set(full: Dict, base: str, world_size: int, workers: Optional[int] = No
             path = rank_file(staged_base, rank, world_size)
             torch.save(state, path)
             files.append(dict(describe_file(path), rank=rank))
-        written = write_manifest(staged_base, world_size, full["moe"]["num_updates"], files, experts_per_key(full),
-                                 set_id, workers=workers)
+        written = write_manifest(
+            staged_base, world_size, full["moe"]["num_updates"], files, experts_per_key(full), set_id, workers=workers
+        )
         return [f["name"] for f in files] + [os.path.basename(written)]
 
     write_all_or_nothing(os.path.dirname(base), f"the {world_size}-file set {manifest_path(base)}", write)
@@ -154,7 +157,9 @@ def experts_per_key(full: Dict) -> Dict[str, int]:
 def load_full(path: str, load_fn: Optional[Callable[[str], Dict]] = None) -> Dict:
     resolved = resolve(path, fallback=False)
     if resolved is None:
-        raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest {manifest_path(base_of(path))})")
+        raise CheckpointSetError(
+            f"no checkpoint named {path} (neither a file nor a set manifest {manifest_path(base_of(path))})"
+        )
     if resolved.kind == "set":
         return load_set(resolved.path, load_fn)
     state = check_is_checkpoint((load_fn or safe_load)(resolved.path), resolved.path)

@@ -23,15 +23,27 @@ from .errors import CheckpointError, DamagedCheckpointError, UnsafeCheckpointErr
 def _numpy_array_globals():
     """--eval-bleu keeps its BLEU counters as numpy arrays and scalars in the checkpoint's metrics."""
     multiarray = getattr(numpy, "_core", None) or numpy.core
-    dtype_classes = {type(numpy.dtype(t)) for t in (numpy.bool_, numpy.int32, numpy.int64, numpy.float32, numpy.float64)}
-    return [multiarray.multiarray._reconstruct, multiarray.multiarray.scalar, numpy.ndarray, numpy.dtype,
-            *sorted(dtype_classes, key=str)]
+    dtype_classes = {
+        type(numpy.dtype(t)) for t in (numpy.bool_, numpy.int32, numpy.int64, numpy.float32, numpy.float64)
+    }
+    return [
+        multiarray.multiarray._reconstruct,
+        multiarray.multiarray.scalar,
+        numpy.ndarray,
+        numpy.dtype,
+        *sorted(dtype_classes, key=str),
+    ]
 
 
 # What fairseq 0.12 stores in a checkpoint besides tensors and builtins (an argparse model's
 # ``cfg.model`` is a Namespace; --eval-bleu's counters are numpy arrays), found by listing the
 # globals of real translation and LM checkpoints with torch.serialization.get_unsafe_globals_in_checkpoint.
-CHECKPOINT_SAFE_GLOBALS = [argparse.Namespace, collections.OrderedDict, collections.defaultdict, *_numpy_array_globals()]
+CHECKPOINT_SAFE_GLOBALS = [
+    argparse.Namespace,
+    collections.OrderedDict,
+    collections.defaultdict,
+    *_numpy_array_globals(),
+]
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
 PICKLE_MAGIC = b"\x80"  # the legacy format: a pickle

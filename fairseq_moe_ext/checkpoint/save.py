@@ -24,11 +24,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
-from ..set_identity import agreed_set_id
 from .generations import link_previous_generation, remove_previous_generations, sets_to_protect, write_previous_manifest
 from .manifest import describe_file, write_manifest
 from .names import PREVIOUS, base_of, manifest_path
 from .resolve import remove_other_layouts
+from .set_id import agreed_set_id
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class SetDescription:
 
     num_updates: int
     num_experts: Dict[str, int]  # expert parameter name -> experts over all workers
-    set_id: Optional[str]  # this worker's id of the save (see set_identity.py)
+    set_id: Optional[str]  # this worker's id of the save (see set_id.py)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ def write_manifests(save_dir: str, reports: List[Tuple], describe: SetDescriptio
                            agreed_set_id(base, entries), workers=workers, replicas=replicas)
             remove_other_layouts(base, shards)
         else:
-            logger.warning(f"checkpoint {base}: only ranks {sorted(e['rank'] for e in entries)} wrote files; no manifest")
+            ranks = sorted(e["rank"] for e in entries)
+            logger.warning(f"checkpoint {base}: only ranks {ranks} wrote files; no manifest")
     for _, removed, _ in reports:
         for name in removed:
             manifest = manifest_path(base_of(os.path.join(save_dir, name)))
@@ -157,5 +158,8 @@ def own_files(save_dir: str, suffix: str) -> Dict[str, Tuple[int, int, int]]:
 def changed_files(save_dir: str, suffix: str, before: Dict[str, Tuple[int, int, int]]) -> List[str]:
     """The files of this worker written since ``before`` (new, or rewritten in place or by rename).
     The ``.prev`` links made by protect_previous_generation are the old generation, not this save's."""
-    return [name for name, stamp in own_files(save_dir, suffix).items()
-            if before.get(name) != stamp and not base_of(name).endswith(PREVIOUS)]
+    return [
+        name
+        for name, stamp in own_files(save_dir, suffix).items()
+        if before.get(name) != stamp and not base_of(name).endswith(PREVIOUS)
+    ]

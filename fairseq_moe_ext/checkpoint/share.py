@@ -32,7 +32,9 @@ def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable
         raise CheckpointSetError(
             f"{manifest_file}: the replicas of expert shard(s) {differing} differed when the set was saved (a bug in "
             f"training, reported by inspect): resume from an earlier set, or merge this one (python -m "
-            f"fairseq_moe_ext.checkpoint merge, which keeps replica 0's experts) and pass the merged file as --restore-file")
+            f"fairseq_moe_ext.checkpoint merge, which keeps replica 0's experts) and pass the merged file as "
+            f"--restore-file"
+        )
     shards, directory = manifest["world_size"], os.path.dirname(manifest_file)
     entries = {entry["rank"]: entry for entry in manifest["files"]}
     span = files_holding(shards, rank, world_size)
@@ -46,8 +48,10 @@ def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable
     check_rank_states(dict(manifest, files=[entries[f] for f in needed]), [loaded[f] for f in needed], directory)
     held = merge_states([loaded[f] for f in span], shared=loaded[0])
     if set(rows) != set(held["moe"]["expert_keys"]) or any(
-            tuple(held["model"][key].shape[:1]) != (rows[key][0],) for key in rows):
+        tuple(held["model"][key].shape[:1]) != (rows[key][0],) for key in rows
+    ):
         raise CheckpointSetError(
             f"{manifest_file}: its num_experts {manifest['num_experts']} do not match the experts its files hold: the "
-            f"manifest was edited or damaged; restore it from a backup, or move the set out of the directory")
+            f"manifest was edited or damaged; restore it from a backup, or move the set out of the directory"
+        )
     return take_expert_rows(held, rows, rank, world_size)

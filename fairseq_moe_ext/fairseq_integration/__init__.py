@@ -4,7 +4,7 @@ Checked against fairseq 0.12.3 (ve-fairseq==0.12.3, the same sources as fairseq-
 torch 2.13. ``install()`` runs when fairseq imports the ``--user-dir`` package, which happens before
 argument parsing and before distributed initialisation, in every worker and in every fairseq CLI.
 ``HOOKS`` below is the table: ``install()`` patches what it lists, this docstring's list is printed
-from it, and ``tests/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
+from it, and ``tests/fairseq/test_fairseq_integration.py`` pins the sha256 of the source of every entry (and
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
 fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
@@ -65,18 +65,19 @@ HOOKS = (
          "the first replica of each expert shard saves it (replicas on the other W - P workers save nothing)."),
     Hook(5, "fairseq.trainer.Trainer.state_dict", saving.wrap_trainer_state_dict,
          "only rank 0 stores the shared state; state['moe'] makes each file self-describing (rank, world "
-         "size, experts_held, the save's set_id from set_identity.py)."),
+         "size, experts_held, the save's set_id from training/set_identity.py)."),
     Hook(6, "fairseq.checkpoint_utils.save_checkpoint", saving.wrap_save_checkpoint,
          "fairseq's save runs as the write step of the checkpoint-set transaction (checkpoint/save.py: "
          "previous generation kept as .prev, manifests last, pruning deferred behind a barrier), with "
          "fairseq's in-place copies made copy + rename and its os.remove recorded instead of done."),
     Hook(7, "fairseq.trainer.Trainer.load_checkpoint", loading.wrap_trainer_load_checkpoint,
          "fairseq-train calls it before reading any batch: it first refuses set-ups that would fail inside "
-         "train_step, claims --save-dir (training_save_dir); rank 0 then resolves the name to a complete set "
-         "or a single file (restore_choice: checkpoint_last falls back to the newest complete set) and shares "
-         "its answer, and each worker reads only the files holding its share (checkpoint/share.py), at any "
-         "layout that divides the experts. With --moe-upcycle-from and no checkpoint to resume, the model is "
-         "filled from the dense checkpoint instead (upcycling.py), as fairseq's --finetune-from-model would be."),
+         "train_step, claims --save-dir (training/training_save_dir.py); rank 0 then resolves the name to a "
+         "complete set or a single file (training/restore_choice.py: checkpoint_last falls back to the newest "
+         "complete set) and shares its answer, and each worker reads only the files holding its share "
+         "(checkpoint/share.py), at any layout that divides the experts. With --moe-upcycle-from and no "
+         "checkpoint to resume, the model is filled from the dense checkpoint instead (training/upcycling.py), "
+         "as fairseq's --finetune-from-model would be."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
@@ -127,14 +128,16 @@ HOOKS = (
          "fairscale-only paths (its import, optimizer consolidation, norm aggregation, fp16 wrapper) stay off: "
          "False, after refusing in one line the options FSDP2 cannot honour here (--cpu-offload, "
          "--use-sharded-state, --store-ema, mixed precision)."),
-    Hook(20, "fairseq.trainer.Trainer.always_call_state_dict_during_save_checkpoint", sharding.wrap_always_call_state_dict,
+    Hook(20, "fairseq.trainer.Trainer.always_call_state_dict_during_save_checkpoint",
+         sharding.wrap_always_call_state_dict,
          "under fully_sharded a save gathers the shared state one tensor at a time (collectives), so every worker "
          "calls Trainer.state_dict, including those that write no file."),
     Hook(21, "fairseq.distributed.fully_sharded_data_parallel.fsdp_enable_wrap", sharding.wrap_fsdp_enable_wrap,
          "fairseq-train builds a fully_sharded model inside fairscale's wrapping context (an ImportError without "
          "fairscale, fairscale FSDP units with it): a no-op, also where it was imported by name (fairseq.distributed, "
          "fairseq_cli.train, a -m run's __main__)."),
-    Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.load_state_dict", sharding.wrap_optimizer_load_state_dict,
+    Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.load_state_dict",
+         sharding.wrap_optimizer_load_state_dict,
          "a checkpoint holds whole optimizer states; under fully_sharded each worker keeps its slice of each "
          "shared parameter's state (cut locally, no communication), experts' as they are."),
     Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.multiply_grads", sharding.wrap_optimizer_multiply_grads,
@@ -226,3 +229,8 @@ def source_fingerprints() -> Dict[str, str]:
         target = obj.fget if isinstance(obj, property) else obj
         fingerprints[name] = hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
     return fingerprints
+
+
+# The top tier: importing it means fairseq is what runs, so the hooks go in now (the package root
+# imports it for --user-dir; a process that imports it directly gets the same fairseq).
+install()

@@ -108,7 +108,7 @@ def load_sharded(original, filenames, *args, **kwargs):
                                 world_size=sharded.world_size)
     # No inference CLI closes its process groups; left open, gloo's threads abort the interpreter at
     # exit now and then ("terminate called without an active exception", exit status -6).
-    atexit.register(close_process_groups)
+    atexit.register(moe_dist.close_process_groups)
     STATE.load_targets.append(LoadTarget(sharded.rank, sharded.world_size, None, None))
     try:
         models, cfg, task = original(filenames, *args, **kwargs)
@@ -132,11 +132,6 @@ def load_sharded(original, filenames, *args, **kwargs):
     logger.info(f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts "
                 f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step")
     return models, cfg, task
-
-
-def close_process_groups() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def moe_layers(module):

@@ -11,14 +11,14 @@ from omegaconf import open_dict
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable, flag
-from ..checkpoint.resume_policy import CHANGES_FUNCTION, check_resume_policy
+from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..models.moe_config import moe_freq
 from ..process_state import STATE, LoadTarget
-from ..restore_choice import resolve_restore
-from ..training_save_dir import claim_save_dir
-from ..upcycling import check_upcycle_start, load_upcycled
+from ..training.restore_choice import resolve_restore
+from ..training.training_save_dir import claim_save_dir
+from ..training.upcycling import check_upcycle_start, load_upcycled
 from .inference import load_sharded
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup

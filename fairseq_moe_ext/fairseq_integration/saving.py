@@ -18,7 +18,7 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
 from ..process_state import STATE
-from ..set_identity import save_set_id
+from ..training.set_identity import save_set_id
 from . import sharding
 
 

@@ -165,7 +165,8 @@ def out_of_memory_error(trainer, exc, layers) -> MoEOutOfMemoryError:
     training = trainer._model.training
     capacity = "--moe-capacity-factor" if training else "--moe-eval-capacity-factor"
     rows = max(layer.rows_received_peak for layer in layers)
-    received = f"its experts received up to {rows} rows per MoE call" if rows else "its experts had received no rows yet"
+    received = (f"its experts received up to {rows} rows per MoE call" if rows
+                else "its experts had received no rows yet")
     # No "out of memory" in the line: fairseq would take a peer's relayed copy for its own OOM.
     message = (
         f"worker {trainer.data_parallel_rank} of {trainer.data_parallel_world_size} ran out of device memory in "

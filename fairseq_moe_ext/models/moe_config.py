@@ -21,6 +21,7 @@ from ..distributed import (
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 from ..fully_sharded import refused_options, zero_sharding_error
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
+from ..moe.placement import places_moe_layer, side_moe_freq
 from ..moe.router import ROUTER_TYPES
 from ..option_ranges import MODEL_RANGES, check_option, check_options
 
@@ -145,7 +146,7 @@ class MoEConfig(FairseqDataclass):
                   "weights compute (--moe-router, --moe-top-k, --moe-normalize-gate, --activation-fn), each change "
                   "logged as a warning; without it such a resume is refused (README: what may change on resume)"},
     )
-    # Sparse upcycling (upcycling.py): read from the command line when training starts, like the above.
+    # Sparse upcycling (training/upcycling.py): read from the command line when training starts, like the above.
     moe_upcycle_from: Optional[str] = field(
         default=None,
         metadata={"help": "fairseq-train: start from this dense fairseq checkpoint (transformer / transformer_lm) "
@@ -189,8 +190,7 @@ def moe_option(args, name: str):
 
 
 def moe_freq(args, side: str) -> int:
-    value = moe_option(args, f"{side}_moe_freq")  # None: the side follows --moe-freq
-    return moe_option(args, "moe_freq") if value is None else value
+    return side_moe_freq(moe_option(args, "moe_freq"), moe_option(args, f"{side}_moe_freq"))
 
 
 def check_moe_args(args) -> None:
@@ -236,7 +236,7 @@ def check_moe_layers_placed(args, sides) -> None:
     MoE name; refuse it (a model without experts is what the dense architectures are for)."""
     layers = {side: int(safe_getattr(args, f"{side}_layers", 0) or 0) for side in sides}
     freqs = {side: moe_freq(args, side) for side in sides}
-    if any(freq > 0 and layers[side] >= freq for side, freq in freqs.items()):
+    if any(places_moe_layer(layers[side], freq) for side, freq in freqs.items()):
         return
     given = []
     for side in sides:

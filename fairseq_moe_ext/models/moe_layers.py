@@ -17,6 +17,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.utils import safe_getattr
 
 from ..moe import MoELayer
+from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
 from ..process_state import STATE
 from .moe_config import bias_update_rate, moe_freq, moe_option
@@ -131,10 +132,6 @@ class MoEDecoderLayer(_MoEFFNMixin, TransformerDecoderLayerBase):
             self.fc1.padding_mask = None
 
 
-def is_moe_layer(index: int, freq: int) -> bool:
-    return freq > 0 and (index + 1) % freq == 0
-
-
 def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, group, statistics_group,
                        no_encoder_attn=False) -> int:
     """Replace every ``freq``-th layer of a built encoder/decoder ``stack`` by its MoE version, with
@@ -148,9 +145,7 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, gro
     ffn_dim = cfg.encoder.ffn_embed_dim if side == "encoder" else cfg.decoder.ffn_embed_dim
     model_dim = cfg.encoder.embed_dim if side == "encoder" else cfg.decoder.embed_dim
     replaced = 0
-    for i in range(len(stack.layers)):
-        if not is_moe_layer(i, freq):
-            continue
+    for i in moe_layer_indices(len(stack.layers), freq):
         ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i, group=group,
                             statistics_group=statistics_group)
         if side == "encoder":

@@ -52,7 +52,9 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: 
     return k * min(int(abs(capacity_factor) * tokens_per_expert), MAX_SLOTS)
 
 
-def expert_capacity_tensor(num_tokens: torch.Tensor, num_experts: int, k: int, capacity_factor: float) -> Optional[torch.Tensor]:
+def expert_capacity_tensor(
+    num_tokens: torch.Tensor, num_experts: int, k: int, capacity_factor: float
+) -> Optional[torch.Tensor]:
     """``expert_capacity`` for a token count that lives on the device, computed there (no host read):
     the same integer as ``expert_capacity(int(num_tokens), ...)``, fp64 products included."""
     capacity_factor = check_capacity_factor(capacity_factor)

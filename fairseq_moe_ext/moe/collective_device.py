@@ -65,7 +65,9 @@ def on_group_device(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor.to(collective_device(group))
 
 
-def device_mismatch_error(what: str, tensors: Iterable[torch.Tensor], group, detail: str = "") -> MoECollectiveDeviceError:
+def device_mismatch_error(
+    what: str, tensors: Iterable[torch.Tensor], group, detail: str = ""
+) -> MoECollectiveDeviceError:
     devices = ", ".join(sorted({str(t.device) for t in tensors})) or "unknown"
     served = ", ".join(group_device_types(group))
     said = f" ({detail})" if detail else ""

@@ -38,26 +38,6 @@ def served_slot_rows(sorted_slots: torch.Tensor, num_slots: int) -> torch.Tensor
     return slot_row
 
 
-class _GatherUniqueRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
-        ctx.num_rows = x.shape[0]
-        return x.index_select(0, index)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:])).index_copy_(0, index, grad), None
-
-
-def gather_unique_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` for an ``index`` without repeats: the backward copies rows back instead of
-    accumulating them (autograd's ``index_add``, which uses atomics on CUDA)."""
-    return _GatherUniqueRows.apply(x, index)
-
-
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, order, inverse):
@@ -138,6 +118,8 @@ class _CombineSlots(torch.autograd.Function):
         return grad_out, grad_gates, None, None
 
 
-def combine_slots(expert_out: torch.Tensor, gates: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor) -> torch.Tensor:
+def combine_slots(
+    expert_out: torch.Tensor, gates: torch.Tensor, sorted_slots: torch.Tensor, slot_row: torch.Tensor
+) -> torch.Tensor:
     """``y[t] = sum_j gates[t, j] * expert_out[slot_row[t * k + j]]`` for ``[N, k]`` gates."""
     return _CombineSlots.apply(expert_out, gates.to(expert_out.dtype), sorted_slots, slot_row)

@@ -71,7 +71,11 @@ class BatchedExperts(nn.Module):
         matmul: Optional[str] = None,
     ):
         super().__init__()
-        for name, value in (("model_dim", model_dim), ("hidden_dim", hidden_dim), ("num_local_experts", num_local_experts)):
+        for name, value in (
+            ("model_dim", model_dim),
+            ("hidden_dim", hidden_dim),
+            ("num_local_experts", num_local_experts),
+        ):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 <= activation_dropout < 1.0:

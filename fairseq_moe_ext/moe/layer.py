@@ -122,11 +122,10 @@ class MoELayer(nn.Module):
             self.cache.record(self.name, aux)
         return y
 
-    def forward_with_aux(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+    def forward_with_aux(self, x: torch.Tensor,
+                         padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
         if x.dim() < 2 or x.shape[-1] != self.model_dim:
-            raise ValueError(
-                f"MoE layer expects input of shape [..., {self.model_dim}], got {tuple(x.shape)}"
-            )
+            raise ValueError(f"MoE layer expects input of shape [..., {self.model_dim}], got {tuple(x.shape)}")
         flat = x.reshape(-1, self.model_dim)
         shared = None if self.shared_experts is None else self.shared_experts(x)
         if padding_mask is None:
@@ -154,10 +153,17 @@ class MoELayer(nn.Module):
             # Workers built with different flags would exchange rows of different shapes (at best a
             # transport error, at worst a hang): compare once, before the first exchange.
             comm.check_same_on_every_rank(
-                [num_experts, self.num_local_experts, self.world_size, comm.group_size(statistics_group),
-                 self.model_dim, k],
+                [
+                    num_experts,
+                    self.num_local_experts,
+                    self.world_size,
+                    comm.group_size(statistics_group),
+                    self.model_dim,
+                    k,
+                ],
                 ["experts", "local experts", "expert-parallel size", "world size", "model dim", "top-k"],
-                f"MoE layer {self.name}", statistics_group,
+                f"MoE layer {self.name}",
+                statistics_group,
             )
             self._group_checked = True
         routing = self.router(tokens)
@@ -279,7 +285,8 @@ class MoELayer(nn.Module):
         received = comm.all_to_all(dispatched, send_splits, recv_splits, self.group)
         # Rows arrive grouped by source rank; experts want them grouped by local expert.
         row_expert = torch.repeat_interleave(
-            torch.arange(local, device=received.device).repeat(world), recv_counts.reshape(-1).to(received.device),
+            torch.arange(local, device=received.device).repeat(world),
+            recv_counts.reshape(-1).to(received.device),
             output_size=received.shape[0],
         )
         by_expert = torch.argsort(row_expert, stable=True)

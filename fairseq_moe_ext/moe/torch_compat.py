@@ -142,9 +142,12 @@ PRIVATE_APIS: Dict[str, Callable[[], bool]] = {
     "torch._foreach_mul_": lambda: _lookup("_foreach_mul_") is not None,
     "torch.ops.aten.threshold_backward.grad_input": lambda: threshold_backward_in_place() is not None,
     "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model": lambda: hasattr(
-        torch.nn.parallel.DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model"),
+        torch.nn.parallel.DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model"
+    ),
     "GradScaler._per_optimizer_states": _has_scaler_states,
-    "distributed_c10d._get_default_store": lambda: _lookup("distributed.distributed_c10d._get_default_store") is not None,
+    "distributed_c10d._get_default_store": lambda: (
+        _lookup("distributed.distributed_c10d._get_default_store") is not None
+    ),
 }
 
 

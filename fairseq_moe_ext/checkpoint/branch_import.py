@@ -1,0 +1,207 @@
+"""``import-fairseq-moe``: a fairseq ``moe``/``nllb``-branch checkpoint set becomes this project's.
+
+The branch's layout and how it is read: ``branch_set.py``.
+
+Here each MoE layer's experts are stacked tensors (``<side>.layers.<i>.fc1.experts.batched_fc1_w``
+``[E, hidden, d]`` etc., ``moe/experts.py``) beside the router ``fc1.router.wg.weight``. The import
+streams: the shared file stays loaded until output rank 0 is written, then one source rank file at a
+time is read and its experts go into the output file they belong to, which is written as soon as
+all its experts are in. Peak memory is the shared file, one source rank file and one output file's
+experts, not the model (benchmarks/import_memory.py measures it). Replicas are compared by sha256.
+
+No optimizer state is carried over (the branch's is per expert module, and FSDP's flattened):
+continued training starts a fresh optimizer, as after upcycling. Files are read through
+``safe_load`` (the branch's pickles hold argparse Namespaces and numpy scalars, both allowed).
+"""
+
+import argparse
+import copy
+import math
+import os
+import secrets
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
+from .errors import CheckpointSetError
+from .manifest import describe_file, write_manifest
+from .names import base_of, manifest_path, rank_file
+from .rank_state import moe_metadata
+from .staging import write_all_or_nothing
+
+OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
+                     "fc2.weight": "fc1.experts.batched_fc2_w", "fc2.bias": "fc1.experts.batched_fc2_b"}
+OUR_ROUTER = "fc1.router.wg.weight"
+
+
+class _Shards:
+    """The output: shard s of P holds global experts ``s*E/P ...``; written as soon as complete."""
+
+    def __init__(self, branch: BranchSet, shards: int):
+        self.branch, self.shards, self.per_shard = branch, shards, branch.experts // shards
+        # shard -> (layer, tensor name) -> (the stacked output tensor being filled, the ids copied in)
+        self.pending: Dict[int, Dict[Tuple[str, str], Tuple[torch.Tensor, set]]] = {}
+        self.digests: Dict[Tuple[str, str, int], Tuple[str, str]] = {}  # -> (sha256, file it came from)
+        self.shapes: Dict[Tuple[str, str], Tuple[tuple, str]] = {}
+        self.keys: Optional[List[Tuple[str, str]]] = None
+
+    def add(self, path: str, experts: Dict[Tuple[str, str], Dict[int, torch.Tensor]]) -> List[int]:
+        """Take one rank file's experts; return the shards now complete."""
+        if self.keys is None:
+            self.keys = sorted(experts)
+            missing = sorted(set(self.branch.routers) - {layer for layer, _ in self.keys})
+            if missing:
+                raise CheckpointSetError(f"{path} holds no experts of {missing[0]}, which has a router in "
+                                         f"{self.branch.shared_path}: a file from another run (nothing was written)")
+        if sorted(experts) != self.keys:
+            odd = sorted(set(experts) ^ set(self.keys))[0]
+            raise CheckpointSetError(f"{path} differs from {self.branch.rank_paths[0]} in which expert tensors it "
+                                     f"holds ({'.'.join(odd)}): files from different runs (nothing was written)")
+        touched = set()
+        for key, by_id in experts.items():
+            for gid, tensor in by_id.items():
+                self._check_shape(key, tensor, path)
+                digest = digest_of(tensor)
+                seen = self.digests.get((*key, gid))
+                if seen is not None:
+                    if seen[0] != digest:
+                        raise CheckpointSetError(
+                            f"{path} and {seen[1]} hold different copies of expert {gid} ({key[0]}.moe_layer.experts."
+                            f"*.{key[1]}): replicas must be identical, the run diverged; import a checkpoint saved "
+                            f"before it did (nothing was written)")
+                    continue
+                self.digests[(*key, gid)] = (digest, path)
+                shard = gid // self.per_shard
+                # Copied into the output at once (not kept and stacked later): the source file's memory is
+                # reused for the next one, and the output is never held twice.
+                stacked, filled = self.pending.setdefault(shard, {}).setdefault(
+                    key, (tensor.new_empty((self.per_shard, *tensor.shape)), set()))
+                stacked[gid - shard * self.per_shard].copy_(tensor)
+                filled.add(gid)
+                touched.add(shard)
+        return sorted(s for s in touched
+                      if all(len(self.pending[s].get(k, (None, ()))[1]) == self.per_shard for k in self.keys))
+
+    def _check_shape(self, key, tensor, path):
+        first = self.shapes.setdefault(key, (tuple(tensor.shape), path))
+        router = self.branch.routers[key[0]]
+        model_dim = {"fc1.weight": 1, "fc2.weight": 0, "fc2.bias": 0}.get(key[1])
+        if tuple(tensor.shape) != first[0] or (model_dim is not None and tensor.shape[model_dim] != router[1]):
+            raise CheckpointSetError(
+                f"{path}: {key[0]}.moe_layer.experts.*.{key[1]} has shape {list(tensor.shape)}, but "
+                f"{first[1]} has {list(first[0])} and the router expects model dim {router[1]}: files from "
+                f"different runs (nothing was written)")
+
+    def take(self, shard: int) -> Dict[str, torch.Tensor]:
+        """Shard ``shard``'s experts as this project's stacked tensors (released from ``pending``)."""
+        parts = self.pending.pop(shard)
+        return {f"{layer}.{OUR_EXPERT_TENSOR[name]}": parts[(layer, name)][0] for layer, name in self.keys}
+
+
+def expert_ffn_dims(branch: BranchSet, keys: List[Tuple[str, str]], shapes) -> Dict[str, int]:
+    return {layer.split(".")[0]: shapes[(layer, "fc1.weight")][0][0] for layer, name in keys if name == "fc1.weight"}
+
+
+def imported_cfg(branch: BranchSet, flags: Dict) -> Tuple[Optional[Dict], Optional[argparse.Namespace]]:
+    """(cfg, args) for this project's ``moe_transformer`` with ``flags``, from the branch file's."""
+    options = argparse.Namespace(**{**vars(branch.options), **flags, "arch": "moe_transformer",
+                                    "_name": "moe_transformer"})
+    cfg = branch.head["cfg"]
+    if not isinstance(cfg, dict):
+        return None, options
+    cfg = copy.copy(cfg)
+    cfg["model"] = options if isinstance(cfg.get("model"), argparse.Namespace) else vars(options)
+    criterion = cfg.get("criterion")
+    if isinstance(criterion, dict):  # the branch's criteria carry options fairseq 0.12 does not know
+        cfg["criterion"] = {k: v for k, v in criterion.items() if k in CRITERION_KEYS}
+    return cfg, None
+
+
+CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_size", "sentence_avg",
+                  "moe_gate_loss_wt")
+
+
+def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print) -> str:
+    """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written."""
+    if workers < 1:
+        raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
+    branch = BranchSet(prefix)
+    shards = math.gcd(workers, branch.experts)
+    held = (f"{branch.local} per rank file" if branch.experts >= branch.world
+            else f"{branch.world // branch.experts} replicas each")
+    report(f"found {prefix}: {branch.world} rank files + shared, arch {getattr(branch.options, 'arch', '?')}, "
+           f"{branch.experts} experts ({held}), "
+           f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}")
+    set_id = secrets.token_hex(8)
+    base = base_of(output)
+    single = workers == 1
+
+    def write(staging_dir):
+        out = _Shards(branch, shards)
+        names, files, parameters, head = [], [], 0, None
+        for rank, path, experts in branch.rank_experts():
+            complete = out.add(path, experts)
+            experts.clear()  # the pieces live on in ``out`` only, so stacking them can release them
+            for shard in complete:
+                model = out.take(shard)
+                if shard == 0:
+                    model = {**shared_model(branch), **model}
+                    flags = dict(branch.flags)
+                    dims = expert_ffn_dims(branch, out.keys, out.shapes)
+                    if any(dims[side] != getattr(branch.options, f"{side}_ffn_embed_dim", dims[side]) for side in dims):
+                        flags["moe_expert_ffn_dim"] = max(dims.values())
+                    head = imported_cfg(branch, flags)
+                    branch.shared = None  # rank 0 is written: the shared state is not needed any more
+                parameters += sum(t.numel() for t in model.values())
+                state = _state(branch, head, model, shard, shards, set_id, single)
+                name = os.path.basename(output if single else rank_file(base, shard, shards))
+                torch.save(state, os.path.join(staging_dir, name))
+                del state, model
+                names.append(name)
+                files.append(dict(describe_file(os.path.join(staging_dir, name)), rank=shard))
+        report(f"parameters: {parameters}")
+        if single:
+            return names
+        written = write_manifest(os.path.join(staging_dir, os.path.basename(base)), shards, branch.num_updates, files,
+                                 {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys},
+                                 set_id, workers=workers)
+        return names + [os.path.basename(written)]
+
+    what = output if single else f"the {shards}-file set {manifest_path(base)}"
+    for line in branch.notes:
+        report(f"NOTE {line}")
+    report("flags: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(branch.flags.items())))
+    write_all_or_nothing(os.path.dirname(output), what, write)
+    report(f"wrote {output if single else manifest_path(base)}")
+    return output if single else manifest_path(base)
+
+
+def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:
+    model = {}
+    for key, tensor in branch.shared["model"].items():
+        router = BRANCH_ROUTER.match(key)
+        if router:
+            model[f"{router['layer']}.{OUR_ROUTER}"] = tensor
+        elif ".moe_layer." in key:
+            raise CheckpointSetError(f"{branch.shared_path} holds {key}: an MoE layer part with no counterpart here "
+                                     f"(nothing was written)")
+        else:
+            model[key] = tensor
+    return model
+
+
+def _state(branch: BranchSet, head, model, shard, shards, set_id, single) -> Dict:
+    cfg, args = head
+    history = branch.head["optimizer_history"] or [{}]
+    entry = {k: v for k, v in (history[-1] or {}).items() if k != "optimizer"}
+    entry.setdefault("optimizer_name", "none")
+    entry.setdefault("lr_scheduler_state", {"best": None})
+    expert_keys = sorted(k for k in model if ".fc1.experts." in k)
+    meta = moe_metadata([], expert_keys, world_size=1 if single else shards, rank=shard,
+                        num_updates=branch.num_updates, set_id=None if single else set_id,
+                        experts_per_worker=branch.experts // shards)
+    meta["imported_from"] = branch.prefix
+    return {"args": args, "cfg": cfg, "model": model, "criterion": {}, "optimizer_history": [entry],
+            "task_state": branch.head.get("task_state") or {}, "extra_state": branch.head.get("extra_state") or {},
+            "moe": meta}

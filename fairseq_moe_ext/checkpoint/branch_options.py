@@ -1,0 +1,123 @@
+"""The options of a fairseq ``moe``/``nllb``-branch checkpoint, mapped to this project's flags.
+
+The branch's MoE layer (``fairseq/modules/moe/top2gate.py`` and ``moe_layer.py`` on those branches)
+routes every token to the argmax expert and, under ``--moe-second-expert-policy all``, to the argmax
+of the others, and renormalises the two gates to sum to 1 (``--moe-normalize-gate`` here). Its
+training capacity is ``2*ceil(S/E)`` slots per expert, what ``--moe-capacity-factor 1`` gives with
+top-2 here; in evaluation ``ceil(moe_eval_capacity_token_fraction * S)``, which drops nothing when
+the fraction is 1 or more (no expert is chosen by more than S slots): ``--moe-eval-capacity-factor
+0``. A layer i is MoE on a side when ``(i + 1) % max(<side>_moe_freq, moe_freq) == 0``.
+
+``branch_flags`` returns this project's flags and the NOTE lines for what is mapped but not
+reproduced exactly; what cannot be represented at all is refused in one line naming the option.
+Torch-free: plain dicts and Namespaces.
+"""
+
+import argparse
+import math
+from typing import Dict, List, Tuple
+
+from .errors import CheckpointSetError
+
+# Options whose non-default value changes what the model computes in a way this project cannot.
+REFUSED = (
+    # (option, is it set?, why, fix)
+    ("moe_cmr", lambda v: bool(v), "CMR gating (a dense FFN mixed in by a learned gate)", "there is no CMR layer here"),
+    ("base_layers", lambda v: bool(v), "BASE layers (balanced assignment)", "there is no BASE layer here"),
+    ("moe_top1_expert", lambda v: bool(v), "top-1 gating with the branch's Top1Gate",
+     "only the branch's top-2 gate is imported"),
+    ("alternate_ffn_embed_dim", lambda v: bool(v), "pseudo-MoE dense blocks", "there are no pseudo-MoE blocks here"),
+    ("alternate_decoder_ffn_embed_dim", lambda v: bool(v), "pseudo-MoE dense blocks",
+     "there are no pseudo-MoE blocks here"),
+    ("moe_eom", lambda v: bool(v), "Expert Output Masking (inference scales each expert's output by 1 - p)",
+     "there is no Expert Output Masking here yet"),
+    ("moe_fom", lambda v: bool(v), "final output masking (inference scales the MoE output by 1 - p)",
+     "there is no final output masking here"),
+)
+SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
+
+
+def model_options(state: Dict, path: str) -> argparse.Namespace:
+    """The model options a branch file carries: ``cfg["model"]`` (a Namespace or a dict) or ``args``."""
+    cfg = state.get("cfg")
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    if model is None:
+        model = state.get("args")
+    if isinstance(model, dict):
+        model = argparse.Namespace(**model)
+    if not isinstance(model, argparse.Namespace):
+        raise CheckpointSetError(
+            f"{path} carries no model options (neither cfg['model'] nor args): it was not written by fairseq-train "
+            f"of the moe/nllb branch; point import-fairseq-moe at that run's <prefix> (its -shared.pt and -rank-N.pt)"
+        )
+    return model
+
+
+def _get(options, name, default=None):
+    value = getattr(options, name, default)
+    return default if value is None else value
+
+
+def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int]) -> Tuple[Dict, List[str]]:
+    """(this project's MoE flags, NOTE lines) for a branch model with ``layers[side]`` layers."""
+    for name, is_set, what, why in REFUSED:
+        value = _get(options, name)
+        if is_set(value):
+            raise CheckpointSetError(
+                f"{path} was trained with --{name.replace('_', '-')} {value} ({what}): {why}, so the import would "
+                f"change what the model computes (nothing was written)"
+            )
+    arch = str(_get(options, "arch", _get(options, "_name", "")))
+    if arch.startswith("transformer_lm") or "lm" in arch.split("_"):
+        raise CheckpointSetError(
+            f"{path} is a {arch!r} (moe_lm) checkpoint: import-fairseq-moe imports the branch's translation "
+            f"transformers (NLLB-200 MoE) only so far (nothing was written)"
+        )
+    policy = str(_get(options, "moe_second_expert_policy", "sampling"))
+    if policy not in SECOND_EXPERT_POLICIES:
+        raise CheckpointSetError(
+            f"{path} has --moe-second-expert-policy {policy!r}, which the branch's top-2 gate does not define "
+            f"(all, sampling, random): an unknown gate option (nothing was written)"
+        )
+    notes = []
+    if policy != "all":
+        notes.append(f"--moe-second-expert-policy {policy}: the branch chose the second expert at random (also in "
+                     f"evaluation); imported as 'all' (the second-best expert, always), what NLLB-200 MoE and Hugging "
+                     f"Face NllbMoe use")
+    experts = int(_get(options, "moe_expert_count", 0))
+    flags = {"moe_expert_count": experts, "moe_top_k": 2, "moe_normalize_gate": True, "moe_capacity_factor": 1.0,
+             "moe_gating_use_fp32": True,
+             "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False))}
+    freq = int(_get(options, "moe_freq", 0))
+    for side in layers:
+        flags[f"{side}_moe_freq"] = max(int(_get(options, f"{side}_moe_freq", 0)), freq)
+    flags["moe_freq"] = freq or max(flags[f"{side}_moe_freq"] for side in layers)
+    fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.25))
+    if fraction >= 1.0:
+        flags["moe_eval_capacity_factor"] = 0.0  # ceil(f * S) >= S: nothing is ever dropped
+    elif fraction <= 0.0:
+        flags["moe_eval_capacity_factor"] = 1.0
+        notes.append("--moe-eval-capacity-token-fraction <= 0: evaluation used the training capacity 2*ceil(S/E); "
+                     "imported as --moe-eval-capacity-factor 1 (the same count, but S here excludes pad tokens)")
+    else:
+        flags["moe_eval_capacity_factor"] = fraction * experts / 2
+        notes.append(f"--moe-eval-capacity-token-fraction {fraction:g}: evaluation capacity ceil({fraction:g}*S) slots "
+                     f"per expert; imported as --moe-eval-capacity-factor {fraction * experts / 2:g} "
+                     f"(2*int(cf*ceil(S/E)) slots: the same up to rounding, and S here excludes pad tokens); pass "
+                     f"--moe-eval-capacity-factor 0 to drop nothing")
+    if not _get(options, "moe_normalize_gate_prob_before_dropping", False):
+        notes.append("gates renormalised after capacity dropping in the branch (a token whose second slot is dropped "
+                     "keeps gate 1 on its first); here before dropping: identical wherever nothing is dropped "
+                     "(evaluation with --moe-eval-capacity-factor 0)")
+    if not _get(options, "moe_gating_use_fp32", False):
+        notes.append("the branch routed in the activation dtype (no --moe-gating-use-fp32); routing runs in fp32 here")
+    if not _get(options, "use_moe_pad_mask", False):
+        notes.append("the branch routed pad tokens too (no --use-moe-pad-mask), where they took capacity; pad tokens "
+                     "are never routed here")
+    grad = str(_get(options, "moe_normalize_expert_grad", "world_size"))
+    notes.append(f"training only: the branch's balance loss mean(me*ce)*E^2 (here E*sum(me*ce), the same value), "
+                 f"--moe-normalize-expert-grad {grad} and --moe-local-drop are not reproduced; dropout after the MoE "
+                 f"block is fairseq's --dropout here (the branch applied it inside each expert)")
+    if not math.isfinite(fraction):
+        raise CheckpointSetError(f"{path} has --moe-eval-capacity-token-fraction {fraction}: not a number of slots")
+    return flags, notes

@@ -1,0 +1,16 @@
+"""Fixtures of the checkpoint tests."""
+
+from pathlib import Path
+
+import pytest
+
+from fake_checkpoints import full_state
+from fairseq_moe_ext import checkpoint as moe_ckpt
+
+
+@pytest.fixture
+def a_set(tmp_path) -> Path:
+    """A 2-worker set ``set/checkpoint_last`` written by the checkpoint tool's code."""
+    (tmp_path / "set").mkdir()
+    moe_ckpt.save_set(full_state(), str(tmp_path / "set" / "checkpoint_last"), 2)
+    return tmp_path / "set"

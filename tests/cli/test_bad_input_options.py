@@ -1,0 +1,115 @@
+"""Bad input, round three: numeric options outside what holds them, resumes that would change what the
+saved weights compute, --moe-upcycle-from given a set or skipped for a checkpoint it cannot load, and
+a tool's output under a regular file. The same table-driven runner as tests/cli/test_bad_input.py (each
+case through the real command line: a non-zero exit, one last line naming the problem and the fix,
+no file changed or added); a full disk is tests/cli/test_disk_full.py (it needs a filesystem mounted to
+fill up). The resume policy's every row, in process: tests/fairseq/test_resume_policy.py; every numeric
+option against every kind of bad value: tests/fairseq/test_option_ranges.py.
+"""
+
+import re
+
+import pytest
+
+from bad_input_makers import fresh_training, resume
+from bad_input_runner import SET, Case, check_case, checkpoint_tool, copy_of, fairseq_train, train_args
+from fairseq_helpers import run_fairseq
+
+pytestmark = pytest.mark.slow
+FUNCTION_FIX = "or use a new --save-dir, or add --moe-allow-function-change to train on from these weights"
+
+
+def training_upcycled_from(source: str, into: str = "new") -> object:
+    """fairseq-train --moe-upcycle-from <source's checkpoint_last.pt> --moe-normalize-gate, into a new
+    save dir or (``into="dense"``) a copy of the dense run's save dir."""
+
+    def make(inputs, work):
+        save_dir = copy_of(inputs.dense, work) if into == "dense" else work / "ck"
+        named = work / "missing" / "checkpoint_last.pt" if source == "missing" else \
+            getattr(inputs, source) / "checkpoint_last.pt"
+        args = train_args(inputs.data, save_dir, "--max-update", "2", "--moe-normalize-gate",
+                          "--moe-upcycle-from", str(named))
+        return args, [save_dir, getattr(inputs, source) if source != "missing" else work]
+
+    return make
+
+
+def merge_under_a_regular_file(inputs, work):
+    source = copy_of(inputs.set, work, "in")
+    (work / "notes.txt").write_text("a file, not a directory")
+    return ["merge", source / "checkpoint_last.pt", work / "notes.txt" / "checkpoint_last.pt"], [source, work]
+
+
+CASES = [
+    # -- numeric options outside the range of what holds them (every option: tests/fairseq/test_option_ranges.py)
+    Case("bias-update-rate-beyond-fp32", fairseq_train,
+         fresh_training("--moe-balance", "bias", "--moe-bias-update-rate", "1e39"), "ValueError",
+         "--moe-bias-update-rate 1e+39 is more than the fp32 balance bias it moves can hold (at most 3.40282e+38)",
+         "use e.g. 0.001"),
+    Case("comm-timeout-beyond-a-timedelta", fairseq_train, fresh_training("--moe-comm-timeout", "1e39"), "ValueError",
+         "--moe-comm-timeout 1e+39 is more than a timedelta (torch's process-group timeout) can hold (at most "
+         "8.64e+13)", "use e.g. 600"),
+    Case("gate-loss-weight-beyond-fp32", fairseq_train, fresh_training("--moe-gate-loss-wt", "1e39"), "ValueError",
+         "--moe-gate-loss-wt 1e+39 is more than the fp32 loss it multiplies can hold", "use e.g. 0.01 (the default)"),
+    # -- resumes that would change what the saved weights compute (every row: tests/fairseq/test_resume_policy.py)
+    Case("resume-with-the-sigmoid-router", fairseq_train, resume("--moe-router", "sigmoid"), "ValueError",
+         "was trained with --moe-router top and this run has --moe-router sigmoid, which changes what the saved "
+         "weights compute", "resume with --moe-router top, " + FUNCTION_FIX),
+    Case("resume-with-another-top-k", fairseq_train, resume("--moe-top-k", "1"), "ValueError",
+         "was trained with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute",
+         "resume with --moe-top-k 2, " + FUNCTION_FIX),
+    Case("resume-with-gates-normalised", fairseq_train, resume("--moe-normalize-gate"), "ValueError",
+         "was trained with no --moe-normalize-gate and this run has --moe-normalize-gate, which changes what the "
+         "saved weights compute", "resume without --moe-normalize-gate, " + FUNCTION_FIX),
+    Case("resume-with-another-activation", fairseq_train, resume("--activation-fn", "gelu"), "ValueError",
+         "was trained with --activation-fn relu and this run has --activation-fn gelu, which changes what the saved "
+         "weights compute", "resume with --activation-fn relu, " + FUNCTION_FIX),
+    Case("resume-a-dense-checkpoint-as-an-moe", fairseq_train, resume(source="dense"), "ValueError",
+         "checkpoint_last.pt is a dense fairseq checkpoint (no MoE layers), which this MoE model cannot load",
+         "start an MoE from it with --moe-upcycle-from"),
+    # -- --moe-upcycle-from resolves names as the other tools do, and says when it was skipped
+    Case("train-upcycled-from-a-sets-plain-name", fairseq_train, training_upcycled_from("set"), SET,
+         "checkpoint_last.pt is already an MoE checkpoint (a set of per-rank files)",
+         "upcycling starts from a dense fairseq checkpoint; train on from this one with --restore-file"),
+    Case("train-upcycled-from-a-missing-checkpoint", fairseq_train, training_upcycled_from("missing"), SET,
+         "no checkpoint named", "pass the dense checkpoint's file"),
+    Case("train-upcycled-into-a-save-dir-holding-a-dense-checkpoint", fairseq_train,
+         training_upcycled_from("dense", into="dense"), "ValueError",
+         "checkpoint_last.pt was skipped because --save-dir", "to upcycle, give this run a new --save-dir"),
+    # -- the checkpoint tool's output path
+    Case("merge-into-a-path-under-a-regular-file", checkpoint_tool, merge_under_a_regular_file, "error",
+         "notes.txt is a file, not a directory", "choose an output name inside a directory"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_bad_input_fails_fast_with_one_line_naming_the_problem_and_the_fix_and_changes_no_file(case, started):
+    check_case(case, started[case.id])
+
+
+def test_the_skipped_upcycle_names_the_checkpoint_it_found_and_why_it_cannot_load(started):
+    """The whole line of the skipped --moe-upcycle-from: why it was skipped, and the loader's reason."""
+    run = started["train-upcycled-into-a-save-dir-holding-a-dense-checkpoint"]
+    output = run.future.result()
+    assert re.search(r"ValueError: --moe-upcycle-from \S+/checkpoint_last\.pt was skipped because --save-dir (\S+) "
+                     r"already holds \1/checkpoint_last\.pt \(a restarted run resumes its own checkpoint\), and this "
+                     r"model cannot load that one \(\1/checkpoint_last\.pt is a dense fairseq checkpoint \(no MoE "
+                     r"layers\), which this MoE model cannot load\): to upcycle, give this run a new --save-dir$",
+                     output, flags=re.M), output[-3000:]
+
+
+def test_a_resume_changing_options_that_may_change_and_an_overridden_top_k_trains_on_logging_each_change(
+        checkpoints, tmp_path):
+    inputs = checkpoints.result()
+    save_dir = copy_of(inputs.single, tmp_path)
+    output = run_fairseq("train", *train_args(
+        inputs.data, save_dir, "--max-update", "4", "--moe-eval-capacity-factor", "1.0", "--moe-comm-timeout", "900",
+        "--moe-gate-loss-wt", "0.1", "--moe-top-k", "1", "--moe-allow-function-change"), timeout=300)
+    for logged in ("resuming: {} was trained with --moe-eval-capacity-factor 0.0 and this run has "
+                   "--moe-eval-capacity-factor 1.0",
+                   "resuming: {} was trained with --moe-comm-timeout 600.0 and this run has --moe-comm-timeout 900.0",
+                   "resuming: {} was trained with --moe-gate-loss-wt 0.01 and this run has --moe-gate-loss-wt 0.1",
+                   "WARNING | fairseq_moe_ext.training.resume_policy | --moe-allow-function-change: {} was trained "
+                   "with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute"):
+        assert logged.format(save_dir / "checkpoint_last.pt") in output, logged
+    assert re.search(r"num_updates 4\b", output), output[-3000:]

@@ -1,0 +1,114 @@
+"""``--ddp-backend fully_sharded`` through the real command line: 2 torchrun workers (gloo) save an
+ordinary checkpoint set, which resumes bit-exactly under fully_sharded, moves to legacy_ddp and
+back, generates like a legacy_ddp set and goes through merge and inspect unchanged."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, torchrun
+from full_precision_logs import carries_every_digit
+from paths import SUPPORT
+
+pytestmark = pytest.mark.slow
+TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
+
+
+def train_args(data, save_dir, max_update, backend):
+    return [
+        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
+        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4",
+        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--clip-norm", "1.0",
+        "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+        "--log-format", "json", "--log-interval", "1", "--ddp-backend", backend,
+    ]
+
+
+def losses_by_update(output):
+    return {int(r["num_updates"]): float(r["loss"]) for r in json_logs(output)}
+
+
+def train(data, save_dir, max_update, backend):
+    return torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, save_dir, max_update, backend))
+
+
+@pytest.fixture(scope="module")
+def runs(parallel_data, tmp_path_factory):
+    """fully_sharded to update 4 (saved: ``fs_at4``) and uninterrupted to 8; legacy_ddp to update 4."""
+    root = tmp_path_factory.mktemp("fully_sharded")
+    train(parallel_data, root / "fs", 4, "fully_sharded")
+    shutil.copytree(root / "fs", root / "fs_at4")
+    train(parallel_data, root / "legacy", 4, "legacy_ddp")
+    shutil.copytree(root / "legacy", root / "legacy_at4")
+    uninterrupted = train(parallel_data, root / "fs_full", 8, "fully_sharded")
+    return {"root": root, "data": parallel_data, "want": losses_by_update(uninterrupted)}
+
+
+def resumed_losses(runs, start, backend, tmp_path):
+    save_dir = tmp_path / "resume"
+    shutil.copytree(runs["root"] / start, save_dir)
+    output = train(runs["data"], save_dir, 8, backend)
+    assert "loading set" in output
+    return losses_by_update(output)
+
+
+def test_a_fully_sharded_set_resumes_under_fully_sharded_bit_exactly(runs, tmp_path):
+    got = resumed_losses(runs, "fs_at4", "fully_sharded", tmp_path)
+    assert sorted(got) == [5, 6, 7, 8] and carries_every_digit(got.values())
+    assert all(got[u] == runs["want"][u] for u in got), (got, runs["want"])
+
+
+@pytest.mark.parametrize("start, backend", [("fs_at4", "legacy_ddp"), ("legacy_at4", "fully_sharded")])
+def test_a_set_moves_between_fully_sharded_and_legacy_ddp_and_trains_on_alike(runs, tmp_path, start, backend):
+    """Only the order of the shared gradients' sums differs between the backends (all-reduce against
+    reduce-scatter): the losses agree to float rounding."""
+    got = resumed_losses(runs, start, backend, tmp_path)
+    assert sorted(got) == [5, 6, 7, 8]
+    for update, loss in got.items():
+        assert loss == pytest.approx(runs["want"][update], rel=1e-5), (update, got, runs["want"])
+
+
+def test_a_fully_sharded_set_is_an_ordinary_set_that_generates_like_legacy_ddp_and_merges(runs, tmp_path):
+    fs, legacy = runs["root"] / "fs_at4", runs["root"] / "legacy_at4"
+    for save_dir in (fs, legacy):
+        manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())
+        assert manifest["world_size"] == 2 and manifest["num_updates"] == 4
+    states = [torch.load(d / "checkpoint_last-rank-0-of-2.pt", weights_only=False) for d in (fs, legacy)]
+    assert states[0]["model"].keys() == states[1]["model"].keys()
+    for name, value in states[0]["model"].items():  # whole tensors, the shared ones stored by rank 0
+        assert value.shape == states[1]["model"][name].shape, name
+        torch.testing.assert_close(value, states[1]["model"][name], rtol=1e-4, atol=1e-5, msg=name)
+    slots = states[0]["last_optimizer_state"]["state"]
+    assert slots.keys() == states[1]["last_optimizer_state"]["state"].keys()
+    assert all(not hasattr(v, "device_mesh") for s in slots.values() for v in s.values())
+
+    hypotheses = [generate(runs["data"], d / "checkpoint_last.pt") for d in (fs, legacy)]
+    assert hypotheses[0].keys() == hypotheses[1].keys() and len(hypotheses[0]) > 10
+    same = sum(hypotheses[0][i][1] == hypotheses[1][i][1] for i in hypotheses[0])
+    assert same >= 0.9 * len(hypotheses[0]), f"{same} of {len(hypotheses[0])} hypotheses alike"
+
+    merged = tmp_path / "merged.pt"
+    checkpoint_tool("merge", fs / "checkpoint_last.pt", merged)
+    inspected = checkpoint_tool("inspect", fs / "checkpoint_last.pt")
+    assert "VERDICT OK: shared parameters are stored once (rank 0)" in inspected
+    assert "VERDICT OK: every expert is distinct" in inspected
+    assert torch.load(merged, weights_only=False)["model"].keys() == states[0]["model"].keys()
+
+
+def generate(data, path):
+    import re
+
+    output = run_fairseq("generate", str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
+                         "--max-tokens", "2000", "--num-workers", "0")
+    return {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
+
+
+def checkpoint_tool(*args):
+    done = subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)], check=True,
+                          env=fairseq_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return done.stdout

@@ -1,0 +1,19 @@
+"""Fixtures of the in-process fairseq tests."""
+
+import pytest
+from fairseq.data import Dictionary
+
+from fairseq_helpers import VOCAB
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A data directory of dictionaries only (dict.src.txt, dict.tgt.txt, dict.txt), enough to build
+    the models of tests/support/tiny_fairseq_models.py."""
+    root = tmp_path_factory.mktemp("dictionaries")
+    for name, prefix in (("dict.src.txt", "s"), ("dict.tgt.txt", "t"), ("dict.txt", "w")):
+        dictionary = Dictionary()
+        for i in range(VOCAB):
+            dictionary.add_symbol(f"{prefix}{i}")
+        dictionary.save(str(root / name))
+    return root

@@ -1,0 +1,182 @@
+"""``python -m fairseq_moe_ext.checkpoint import-fairseq-moe``: a moe/nllb-branch set (written here in
+that branch's layout, tests/support/branch_sets.py) becomes a checkpoint this project's fairseq models load
+and compute the same function with; what it cannot represent is refused in one line, writing nothing."""
+
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from branch_sets import branch_model_options, write_branch_set
+from fake_checkpoints import fingerprint
+from tiny_fairseq_models import translation, translation_batch
+from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+
+pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
+EXPERTS = 4
+
+
+@pytest.fixture(scope="module")
+def model(data):  # noqa: F811
+    built = translation(data, "--moe-expert-count", str(EXPERTS), "--moe-normalize-gate",
+                        "--moe-eval-capacity-factor", "0")
+    built.model.eval()
+    return built
+
+
+def model_args(built):
+    return built.model.args if hasattr(built.model, "args") else built.model.cfg
+
+
+def branch_options(data, **changes):  # noqa: F811
+    from fairseq import options as fairseq_options
+    from fairseq_helpers import USER_DIR
+
+    parser = fairseq_options.get_training_parser()
+    args = fairseq_options.parse_args_and_arch(parser, [
+        str(data), "--user-dir", USER_DIR, "--task", "translation", "--arch", "moe_transformer_tiny", "--cpu",
+        "--source-lang", "src", "--target-lang", "tgt", "--moe-expert-count", str(EXPERTS)])
+    return branch_model_options(args, EXPERTS, **changes)
+
+
+def logits(model, task):
+    with torch.no_grad():
+        return model(**translation_batch(task)["net_input"])[0]
+
+
+def imported_model(path, task):
+    models, _ = checkpoint_utils.load_model_ensemble([str(path)], task=task)
+    return models[0].eval()
+
+
+@pytest.mark.parametrize("ranks, workers", [(1, 1), (2, 1), (4, 2), (8, 1), (8, 4)],
+                         ids=["one-rank-file", "two-experts-per-rank", "into-2-workers", "replicas", "replicas-into-4"])
+def test_an_imported_branch_set_loads_into_moe_transformer_and_computes_the_same_logits(
+        data, model, tmp_path, capsys, ranks, workers):  # noqa: F811
+    prefix = write_branch_set(tmp_path / "nllb" / "checkpoint_best", model.model.state_dict(), branch_options(data),
+                              ranks)
+    (tmp_path / "out").mkdir()
+    assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "out" / "imported.pt"),
+                            "--world-size", str(workers)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{ranks} rank files + shared" in printed and f"{EXPERTS} experts" in printed
+    assert "--moe-eval-capacity-factor 0.0" in printed and "--moe-normalize-gate True" in printed
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == (["imported.pt"] if workers == 1 else
+                     [f"imported-rank-{r}-of-{workers}.pt" for r in range(workers)] + ["imported.set.json"])
+    assert torch.equal(logits(imported_model(tmp_path / "out" / "imported.pt", model.task), model.task),
+                       logits(model.model, model.task))
+
+
+def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_as_notes(data, model, tmp_path,
+                                                                                       capsys):  # noqa: F811
+    options = branch_options(data, moe_second_expert_policy="sampling", moe_eval_capacity_token_fraction=0.5,
+                             encoder_moe_freq=1, moe_freq=2)
+    prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), options, 2, cfg_as_dict=False)
+    assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt")]) == 0
+    printed = capsys.readouterr().out
+    assert "NOTE --moe-second-expert-policy sampling" in printed
+    assert f"--moe-eval-capacity-factor {0.5 * EXPERTS / 2:g}" in printed  # ceil(0.5 S) ~ 2 int(cf ceil(S/E))
+    assert "--encoder-moe-freq 2" in printed  # max(encoder_moe_freq, moe_freq), as the branch's encoder reads it
+    state = torch.load(tmp_path / "imported.pt", weights_only=False)
+    assert state["args"].arch == "moe_transformer" and state["args"].moe_eval_capacity_factor == 1.0
+    assert "last_optimizer_state" not in state and state["moe"]["num_updates"] == 300
+
+
+def test_import_streams_one_rank_file_at_a_time_and_writes_each_output_file_once_complete(
+        data, model, tmp_path, monkeypatch):  # noqa: F811
+    from fairseq_moe_ext.checkpoint import branch_import, branch_set
+
+    prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), branch_options(data), 4)
+    events, real_load, real_save = [], branch_set.safe_load, torch.save
+    monkeypatch.setattr(branch_import.BranchSet.__init__, "__defaults__", (lambda p: events.append(("load", p.split("-")[-1])) or real_load(p),))
+    monkeypatch.setattr(branch_import.torch, "save", lambda s, p: events.append(("save", p.split("-")[-3])) or real_save(s, p))
+    branch_import.import_branch_set(str(prefix), str(tmp_path / "imported.pt"), 4, report=lambda line: None)
+    assert events == [("load", "shared.pt"), ("load", "0.pt"), ("save", "0"), ("load", "1.pt"), ("save", "1"),
+                      ("load", "2.pt"), ("save", "2"), ("load", "3.pt"), ("save", "3")]
+
+
+# ---------------------------------------------------------------- bad input: one line, nothing written
+
+def _remove(name):
+    return lambda d: (d / name).unlink()
+
+
+def _copy(src, dst):
+    return lambda d: (d / dst).write_bytes((d / src).read_bytes())
+
+
+def _truncate(name):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:300])
+
+
+def _edit_rank(name, edit):
+    def damage(d):
+        state = torch.load(d / name, weights_only=False)
+        edit(state["model"])
+        torch.save(state, d / name)
+    return damage
+
+
+def _narrow_fc1(model):
+    key = next(k for k in model if k.endswith("fc1.weight"))
+    model[key] = model[key][:-1]
+
+
+def _nudge_expert(model):
+    key = next(k for k in model if k.endswith("fc2.bias"))
+    model[key] = model[key] + 1e-3
+
+
+def _add_key(model):
+    model["decoder.embed_tokens.weight"] = torch.zeros(3, 3)
+
+
+def _hf_dir(d):
+    (d.parent / "hf").mkdir()
+    (d.parent / "hf" / "config.json").write_text('{"model_type": "nllb-moe"}')
+
+
+def _fsdp_shards(d):
+    for f in list(d.iterdir()):
+        if f.suffix == ".pt":
+            f.rename(f.with_name(f.stem + "-shard0.pt"))
+
+
+BAD_BRANCH_SETS = [
+    # (id, rank files, option changes, damage, prefix (default the set's), the one line says)
+    ("missing-rank-file", 4, {}, _remove("ck-rank-2.pt"), None, "ck-rank-2.pt is missing (found ranks [0, 1, 3])"),
+    ("missing-last-rank-file", 4, {}, _remove("ck-rank-3.pt"), None, "ck-rank-3.pt is missing: the run had 4 workers"),
+    ("extra-rank-file", 4, {}, _copy("ck-rank-3.pt", "ck-rank-4.pt"), None, "an extra rank file from another run"),
+    ("missing-shared-file", 4, {}, _remove("ck-shared.pt"), None, "ck-shared.pt is missing"),
+    ("shapes-disagree", 4, {}, _edit_rank("ck-rank-2.pt", _narrow_fc1), None, "has shape [127, 64], but"),
+    ("replicas-differ", 8, {}, _edit_rank("ck-rank-5.pt", _nudge_expert), None, "hold different copies of expert 1"),
+    ("truncated-pickle", 4, {}, _truncate("ck-rank-1.pt"), None, "ck-rank-1.pt is damaged or incomplete"),
+    ("another-models-keys", 4, {}, _edit_rank("ck-rank-1.pt", _add_key), None,
+     "holds decoder.embed_tokens.weight, which is not a branch expert parameter"),
+    ("cmr-gating", 2, {"moe_cmr": True}, None, None, "--moe-cmr True (CMR gating"),
+    ("final-output-masking", 2, {"moe_fom": 0.1}, None, None, "--moe-fom 0.1 (final output masking"),
+    ("expert-output-masking", 2, {"moe_eom": 0.1}, None, None, "--moe-eom 0.1 (Expert Output Masking"),
+    ("unknown-gate-option", 2, {"moe_second_expert_policy": "best"}, None, None,
+     "--moe-second-expert-policy 'best', which the branch's top-2 gate does not define"),
+    ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),
+    ("fsdp-sharded-files", 2, {}, _fsdp_shards, None, "is an FSDP-sharded branch file: consolidate the shards"),
+]
+
+
+@pytest.mark.parametrize("ranks, changes, damage, prefix, message", [row[1:] for row in BAD_BRANCH_SETS],
+                         ids=[row[0] for row in BAD_BRANCH_SETS])
+def test_a_bad_branch_set_is_refused_in_one_line_and_nothing_is_written(
+        data, model, tmp_path, capsys, ranks, changes, damage, prefix, message):  # noqa: F811
+    source = tmp_path / "nllb"
+    write_branch_set(source / "ck", model.model.state_dict(), branch_options(data, **changes), ranks)
+    if damage is not None:
+        damage(source)
+    out = tmp_path / "out"
+    out.mkdir()
+    before = fingerprint(source)
+    code = checkpoint_tool(["import-fairseq-moe", str(source / (prefix or "ck")), str(out / "imported.pt"),
+                            "--world-size", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert fingerprint(out) == {} and fingerprint(source) == before

@@ -1,0 +1,200 @@
+"""What may change when a run resumes, option by option (``training/resume_policy.POLICY``).
+
+One test per row: an option that changes what the saved weights compute is refused in one line
+naming the flag, both values and the fix (and resumes, logged as a warning, with
+--moe-allow-function-change); an option that may change resumes and is logged; an option that gives
+the model other parameters is refused by the parameter check, naming the flag or the tensor, whatever
+the override says. The command-line cases are rows of tests/cli/test_bad_input_options.py.
+"""
+
+import argparse
+import logging
+
+import pytest
+from fairseq import options, tasks, utils
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+from fairseq_helpers import USER_DIR
+from fairseq_moe_ext.checkpoint.compat import check_resumable
+from fairseq_moe_ext.training.resume_policy import (
+    CHANGES_FUNCTION,
+    CHANGES_PARAMETERS,
+    OVERRIDE_FLAG,
+    POLICY,
+    check_resume_policy,
+)
+from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
+from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default, moe_freq
+
+pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
+PATH = "ck/checkpoint_last.pt"
+
+# option -> (what a change of it does on resume, value the checkpoint was trained with, value this run
+# has); written here, not read from the policy. Criterion options live in the criterion's section.
+FUNCTION, FREE = "refused unless overridden", "resumes, logged"
+CHANGED = {
+    "moe_router": (FUNCTION, "top", "sigmoid"),
+    "moe_top_k": (FUNCTION, 2, 1),
+    "moe_normalize_gate": (FUNCTION, False, True),
+    "activation_fn": (FUNCTION, "relu", "gelu"),
+    "moe_capacity_factor": (FREE, 1.25, 2.0),
+    "moe_eval_capacity_factor": (FREE, 0.0, 1.0),
+    "moe_batch_prioritized_routing": (FREE, False, True),
+    "moe_gate_noise": (FREE, 0.0, 1.0),
+    "moe_bias_update_rate": (FREE, None, 0.01),  # None: the default rate, 0.001
+    "moe_gating_no_fp32": (FREE, False, True),
+    "moe_gating_use_fp32": (FREE, False, True),
+    "moe_expert_parallel_size": (FREE, None, 2),
+    "moe_comm_timeout": (FREE, 1800.0, 600.0),
+    "moe_deterministic": (FREE, False, True),
+    "moe_restore_fallback": (FREE, False, True),
+    "moe_allow_function_change": (FREE, False, True),
+    "moe_upcycle_from": (FREE, "dense/checkpoint_last.pt", None),
+    "moe_upcycle_noise": (FREE, 0.0, 0.001),
+    "moe_upcycle_router_std": (FREE, 0.0, 0.01),
+    "moe_gate_loss_wt": (FREE, 0.01, 0.1),
+    "moe_z_loss_wt": (FREE, 0.0, 0.001),
+    "moe_gate_loss_combine_method": (FREE, "average", "sum"),
+    "moe_hide_expert_load": (FREE, False, True),
+}
+
+
+CRITERION_OPTIONS = {name for name in MoELossConfig.__dataclass_fields__ if name.startswith("moe_")}
+
+
+def spelled(name, value):
+    """How a value is named in the messages: a flag that takes no value is given or not, an unset
+    one is unset, an unset rate is the default rate the run uses."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"no {flag}"
+    if value is None:
+        return f"{flag} 0.001" if name == "moe_bias_update_rate" else f"{flag} unset"
+    return f"{flag} {value}"
+
+
+def configs(name, saved_value, current_value):
+    """The checkpoint's cfg and this run's model and criterion sections, equal but for ``name``."""
+    model = {n: moe_default(n) for n in MOE_OPTIONS}
+    model.update(activation_fn="relu", moe_balance="bias")  # bias: its rate is read
+    criterion = {name: getattr(MoELossConfig(), name) for name in CRITERION_OPTIONS}
+    section = "criterion" if name in CRITERION_OPTIONS else "model"
+    saved = {"model": dict(model), "criterion": dict(criterion)}
+    saved[section][name] = saved_value
+    current = {"model": argparse.Namespace(**model), "criterion": argparse.Namespace(**criterion)}
+    setattr(current[section], name, current_value)
+    return saved, current
+
+
+def test_every_moe_option_and_the_expert_activation_has_a_row():
+    assert set(POLICY) == set(MOE_OPTIONS) | CRITERION_OPTIONS | {"activation_fn"}
+    assert {name for name, rule in POLICY.items() if rule.kind != CHANGES_PARAMETERS} == set(CHANGED)
+
+
+FUNCTION_ROWS = [name for name, (kind, _, _) in CHANGED.items() if kind == FUNCTION]
+FREE_ROWS = [name for name, (kind, _, _) in CHANGED.items() if kind == FREE]
+
+
+@pytest.mark.parametrize("name", FUNCTION_ROWS)
+def test_an_option_that_changes_what_the_weights_compute_is_refused_in_one_line_unless_overridden(name, caplog):
+    _, was, now = CHANGED[name]
+    saved, current = configs(name, was, now)
+    with pytest.raises(ValueError) as refused:
+        check_resume_policy(PATH, saved, current["model"], current["criterion"], allow_function_change=False)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith(f"{PATH} was trained with {spelled(name, was)} and this run has {spelled(name, now)}, "
+                           f"which {CHANGES_FUNCTION}"), line
+    fix = f"resume without --{name.replace('_', '-')}" if was is False else f"resume with {spelled(name, was)}"
+    assert f": {fix}, or use a new --save-dir, or add {OVERRIDE_FLAG}" in line, line
+    with caplog.at_level(logging.INFO):
+        logged = check_resume_policy(PATH, saved, current["model"], current["criterion"], allow_function_change=True)
+    assert len(logged) == 1 and logged[0].startswith(f"{OVERRIDE_FLAG}: {PATH} was trained with {spelled(name, was)}")
+    assert [r.levelno for r in caplog.records if r.getMessage() == logged[0]] == [logging.WARNING]
+
+
+@pytest.mark.parametrize("name", FREE_ROWS)
+def test_an_option_that_may_change_on_resume_resumes_and_the_change_is_logged(name, caplog):
+    _, was, now = CHANGED[name]
+    saved, current = configs(name, was, now)
+    with caplog.at_level(logging.INFO):
+        logged = check_resume_policy(PATH, saved, current["model"], current["criterion"], allow_function_change=False)
+    assert len(logged) == 1 and "it may change on resume" in logged[0]
+    assert logged[0].startswith(f"resuming: {PATH} was trained with {spelled(name, was)} and this run has "), logged[0]
+    assert [r.levelno for r in caplog.records if r.getMessage() == logged[0]] == [logging.INFO]
+
+
+def test_an_unchanged_option_and_one_the_checkpoint_does_not_record_log_nothing():
+    saved, current = configs("moe_top_k", 2, 2)
+    del saved["model"]["moe_normalize_gate"]  # a checkpoint written before the option existed
+    current["model"].moe_normalize_gate = True
+    assert check_resume_policy(PATH, saved, current["model"], current["criterion"], False) == []
+
+
+# ------------------------------------------------------------------ options that give other parameters
+
+def build(data, *flags):
+    """A moe_transformer_tiny model as fairseq-train builds it, and its cfg."""
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        str(data), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
+        "--arch", "moe_transformer_tiny", "--cpu", "--seed", "1", *flags,
+    ])
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.set_torch_seed(cfg.common.seed)
+    return tasks.setup_task(cfg.task).build_model(cfg.model), cfg
+
+
+# option -> (flags the checkpoint was trained with, this run's flags, what the refusal names)
+OTHER_PARAMETERS = {
+    "moe_expert_count": ([], ["--moe-expert-count", "8"], "holds 4 experts in encoder.layers.1.fc1, this model 8: "
+                         "resume with the checkpoint's --moe-expert-count"),
+    "moe_freq": ([], ["--moe-freq", "1"], "was trained with --moe-freq 2 and this run has --moe-freq 1, which gives "
+                 "the model other parameters: resume with --moe-freq 2"),
+    "encoder_moe_freq": ([], ["--encoder-moe-freq", "1"], "was trained with --moe-freq 2 and this run has "
+                         "--encoder-moe-freq 1, which gives the model other parameters"),
+    "decoder_moe_freq": ([], ["--decoder-moe-freq", "1"], "was trained with --moe-freq 2 and this run has "
+                         "--decoder-moe-freq 1, which gives the model other parameters"),
+    "moe_expert_ffn_dim": ([], ["--moe-expert-ffn-dim", "256"], "does not fit this model: "
+                           "encoder.layers.1.fc1.experts.batched_fc1_w is (4, 128, 64) there and (4, 256, 64) here"),
+    "moe_shared_expert_count": ([], ["--moe-shared-expert-count", "1"], "was trained with --moe-shared-expert-count 0 "
+                                "and this run has --moe-shared-expert-count 1, which gives the model other parameters"),
+    "moe_shared_expert_ffn_dim": (["--moe-shared-expert-count", "1"],
+                                  ["--moe-shared-expert-count", "1", "--moe-shared-expert-ffn-dim", "64"],
+                                  "does not fit this model: encoder.layers.1.fc1.shared_experts"),
+    "moe_balance": ([], ["--moe-balance", "bias"], "was trained with --moe-balance none and this run has --moe-balance "
+                    "bias, which gives the model other parameters"),
+}
+
+
+def test_every_row_that_changes_the_parameters_has_a_case_here():
+    assert {name for name, rule in POLICY.items() if rule.kind == CHANGES_PARAMETERS} == set(OTHER_PARAMETERS)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_PARAMETERS))
+def test_an_option_that_gives_the_model_other_parameters_is_refused_by_the_parameter_check_override_or_not(data, name):
+    trained_flags, flags, names = OTHER_PARAMETERS[name]
+    saved_model, saved_cfg = build(data, *trained_flags)
+    model, cfg = build(data, *flags, "--moe-allow-function-change")
+    state = {"model": saved_model.state_dict(), "cfg": {"model": saved_cfg.model}}
+    with pytest.raises(ValueError) as refused:
+        check_resumable(PATH, state, model, 1, cfg.model, moe_freq)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(PATH) and names in line, line
+    assert line.endswith(", or use a new --save-dir"), line
+
+
+def test_a_skipped_upcycle_rewords_a_checkpoint_that_cannot_load_but_not_a_policy_refusal():
+    """--moe-upcycle-from skipped for the save dir's checkpoint: a checkpoint this model cannot load
+    gets the skip's line; one the policy refuses would load, and keeps its own line and fix."""
+    from fairseq_moe_ext.fairseq_integration.loading import refuses_the_checkpoint
+
+    saved, current = configs("moe_top_k", 2, 1)
+    with pytest.raises(ValueError) as policy:
+        check_resume_policy(PATH, saved, current["model"], current["criterion"], allow_function_change=False)
+    assert not refuses_the_checkpoint(policy.value)
+    assert refuses_the_checkpoint(ValueError(f"{PATH} is a dense fairseq checkpoint (no MoE layers), which this MoE "
+                                             f"model cannot load: ..."))
+    assert refuses_the_checkpoint(Exception(f"Cannot load model parameters from checkpoint {PATH}; please ensure "
+                                            f"that the architectures match."))
+    assert not refuses_the_checkpoint(RuntimeError("MoE all-to-all of token rows across 2 workers failed"))

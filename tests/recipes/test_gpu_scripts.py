@@ -1,0 +1,109 @@
+"""The GPU one-shot (benchmarks/gpu_oneshot.sh) is ready for the first lent GPU: its CPU dry run
+passes every check a CPU can run under the GPU machine's package list, says SKIP (cuda) for the
+rest, keeps to the deadline and to what $OUT may hold, and a missing python or torch is said as such."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from paths import REPO_ROOT as ROOT
+ONESHOT = ROOT / "benchmarks" / "gpu_oneshot.sh"
+
+
+def oneshot(tmp_path, timeout=600, **env):
+    out = tmp_path / "out"
+    values = dict(os.environ, OUT=str(out), ONESHOT_WORK=str(tmp_path / "work"), PYTHON=sys.executable,
+                  CUDA_VISIBLE_DEVICES="")
+    values.update(env)
+    done = subprocess.run(["bash", str(ONESHOT)], cwd=ROOT, env=values, capture_output=True, text=True, timeout=timeout)
+    summary = (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").exists() else []
+    return done, summary, out
+
+
+def status_of(summary):
+    """{check name: status} of the summary lines."""
+    return {line.split(" ", 2)[1].rstrip(":"): line.split(" ", 1)[0] for line in summary if " " in line}
+
+
+@pytest.mark.slow
+def test_the_cpu_dry_run_passes_every_check_a_cpu_can_run_and_skips_only_what_needs_cuda(tmp_path):
+    done, summary, out = oneshot(tmp_path, ONESHOT_DRY_RUN="1")
+    assert done.returncode == 0, "\n".join(summary) + done.stdout[-3000:] + done.stderr[-3000:]
+    status = status_of(summary)
+    assert [s for s in summary if s.startswith("FAIL")] == []
+    assert summary[-1].startswith("DONE oneshot: ") and " 0 FAIL" in summary[-1]
+    # The plugin is imported and a model built before anything else runs.
+    assert next(s for s in summary if s.startswith(("PASS", "FAIL"))).startswith("PASS env_plugin_model")
+    must_pass = ["env_versions", "env_imports", "layer_precision[pure_bf16]", "layer_bitwise_repeat[fp32,loop]",
+                 "grouped_mm[E=8,0,1,7]", "grouped_mm[E=16,all_empty]", "groups_one_rank[padding]",
+                 "groups_two_ranks[expert_parallel_capacity]", "groups_two_ranks[replicas]",
+                 "groups_two_ranks[pad_only_rank]", "groups_two_ranks[lockstep_uneven]", "bench_layer[E=64]",
+                 "fairseq_fp32", "fairseq_bf16", "fairseq_combined_bf16", "fairseq_deterministic",
+                 "fairseq_two_ranks_gloo", "fairseq_generate"]
+    must_pass += [f"layer_reference[{r},{m}]" for r in ("top", "cosine", "sigmoid")
+                  for m in ("dropless", "capacity", "padding", "batch_prioritized", "shared_bias")]
+    assert {name: status.get(name) for name in must_pass} == {name: "PASS" for name in must_pass}
+    cuda_only = [s for s in summary if s.startswith("SKIP") and "(cuda)" in s]
+    assert {s.split(" ")[1].rstrip(":") for s in cuda_only} == {
+        "env_nvidia_smi", "layer_host_syncs", "fairseq_fp16", "fairseq_amp"}
+    # What comes back from the machine: at most 8 files, no checkpoints, figures for every line.
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and {p.name for p in files} == {"summary.txt", "figures.json", "logs.tar.gz"}
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/fairseq/fp32.log" in names and not [n for n in names if n.endswith(".pt")]
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["dry_run"] is True and figures["counts"]["FAIL"] == 0
+    assert len(figures["records"]) == sum(s.startswith(("PASS", "FAIL", "SKIP", "INFO")) for s in summary[2:])
+
+
+@pytest.mark.slow
+def test_once_the_deadline_has_passed_every_check_says_skip_and_the_files_still_come_back(tmp_path):
+    done, summary, out = oneshot(tmp_path, ONESHOT_DRY_RUN="1", ONESHOT_DEADLINE_S="1")
+    assert done.returncode == 0, done.stderr
+    skipped = [s.split(" ")[1].rstrip(":") for s in summary if s.startswith("SKIP") and "(deadline)" in s]
+    assert skipped == ["env", "layer", "grouped", "groups", "bench", "fairseq"]
+    assert summary[-1].startswith("DONE oneshot: 0 PASS, 0 FAIL, 6 SKIP")
+    assert {p.name for p in out.iterdir()} == {"summary.txt", "figures.json", "logs.tar.gz"}
+
+
+@pytest.mark.slow
+def test_without_cuda_a_gpu_run_reports_the_environment_and_skips_the_gpu_sized_checks_instead_of_running_them(
+    tmp_path,
+):
+    done, summary, _ = oneshot(tmp_path, ONESHOT_WHEELS=str(tmp_path / "no-wheels"), ONESHOT_ONLY="env,layer,fairseq")
+    status = status_of(summary)
+    assert done.returncode == 1  # env_versions: no CUDA device
+    assert status["env_plugin_model"] == "PASS" and status["env_versions"] == "FAIL"
+    assert [s.split(":")[0] for s in summary if "(cuda) torch" in s] == ["SKIP layer", "SKIP fairseq"]
+
+
+def test_without_python_the_summary_says_so_instead_of_no_cuda_device(tmp_path):
+    done, summary, _ = oneshot(tmp_path, PYTHON="python3-not-installed-here")
+    assert done.returncode == 2
+    assert summary[-1].startswith("FAIL environment: no 'python3-not-installed-here' on PATH")
+
+
+def test_a_python_without_torch_is_named_in_the_summary_with_its_import_error(tmp_path):
+    fake = tmp_path / "python3"
+    fake.write_text(
+        "#!/bin/sh\nif [ \"$1\" = -V ]; then echo 'Python 3.12.3'; exit 0; fi\n"
+        "echo \"ModuleNotFoundError: No module named 'torch'\" >&2; exit 1\n"
+    )
+    fake.chmod(0o755)
+    done, summary, _ = oneshot(tmp_path, PYTHON=str(fake))
+    assert done.returncode == 2
+    assert summary[-1] == (
+        f"FAIL environment: Python 3.12.3 at {fake} cannot import torch: ModuleNotFoundError: No module named 'torch'"
+    )
+
+
+def test_the_oneshot_parses_and_lists_its_knobs():
+    assert subprocess.run(["bash", "-n", str(ONESHOT)]).returncode == 0
+    usage = subprocess.run(["bash", str(ONESHOT), "--help"], capture_output=True, text=True)
+    assert usage.returncode == 0
+    assert all(knob in usage.stdout for knob in ("ONESHOT_DRY_RUN", "ONESHOT_DEADLINE_S", "OUT", "SKIP (cuda)"))

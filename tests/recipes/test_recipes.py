@@ -1,0 +1,141 @@
+"""The recipes, end to end, in their tiny modes: every stage runs on this machine and leaves the
+outputs the README promises (checkpoint sets, generation with BLEU, perplexities, plots, summaries).
+
+Each recipe runs as a user would run it (`bash recipes/X.sh`), in a temporary WORK directory,
+with the virtual environment that runs these tests.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fairseq_helpers import fairseq_env, tail
+from paths import REPO_ROOT as ROOT
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_recipe(script: str, work: Path, *args: str, timeout: float = 240, **env: str) -> str:
+    environment = dict(fairseq_env(), WORK=str(work), **env)
+    if sys.prefix != sys.base_prefix:  # reuse the venv running the tests (recipes/lib/venv.sh)
+        environment["MOE_VENV"] = sys.prefix
+    command = ["bash", str(ROOT / "recipes" / script), *args]
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout, env=environment, cwd=ROOT)
+    except subprocess.TimeoutExpired as timed_out:
+        output = timed_out.stdout.decode(errors="replace") if isinstance(timed_out.stdout, bytes) else timed_out.stdout
+        pytest.fail(f"{script} ran past {timeout}s\n{tail(output or '', 60)}", pytrace=False)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited {done.returncode}\n{tail(done.stdout, 60)}", pytrace=False)
+    return done.stdout
+
+
+def assert_set(save_dir: Path, world_size: int = 2) -> dict:
+    manifest = json.loads((save_dir / "checkpoint_best.set.json").read_text())
+    assert manifest["world_size"] == world_size
+    assert sorted(entry["rank"] for entry in manifest["files"]) == list(range(world_size))
+    for entry in manifest["files"]:
+        assert (save_dir / entry["name"]).stat().st_size == entry["bytes"]
+    return manifest
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000, path
+
+
+def hypotheses(generate_out: Path) -> list:
+    return [line for line in generate_out.read_text().splitlines() if line.startswith("H-")]
+
+
+@pytest.mark.slow
+def test_main_job_tiny_mode_trains_moe_and_both_dense_baselines_generates_scores_and_plots(tmp_path):
+    work = tmp_path / "main"
+    output = run_recipe("main.sh", work, TINY="1")
+    for stage in range(1, 12):
+        assert f"==> [{stage}/11]" in output
+
+    assert_set(work / "moe" / "ckpt")
+    test_lines = len((work / "data" / "raw" / "test.tgt").read_text().splitlines())
+    domains = set((work / "data" / "raw" / "test.domain").read_text().split())
+    for run in ("moe", "dense", "dense_matched"):
+        assert "BLEU4" in (work / run / "generate.out").read_text().splitlines()[-1]
+        assert len(hypotheses(work / run / "generate.out")) == test_lines
+        bleu = json.loads((work / run / "bleu.json").read_text())
+        assert 0 <= bleu["bleu"] <= 100 and set(bleu["by_domain"]) == domains
+
+    assert_png(work / "plots" / "expert_load.png")
+    assert_png(work / "plots" / "routing_by_domain.png")
+    routing = json.loads((work / "routing.json").read_text())
+    assert set(routing["layers"]) == {"enc1", "dec1"} and set(routing["domains"]) == domains
+    for layer in routing["layers"].values():
+        assert all(sum(row) == pytest.approx(1.0, abs=1e-3) for row in layer["share"])
+        assert 0.0 <= layer["mi_fraction"] <= 1.0
+
+    summary = (work / "summary.txt").read_text()
+    assert "test BLEU (sacrebleu)" in summary and "MoE" in summary and "dense_matched" in summary
+    assert "FLOPs per token, encoder" in summary and "FLOPs per token, decoder" in summary
+    for baseline in ("dense", "dense_matched"):
+        assert f"MoE - {baseline}: " in summary
+    costs = json.loads((work / "summary.json").read_text())
+    moe, dense, matched = costs["MoE"], costs["dense"], costs["dense_matched"]
+    # The TINY shape: width 64, 2 layers per side, FFN_DIM 128, k=2, every 2nd layer MoE with E=8.
+    for side in ("encoder_flops", "decoder_flops"):
+        # dense_matched's FFNs are 2 x 128 wide in both layers: 2 layers x 2 matrices x 64 x 128 more, x 2 FLOPs.
+        assert matched[side] - dense[side] == 2 * 2 * 64 * 128 * 2
+        # The MoE's layer 1 runs k=2 experts of 128 plus a router of 8 x 64; its layer 0 is dense_matched's half.
+        assert moe[side] == matched[side] - 2 * 64 * 128 * 2 + 8 * 64 * 2
+    assert dense["flops"] < moe["flops"] < matched["flops"] and moe["active"] < moe["total"]
+    assert "balance loss" in summary and "dropped fraction" in summary and "enc1: I =" in summary
+    assert summary in output  # the summary is also what the job prints last
+
+
+@pytest.mark.slow
+def test_iwslt14_dry_run_trains_in_one_process_and_generates_with_bleu(tmp_path):
+    work = tmp_path / "iwslt"
+    run_recipe("iwslt14_de_en.sh", work, "--dry-run")
+    assert '"valid_bleu"' in (work / "moe" / "train.log").read_text()  # EVAL_BLEU=1 by default, as in the README
+    assert (work / "moe" / "ckpt" / "checkpoint_best.pt").is_file()  # one process: fairseq's single file
+    assert "Generate test with beam=5: BLEU4" in (work / "moe" / "bleu.txt").read_text()
+    assert len(hypotheses(work / "moe" / "generate.out")) == 40
+
+
+@pytest.mark.slow
+def test_wmt16_dry_run_trains_on_two_workers_and_scores_compound_split_bleu(tmp_path):
+    work = tmp_path / "wmt"
+    run_recipe("wmt16_en_de.sh", work, "--dry-run")
+    assert_set(work / "moe" / "ckpt")
+    assert (work / "moe" / "bleu.txt").read_text().startswith("BLEU4 = ")
+    assert len(hypotheses(work / "moe" / "generate.out")) == 40
+
+
+@pytest.mark.slow
+def test_wikitext103_dry_run_trains_on_two_workers_and_reports_perplexity(tmp_path):
+    work = tmp_path / "wiki"
+    run_recipe("wikitext103_lm.sh", work, "--dry-run")
+    assert_set(work / "moe" / "ckpt")
+    assert "Perplexity:" in (work / "moe" / "perplexity.txt").read_text()
+
+
+@pytest.mark.slow
+def test_python_stdlib_lm_quick_mode_compares_moe_and_dense_perplexity(tmp_path):
+    work = tmp_path / "stdlib"
+    run_recipe("python_stdlib_lm.sh", work, QUICK="1")
+    assert_set(work / "moe" / "ckpt")
+    for run in ("moe", "dense"):
+        for split in ("valid", "test"):
+            assert "Perplexity:" in (work / run / f"eval_{split}.log").read_text()
+    summary = (work / "summary.txt").read_text()
+    assert "valid perplexity" in summary and "test perplexity" in summary and "nan" not in summary
+    assert_png(work / "plots" / "expert_load.png")
+
+
+@pytest.mark.parametrize("script", ["iwslt14_de_en.sh", "wmt16_en_de.sh", "wikitext103_lm.sh"])
+def test_real_data_recipes_document_themselves_and_refuse_unknown_arguments(script):
+    shown = subprocess.run(["bash", str(ROOT / "recipes" / script), "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "--dry-run" in shown.stdout and "Knobs" in shown.stdout
+    refused = subprocess.run(["bash", str(ROOT / "recipes" / script), "--dryrun"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "unknown argument --dryrun" in refused.stderr

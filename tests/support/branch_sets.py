@@ -1,0 +1,81 @@
+"""fairseq ``moe``/``nllb``-branch checkpoint sets written by the tests, in that branch's layout.
+
+Written here from the branch's ``checkpoint_utils.py`` and ``moe_checkpoint_utils.py`` (read, not
+copied): rank r's ``<prefix>-rank-<r>.pt`` holds its experts under local numbers
+(``<layer>.moe_layer.experts.<j>.fc1|fc2.weight|bias``: parameter names containing "expert") with
+the run's cfg, args, optimizer history and extra state; ``<prefix>-shared.pt`` holds every other
+parameter, the routers ``<layer>.moe_layer.gate.wg.weight`` included. With E >= R files rank r
+holds experts ``r*E/R ...``; with E < R, expert ``r % E``.
+"""
+
+import argparse
+import re
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy
+import torch
+
+OUR_EXPERT = re.compile(r"^(?P<layer>.*)\.fc1\.experts\.batched_(?P<name>fc1_w|fc1_b|fc2_w|fc2_b)$")
+BRANCH_NAME = {"fc1_w": "fc1.weight", "fc1_b": "fc1.bias", "fc2_w": "fc2.weight", "fc2_b": "fc2.bias"}
+
+# What the branch's TransformerConfig holds for an NLLB-200-MoE-like run (besides the transformer's own).
+BRANCH_MOE_OPTIONS = dict(moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=0, moe_second_expert_policy="all",
+                          moe_normalize_gate_prob_before_dropping=False, moe_eval_capacity_token_fraction=1.0,
+                          moe_gating_use_fp32=True, moe_eom=0.0, moe_fom=0.0, moe_cmr=False, moe_top1_expert=False,
+                          moe_local_drop=0.0, moe_normalize_expert_grad="sqrt_world_size", use_moe_pad_mask=False,
+                          moe_batch_prioritized_routing=False, alternate_ffn_embed_dim=0,
+                          alternate_decoder_ffn_embed_dim=0, base_layers=0, use_tutel_moe=False)
+OUR_ONLY = ("moe_top_k", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_normalize_gate", "moe_router",
+            "moe_gate_noise", "moe_gating_no_fp32")
+
+
+def branch_model_options(our_model_args, experts: int, **changes) -> argparse.Namespace:
+    """Our built model's args as the branch would have stored them (``arch transformer``, its MoE options)."""
+    options = {k: v for k, v in vars(our_model_args).items() if k not in OUR_ONLY}
+    options.update(BRANCH_MOE_OPTIONS, arch="transformer", _name="transformer", moe_expert_count=experts)
+    options.update(changes)
+    return argparse.Namespace(**options)
+
+
+def branch_model_state(model_state: Dict[str, torch.Tensor]):
+    """(shared state, {(layer, tensor name): [E tensors]}) from one of our full model states."""
+    shared, experts = {}, {}
+    for key, tensor in model_state.items():
+        match = OUR_EXPERT.match(key)
+        if match:
+            experts[(match["layer"], BRANCH_NAME[match["name"]])] = list(tensor.clone().unbind(0))
+        elif key.endswith(".fc1.router.wg.weight"):
+            shared[key.replace(".fc1.router.wg.weight", ".moe_layer.gate.wg.weight")] = tensor.clone()
+        else:
+            shared[key] = tensor.clone()
+    return shared, experts
+
+
+def write_branch_set(prefix: Path, model_state, options: argparse.Namespace, ranks: int, num_updates: int = 300,
+                     cfg_as_dict: bool = True, declared_world: Optional[int] = None) -> Path:
+    """Write ``<prefix>-shared.pt`` and ``<prefix>-rank-<r>.pt`` for ``ranks`` workers; returns the prefix."""
+    shared, experts = branch_model_state(model_state)
+    count = len(next(iter(experts.values())))
+    world = ranks if declared_world is None else declared_world
+    cfg = {"_name": None, "common": {"seed": 2}, "model": options,
+           "task": {"_name": "translation_multi_simple_epoch"},
+           "criterion": {"_name": "moe_label_smoothed_cross_entropy", "label_smoothing": 0.1,
+                         "moe_gate_loss_wt": 0.01, "moe_gate_loss_combine_method": "sum", "moe_cmr_loss_wt": 0.0},
+           "distributed_training": {"distributed_world_size": world}}
+    head = {"cfg": cfg if cfg_as_dict else None, "args": None if cfg_as_dict else argparse.Namespace(
+                **{**vars(options), "distributed_world_size": world}),
+            # numpy scalars, as the branch's meters leave them in extra_state
+            "extra_state": {"train_iterator": {"epoch": 3, "iterations_in_epoch": 0, "shuffle": True, "version": 2},
+                            "best": numpy.float64(2.5)},
+            "optimizer_history": [{"criterion_name": "MoELabelSmoothedCrossEntropyCriterion",
+                                   "optimizer_name": "FairseqAdam", "lr_scheduler_state": {"best": 2.5},
+                                   "num_updates": num_updates}]}
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": shared, "last_optimizer_state": {"state": {}, "param_groups": []}}, f"{prefix}-shared.pt")
+    for rank in range(ranks):
+        ids = [rank * (count // ranks) + j for j in range(count // ranks)] if count >= ranks else [rank % count]
+        model = {f"{layer}.moe_layer.experts.{j}.{name}": tensors[gid].clone()
+                 for (layer, name), tensors in experts.items() for j, gid in enumerate(ids)}
+        torch.save({**head, "model": model}, f"{prefix}-rank-{rank}.pt")
+    return prefix

@@ -1,0 +1,215 @@
+"""Tiny deterministic corpora and a runner for fairseq's command-line tools, for the fairseq tests.
+
+Nothing is downloaded: the corpora are generated from a seeded RNG and are learnable in a few dozen
+updates, so "the loss falls" is a real check and not noise.
+"""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+import fairseq_moe_ext
+
+USER_DIR = fairseq_moe_ext.PACKAGE_DIR
+CONFIG_DIR = os.path.join(USER_DIR, "config")
+VOCAB = 40
+SPLITS = {"train": 600, "valid": 40, "test": 16}
+
+
+def source_sentence(rng: random.Random) -> List[int]:
+    return [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
+
+
+def translate(source: List[int]) -> str:
+    """The "language pair": reverse the sentence and map every token through a fixed permutation."""
+    return " ".join(f"t{(7 * i + 3) % VOCAB}" for i in reversed(source))
+
+
+def write_parallel_corpus(raw: Path, seed: int = 0) -> Path:
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, lines in SPLITS.items():
+        sources = [source_sentence(rng) for _ in range(lines)]
+        (raw / f"{split}.src").write_text("".join(" ".join(f"s{i}" for i in s) + "\n" for s in sources))
+        (raw / f"{split}.tgt").write_text("".join(translate(s) + "\n" for s in sources))
+    return raw
+
+
+def write_lm_corpus(raw: Path, seed: int = 0) -> Path:
+    """Arithmetic progressions modulo VOCAB: after two tokens every next token is predictable."""
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, lines in SPLITS.items():
+        text = []
+        for _ in range(lines):
+            start, step = rng.randrange(VOCAB), rng.choice([1, 2, 3])
+            text.append(" ".join(f"w{(start + step * i) % VOCAB}" for i in range(rng.randint(4, 16))))
+        (raw / f"{split}.txt").write_text("\n".join(text) + "\n")
+    return raw
+
+
+def preprocess_parallel(raw: Path, dest: Path) -> Path:
+    return preprocess_in_process(raw, dest)
+
+
+def preprocess_lm(raw: Path, dest: Path) -> Path:
+    return preprocess_in_process(raw, dest, language_model=True)
+
+
+def preprocess_in_process(raw: Path, dest: Path, language_model: bool = False) -> Path:
+    """fairseq-preprocess's own main (``fairseq_cli.preprocess``, the code behind the command) on
+    a corpus of write_parallel_corpus or write_lm_corpus, run in this process: pytest has imported
+    fairseq already, a fresh interpreter would spend seconds importing it again. Tests that only
+    read the result use the session fixtures ``parallel_data`` / ``lm_data`` of conftest.py."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    if language_model:
+        corpus = ["--only-source", *(f"--{split}pref={raw / split}.txt" for split in SPLITS)]
+    else:
+        corpus = ["--source-lang", "src", "--target-lang", "tgt", *(f"--{split}pref={raw / split}" for split in SPLITS)]
+    preprocess.main(options.get_preprocessing_parser().parse_args([*corpus, f"--destdir={dest}", "--workers=1"]))
+    return dest
+
+
+LEAN_IMPORTS = os.path.join(os.path.dirname(__file__), "lean_imports")
+
+
+def fairseq_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    # Two cores: one intra-op thread per run keeps runs from fighting each other and pytest.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # scikit-learn and scipy.stats imported on first use only (see lean_imports/sitecustomize.py).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_IMPORTS, env.get("PYTHONPATH")) if p)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def run_fairseq(
+    tool: str, *args: str, timeout: float = 150, input: Optional[str] = None, expect_failure: bool = False,
+    cwd: Optional[Path] = None,
+) -> str:
+    """Run ``fairseq_cli.<tool>`` with ``args`` in a fresh interpreter and return its combined output.
+
+    The test fails with the output's tail if the exit status is not the expected one (zero, or
+    non-zero when ``expect_failure``) or the run outlives ``timeout`` seconds.
+    """
+    command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    try:
+        done = subprocess.run(
+            command, input=input, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout, env=fairseq_env(), cwd=cwd,
+        )
+    except subprocess.TimeoutExpired as timed_out:
+        output = timed_out.stdout or ""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
+    failed = done.returncode != 0
+    if failed != expect_failure:
+        expected = "to fail" if expect_failure else "to succeed"
+        pytest.fail(
+            f"expected fairseq-{tool} {expected}, exit status {done.returncode}:\n"
+            f"$ {' '.join(command)}\n{tail(done.stdout)}",
+            pytrace=False,
+        )
+    return done.stdout
+
+
+def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True,
+             redirects=1):
+    """Run ``program args`` on ``workers`` CPU workers under torchrun (gloo) and return the output.
+
+    ``--distributed-world-size workers`` is appended unless ``world_size_flag`` is False (fairseq
+    otherwise runs each worker as a job of its own). ``log_dir``: each worker's stdout goes to its
+    own file there (lines of concurrent workers would otherwise interleave mid-line in one pipe);
+    ``redirects=3`` sends their stderr (where fairseq's CLIs log) to files there too.
+    """
+    from dist_utils import free_port
+
+    redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect,
+        "--master_port", str(free_port()), str(program), *map(str, args),
+    ]
+    if workers > 1 and world_size_flag:
+        command += ["--distributed-world-size", str(workers)]
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout, env=fairseq_env())
+    except subprocess.TimeoutExpired as timed_out:
+        output = timed_out.stdout or ""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        pytest.fail(f"torchrun {program} ran past {timeout}s\n{tail(output, 60)}", pytrace=False)
+    if (done.returncode != 0) != expect_failure:
+        pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout, 60)}", pytrace=False)
+    return done.stdout
+
+
+def tail(output: str, lines: int = 40) -> str:
+    return "\n".join(output.splitlines()[-lines:])
+
+
+def train_args(data: Path, save_dir: Path, *extra: str, max_update: int = 40) -> List[str]:
+    """The flags every training run shares: CPU, json logs every few updates, no epoch checkpoints."""
+    return [
+        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1",
+        "--optimizer", "adam", "--lr", "3e-3", "--max-update", str(max_update),
+        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--num-workers", "0",
+        "--log-format", "json", "--log-interval", "5", *extra,
+    ]
+
+
+# fairseq's own log lines ("... | INFO | train_inner | {...}") and hydra's ("[...][train_inner][INFO] - {...}").
+_JSON_RECORD = re.compile(r"(?:\| |\[)(train_inner|train|valid)(?: \| |\]\[INFO\] - )(\{.*\})\s*$")
+
+
+def json_logs(output: str, tag: str = "train_inner") -> List[dict]:
+    """The ``--log-format json`` records of one kind (``train_inner``, ``train`` or ``valid``)."""
+    records = []
+    for line in output.splitlines():
+        match = _JSON_RECORD.search(line)
+        if match and match.group(1) == tag:
+            records.append(json.loads(match.group(2)))
+    return records
+
+
+def logged_losses(output: str) -> List[float]:
+    return [float(r["loss"]) for r in json_logs(output)]
+
+
+def assert_loss_falls(output: str, by: float = 0.85) -> None:
+    """The last logged training loss is at most ``by`` times the first: the model learns something."""
+    losses = logged_losses(output)
+    assert len(losses) >= 3, f"too few train_inner records to judge learning:\n{tail(output)}"
+    assert losses[-1] < by * losses[0], f"training loss did not fall: {losses}"
+
+
+def load_rank_probes(probe_dir: Path, workers: int) -> List[dict]:
+    """What tests/support/fairseq_rank_probe.py recorded in each worker after training."""
+    import torch
+
+    return [torch.load(Path(probe_dir) / f"rank{r}.pt") for r in range(workers)]
+
+
+def assert_shared_identical_experts_distinct_norms_equal(ranks: List[dict], updates: int) -> None:
+    """After multi-worker training: every shared tensor bitwise equal on every worker, every expert
+    tensor different, and the logged gradient norms identical on every worker, one per update."""
+    import torch
+
+    experts = set(ranks[0]["expert_keys"])
+    assert experts
+    for other in ranks[1:]:
+        for key, value in ranks[0]["model"].items():
+            if key in experts:
+                assert not torch.equal(value, other["model"][key]), f"expert {key} is identical on two ranks"
+            else:
+                assert torch.equal(value, other["model"][key]), f"shared {key} differs across ranks"
+        assert other["grad_norms"] == ranks[0]["grad_norms"]
+    assert len(ranks[0]["grad_norms"]) == updates

@@ -1,0 +1,39 @@
+"""Mixed-precision settings and a one-off inf/NaN gradient, for the overflow tests of tests/fairseq/
+(two gloo workers, and one process with balance-bias balancing)."""
+
+import torch
+
+PRECISIONS = {
+    "amp": ["--amp", "--amp-batch-retries", "0"],
+    "fp16 (not flattened)": ["--fp16", "--fp16-no-flatten-grads"],
+    "memory-efficient fp16": ["--memory-efficient-fp16"],
+}
+
+
+# Loss-free balancing on: a skipped step must neither move the bias nor keep the load it counted.
+BALANCE_BIAS = ["--moe-balance", "bias", "--moe-bias-update-rate", "0.05"]
+
+
+def first_expert_parameter(model):
+    return next(p for p in model.parameters() if getattr(p, "expert", False))
+
+
+def inject_once(parameter, value):
+    """The next gradient computed for ``parameter`` becomes ``value`` everywhere; later ones are left alone."""
+    fired = []
+
+    def hook(grad):
+        if fired:
+            return grad
+        fired.append(True)
+        return torch.full_like(grad, value)
+
+    parameter.register_hook(hook)
+
+
+def with_adam(argv):
+    """MemoryEfficientFP16Optimizer refuses SGD; Adam for every precision, so all three compare alike."""
+    argv = list(argv)
+    argv[argv.index("--optimizer") + 1] = "adam"
+    del argv[argv.index("--momentum") : argv.index("--momentum") + 2]
+    return argv
