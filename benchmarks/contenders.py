@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 # fairscale is installed next to the venv, not into it: installing it into the venv changes what
-# fairseq imports (and warns about) in every run. See benchmarks/README_SECTION.md.
+# fairseq imports (and warns about) in every run.
 FAIRSCALE_DIR = os.path.join(sys.prefix, "benchmark-deps")
 
 

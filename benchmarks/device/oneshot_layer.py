@@ -12,7 +12,7 @@
   z-loss; the bounds are in PRECISION_BOUNDS;
 * bitwise repeat: the same forward+backward twice gives the same bits (bf16 on CUDA: auto and loop);
 * host syncs (CUDA): torch's sync debug mode counts the synchronising calls of one forward and one
-  backward; the README promises one per forward and none in backward.
+  backward; docs/performance.md promises one per forward and none in backward.
 """
 
 import copy

@@ -144,7 +144,8 @@ class MoEConfig(FairseqDataclass):
         default=False,
         metadata={"help": "fairseq-train: resume (or --finetune-from-model) with options that change what the saved "
                   "weights compute (--moe-router, --moe-top-k, --moe-normalize-gate, --activation-fn), each change "
-                  "logged as a warning; without it such a resume is refused (README: what may change on resume)"},
+                  "logged as a warning; without it such a resume is refused (docs/checkpoints.md: what may change "
+                  "on resume)"},
     )
     # Sparse upcycling (training/upcycling.py): read from the command line when training starts, like the above.
     moe_upcycle_from: Optional[str] = field(

@@ -146,7 +146,7 @@ class MoELayer(nn.Module):
         the tokens that are routed and counted: the others' output is zero.
 
         One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
-        the all-to-all need as sizes; everything else stays on the tokens' device (see README,
+        the all-to-all need as sizes; everything else stays on the tokens' device (see docs/performance.md,
         "Host syncs: one per layer forward, none in backward")."""
         n, k, num_experts, statistics_group = tokens.shape[0], self.k, self.num_experts, self.statistics_group
         if statistics_group is not None and not self._group_checked:

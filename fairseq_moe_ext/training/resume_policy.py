@@ -37,7 +37,7 @@ OVERRIDE_FLAG = "--moe-allow-function-change"
 @dataclass(frozen=True)
 class Rule:
     kind: str
-    why: str  # the reason, as the README's table and the messages say it
+    why: str  # the reason, as docs/checkpoints.md's table and the messages say it
     section: str = "model"  # where the option lives in a checkpoint's cfg: "model" or "criterion"
     effective: Optional[Callable] = None  # (value, section) -> the value the run uses, where None means a default
 

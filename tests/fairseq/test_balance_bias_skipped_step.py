@@ -2,7 +2,7 @@
 an inf injected into an expert gradient makes fp16/amp skip the step (as in
 tests/fairseq/test_precision_overflow.py, whose two-worker test checks the same on two gloo workers); the
 balance bias must stay where it was and the load counted for that step must be dropped, so the next
-update moves the bias by its own load alone (README, "Balancing without an auxiliary loss")."""
+update moves the bias by its own load alone (docs/routing.md, "Balancing without an auxiliary loss")."""
 
 import pytest
 import torch
