@@ -25,6 +25,16 @@ ACTIVATIONS_BACK = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_accurate",
 # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3; the decoder starts from </s>, as NLLB's does.
 BOS, PAD, EOS = 0, 1, 2
 SIDES = ("encoder", "decoder")
+# transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
+MODEL_TYPE = "nllb-moe"
+# NllbMoeConfig's defaults (transformers 4.57.1): save_pretrained leaves out what equals them.
+HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder_layerdrop=0.05,
+                   activation_function="relu", dropout=0.1, attention_dropout=0.1, activation_dropout=0.0,
+                   decoder_start_token_id=2, scale_embedding=True, router_bias=False, router_dtype="float32",
+                   router_ignore_padding_tokens=False, expert_capacity=64, encoder_sparse_step=4, decoder_sparse_step=4,
+                   second_expert_policy="all", normalize_router_prob_before_dropping=False,
+                   batch_prioritized_routing=False, moe_eval_capacity_token_fraction=1.0, moe_token_dropout=0.2,
+                   pad_token_id=1, bos_token_id=0, eos_token_id=2, tie_word_embeddings=True)
 
 
 def _get(options, name, default=None):
@@ -64,8 +74,10 @@ NOT_EXPRESSIBLE = (
      "export a model trained with --encoder-normalize-before"),
     ("decoder_normalize_before", False, lambda v: not v, "NllbMoe's decoder layers are pre-norm",
      "export a model trained with --decoder-normalize-before"),
-    ("encoder_learned_pos", False, bool, "NllbMoe's positions are sinusoidal", "export a model with sinusoidal positions"),
-    ("decoder_learned_pos", False, bool, "NllbMoe's positions are sinusoidal", "export a model with sinusoidal positions"),
+    ("encoder_learned_pos", False, bool, "NllbMoe's positions are sinusoidal",
+     "export a model with sinusoidal positions"),
+    ("decoder_learned_pos", False, bool, "NllbMoe's positions are sinusoidal",
+     "export a model with sinusoidal positions"),
     ("no_token_positional_embeddings", False, bool, "NllbMoe always adds positions",
      "export a model with positional embeddings"),
     ("layernorm_embedding", False, bool, "NllbMoe has no layer norm on its embeddings",
@@ -111,7 +123,8 @@ def hf_config(options, path: str, vocab: int, dtype: str) -> Tuple[Dict, List[st
     ffn = {side: int(_get(options, f"{side}_ffn_embed_dim")) for side in SIDES}
     expert_dim = _get(options, "moe_expert_ffn_dim")
     for side in SIDES:
-        dense = [i for i in range(int(_get(options, f"{side}_layers"))) if not (steps[side] > 0 and (i + 1) % steps[side] == 0)]
+        dense = [i for i in range(int(_get(options, f"{side}_layers")))
+                 if not (steps[side] > 0 and (i + 1) % steps[side] == 0)]
         if expert_dim is not None and int(expert_dim) != ffn[side]:
             if dense:
                 _refuse(path, "--moe-expert-ffn-dim", expert_dim,
@@ -128,7 +141,7 @@ def hf_config(options, path: str, vocab: int, dtype: str) -> Tuple[Dict, List[st
         notes.append("--moe-batch-prioritized-routing -> batch_prioritized_routing: NllbMoe orders by the largest "
                      "router probability, here by the renormalised top-1 gate (the same wherever nothing is dropped)")
     config = {
-        "model_type": "nllb_moe", "architectures": ["NllbMoeForConditionalGeneration"], "torch_dtype": dtype,
+        "model_type": MODEL_TYPE, "architectures": ["NllbMoeForConditionalGeneration"], "torch_dtype": dtype,
         "vocab_size": vocab, "d_model": d_model,
         "max_position_embeddings": max(int(_get(options, "max_source_positions", 1024)),
                                        int(_get(options, "max_target_positions", 1024))),
@@ -163,9 +176,10 @@ def _need(config, path, name, wanted, why, fix):
 
 def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[str]]:
     """(``moe_transformer`` model options, NOTE lines) for an NllbMoe ``config.json``."""
-    if config.get("model_type") != "nllb_moe":
+    if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
         raise CheckpointSetError(f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
-                                 f"NLLB-MoE checkpoints (model_type 'nllb_moe') only (nothing was written)")
+                                 f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)")
+    config = {**HF_DEFAULTS, **config}
     policy = config.get("second_expert_policy", "all")
     _need(config, path, "second_expert_policy", "all", f"the second expert chosen by {policy!r}, at random",
           "here the second expert is always the best of the others: set it to 'all' in config.json to import anyway")

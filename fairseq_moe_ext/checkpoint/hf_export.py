@@ -91,7 +91,8 @@ def rank_files(path: str) -> List[str]:
     resolved = resolve(path, fallback=False)
     if resolved is None:
         raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest "
-                                 f"{manifest_path(base_of(path))}); give a set's name, e.g. save_dir/checkpoint_best.pt")
+                                 f"{manifest_path(base_of(path))}); give a set's name, e.g. "
+                                 f"save_dir/checkpoint_best.pt")
     if resolved.kind == "file":
         return [resolved.path]
     manifest = validate_set(resolved.path)

@@ -102,7 +102,8 @@ def expected_shapes(options) -> Tuple[Dict[str, List[int]], Dict[Tuple[str, str]
             parts = ["self_attn"] + (["encoder_attn"] if side == "decoder" else [])
             for part in parts:
                 for proj in ("q", "k", "v", "out"):
-                    shapes[f"{layer}.{part}.{proj}_proj.weight"], shapes[f"{layer}.{part}.{proj}_proj.bias"] = [d, d], [d]
+                    shapes[f"{layer}.{part}.{proj}_proj.weight"] = [d, d]
+                    shapes[f"{layer}.{part}.{proj}_proj.bias"] = [d]
             for norm in [f"{p}_layer_norm" for p in parts] + ["final_layer_norm"]:
                 shapes[f"{layer}.{norm}.weight"] = shapes[f"{layer}.{norm}.bias"] = [d]
             if freq > 0 and (i + 1) % freq == 0:

@@ -43,7 +43,8 @@ _EXPERT_BACK = {hf: ours for ours, hf in EXPERT_TENSORS.items()}
 
 _OURS = re.compile(r"^(?P<side>encoder|decoder)\.(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$")
 _OUR_EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.fc1\.experts\.(?P<name>batched_fc[12]_[wb])$")
-_HF = re.compile(r"^model\.(?P<side>encoder|decoder)\.(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$")
+_HF = re.compile(r"^model\.(?P<side>encoder|decoder)\."
+                 r"(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$")
 _HF_EXPERT = re.compile(r"^model\.(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.ffn\.experts\.expert_(?P<j>\d+)\."
                         r"(?P<name>fc[12]\.(?:weight|bias))$")
 

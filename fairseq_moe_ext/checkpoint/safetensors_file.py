@@ -49,7 +49,8 @@ def write_safetensors(path: str, tensors: Iterable[Tuple[str, torch.Tensor]],
             raise CheckpointSetError(f"{name} has dtype {tensor.dtype}, which safetensors files here do not hold: "
                                      f"cast the checkpoint to float32, float16 or bfloat16 (nothing was written)")
         size = tensor_bytes(tensor)
-        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     if metadata:
         header["__metadata__"] = dict(metadata)
