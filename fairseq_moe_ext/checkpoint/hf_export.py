@@ -138,11 +138,12 @@ def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[s
     first = safe_load(paths[0], verified=len(paths) > 1)
     options, model = model_options(first, paths[0]), first["model"]
     expert_keys = set(first["moe"].get("expert_keys", []))
+    embedding = model.get(EMBEDDING, torch.empty(0))
+    dtype = DTYPE_NAMES.get(embedding.dtype, str(embedding.dtype).replace("torch.", ""))
+    config, notes = hf_config(options, paths[0], int(embedding.shape[0]), dtype)  # refuses a language model
     if EMBEDDING not in model:
         raise CheckpointSetError(f"{paths[0]} holds no {EMBEDDING}: not rank 0 of a translation set (nothing was "
                                  f"written)")
-    dtype = DTYPE_NAMES.get(model[EMBEDDING].dtype, str(model[EMBEDDING].dtype).replace("torch.", ""))
-    config, notes = hf_config(options, paths[0], int(model[EMBEDDING].shape[0]), dtype)
     shared = shared_tensors(model, expert_keys, paths[0])
     report(f"found {checkpoint}: {len(paths)} rank file(s), {config['num_experts']} experts, "
            f"sparse steps {config['encoder_sparse_step']}/{config['decoder_sparse_step']}")
