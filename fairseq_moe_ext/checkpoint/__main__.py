@@ -62,6 +62,10 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="the set, e.g. save_dir/checkpoint_best.pt (rank suffix not needed)")
     p.add_argument("output_dir", help="a new (or empty) directory for config.json and the shards")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
+    p.add_argument("--training-as-nllb", action="store_true",
+                   help="export a set trained with options that act in training only and NllbMoe lacks (a capacity "
+                   "factor other than 1, gate noise): NllbMoe's own training settings are written, with a NOTE; "
+                   "evaluation is unchanged")
     p = sub.add_parser("import-hf", help="import a Hugging Face NLLB-MoE checkpoint directory as this project's "
                        "checkpoint")
     p.add_argument("hf_dir", help="the directory holding config.json and the safetensors file(s)")
@@ -71,7 +75,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "export-hf":
-            export_hf(args.checkpoint, args.output_dir, shard_size(args.max_shard_size))
+            export_hf(args.checkpoint, args.output_dir, shard_size(args.max_shard_size),
+                      training_as_nllb=args.training_as_nllb)
             return 0
         if args.command == "import-hf":
             _refuse_overwrite(args.output)

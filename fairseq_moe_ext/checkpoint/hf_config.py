@@ -64,9 +64,9 @@ NOT_EXPRESSIBLE = (
      "every S", "only dropless evaluation (--moe-eval-capacity-factor 0, fraction 1.0) is exported"),
     ("moe_capacity_factor", 0.0, lambda v: float(v) != 1.0,
      "NllbMoe trains with 2*ceil(S/E) slots per expert (expert_capacity unset), which is --moe-capacity-factor 1",
-     "export a model trained (or fine-tuned) with --moe-capacity-factor 1"),
+     "pass --training-as-nllb to export it for NllbMoe's training capacity (evaluation is unchanged)"),
     ("moe_gate_noise", 0.0, lambda v: float(v) > 0, "NllbMoe adds no noise to its router logits",
-     "export a model trained without --moe-gate-noise"),
+     "pass --training-as-nllb to export it without the noise (it acts in training only)"),
     ("share_all_embeddings", False, lambda v: not v,
      "NllbMoe has one embedding table for the encoder, the decoder and the output projection",
      "export a model trained with --share-all-embeddings (a joined dictionary)"),
@@ -98,15 +98,25 @@ NOT_EXPRESSIBLE = (
 )
 
 
-def hf_config(options, path: str, vocab: int, dtype: str) -> Tuple[Dict, List[str]]:
-    """(``config.json`` as a dict, NOTE lines) for a translation set's model ``options``."""
+# Options that act in training only: --training-as-nllb exports a set trained with them, with a NOTE.
+TRAINING_ONLY = ("moe_capacity_factor", "moe_gate_noise")
+
+
+def hf_config(options, path: str, vocab: int, dtype: str,
+              training_as_nllb: bool = False) -> Tuple[Dict, List[str]]:
+    """(``config.json`` as a dict, NOTE lines) for a translation set's model ``options``; with
+    ``training_as_nllb`` the training-only options NllbMoe lacks are noted instead of refused."""
     arch = str(_get(options, "arch", _get(options, "_name", "")))
     if "lm" in arch.split("_") or _get(options, "encoder_layers") is None:
         raise CheckpointSetError(f"{path} is a {arch!r} language model: export-hf writes translation models "
                                  f"(NllbMoeForConditionalGeneration), which have an encoder (nothing was written)")
+    notes = []
     for name, default, refused, why, fix in NOT_EXPRESSIBLE:
         value = _get(options, name, default)
-        if refused(value):
+        if refused(value) and training_as_nllb and name in TRAINING_ONLY:
+            notes.append(f"--{name.replace('_', '-')} {value}: {why}; exported for NllbMoe's training "
+                         f"(--training-as-nllb), which changes nothing in evaluation")
+        elif refused(value):
             _refuse(path, "--" + name.replace("_", "-"), value, why, fix)
     d_model = int(_get(options, "encoder_embed_dim"))
     for name in ("decoder_embed_dim", "decoder_input_dim", "decoder_output_dim"):
@@ -133,7 +143,6 @@ def hf_config(options, path: str, vocab: int, dtype: str) -> Tuple[Dict, List[st
                         "hidden sizes are equal")
             ffn[side] = int(expert_dim)
     eom = float(_get(options, "moe_eom", 0.0))
-    notes = []
     if eom:
         notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
                      f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs")

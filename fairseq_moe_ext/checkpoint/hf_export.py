@@ -129,8 +129,10 @@ def shared_tensors(model: Dict[str, torch.Tensor], expert_keys, path: str) -> Li
     return out
 
 
-def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[str], None] = print) -> List[str]:
-    """Write the set ``checkpoint`` names as an NllbMoe directory ``out_dir``; returns the files written."""
+def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[str], None] = print,
+              training_as_nllb: bool = False) -> List[str]:
+    """Write the set ``checkpoint`` names as an NllbMoe directory ``out_dir``; returns the files written.
+    ``training_as_nllb``: export a set trained with options that act in training only and NllbMoe lacks."""
     if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointSetError(f"{out_dir} exists and is not an empty directory; choose a new output directory "
                                  f"(nothing was overwritten)")
@@ -140,7 +142,8 @@ def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[s
     expert_keys = set(first["moe"].get("expert_keys", []))
     embedding = model.get(EMBEDDING, torch.empty(0))
     dtype = DTYPE_NAMES.get(embedding.dtype, str(embedding.dtype).replace("torch.", ""))
-    config, notes = hf_config(options, paths[0], int(embedding.shape[0]), dtype)  # refuses a language model
+    # refuses a language model
+    config, notes = hf_config(options, paths[0], int(embedding.shape[0]), dtype, training_as_nllb)
     if EMBEDDING not in model:
         raise CheckpointSetError(f"{paths[0]} holds no {EMBEDDING}: not rank 0 of a translation set (nothing was "
                                  f"written)")

@@ -88,8 +88,10 @@ BAD_EXPORTS = [
     ("eval-capacity-factor", flags(moe_eval_capacity_factor=1), None, None,
      "--moe-eval-capacity-factor 1.0: NllbMoe's evaluation capacity is ceil(fraction * S)"),
     ("dropless-training", flags(moe_capacity_factor=0), None, None,
-     "--moe-capacity-factor 0.0: NllbMoe trains with 2*ceil(S/E) slots"),
-    ("gate-noise", flags(moe_gate_noise=1), None, None, "--moe-gate-noise 1.0: NllbMoe adds no noise"),
+     "--moe-capacity-factor 0.0: NllbMoe trains with 2*ceil(S/E) slots per expert (expert_capacity unset), which "
+     "is --moe-capacity-factor 1; pass --training-as-nllb"),
+    ("gate-noise", flags(moe_gate_noise=1), None, None,
+     "--moe-gate-noise 1.0: NllbMoe adds no noise to its router logits; pass --training-as-nllb"),
     ("expert-width-unlike-dense", flags(moe_expert_ffn_dim=64), None, None,
      "--moe-expert-ffn-dim 64: NllbMoe's experts and dense blocks share one encoder_ffn_dim"),
     ("a-language-model", None, None, None, "language model: export-hf writes translation models"),

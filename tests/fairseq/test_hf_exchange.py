@@ -95,6 +95,22 @@ def test_an_exported_set_gives_hf_nllb_moe_the_same_encoder_outputs_and_logits(o
         assert (theirs - mine).abs().max() < TOLERANCE
 
 
+def test_a_set_trained_dropless_exports_with_training_as_nllb_a_note_and_the_same_logits(data, tmp_path, capsys):
+    # HF_FLAGS but for the training capacity: the default, dropless training
+    at = HF_FLAGS.index("--moe-capacity-factor")
+    args, _, model = build(data, *HF_FLAGS[:at], *HF_FLAGS[at + 2:], "--moe-gate-noise", "0.5")
+    name = write_set(args, model, tmp_path / "set" / "ck.pt", 2)
+    assert checkpoint_tool(["export-hf", str(name), str(tmp_path / "refused")]) == 2
+    hf_dir = export(name, tmp_path / "hf", "--training-as-nllb")
+    printed = capsys.readouterr().out
+    assert "NOTE --moe-capacity-factor 0.0: NllbMoe trains with 2*ceil(S/E)" in printed
+    assert "NOTE --moe-gate-noise 0.5" in printed and not (tmp_path / "refused").exists()
+    assert json.loads((hf_dir / "config.json").read_text())["expert_capacity"] is None
+    tokens = batch(seed=7)
+    for theirs, mine in zip(hf_outputs(hf_dir, tokens), our_outputs(model, tokens)):
+        assert (theirs - mine).abs().max() < TOLERANCE
+
+
 @pytest.mark.parametrize("source_world, world", [(1, 1), (2, 2), (2, 1), (1, 4)],
                          ids=["1-to-1", "2-to-2", "2-to-1", "1-to-4"])
 def test_import_hf_of_an_exported_set_gives_back_every_tensor_of_the_original(ours, tmp_path, source_world, world):
