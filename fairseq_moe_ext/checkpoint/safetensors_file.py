@@ -62,6 +62,8 @@ def write_safetensors(path: str, tensors: Iterable[Tuple[str, torch.Tensor]],
         for _, tensor in tensors:
             if tensor.numel():
                 flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                # torch's own zero-copy buffer of exactly these bytes (an expert is a view whose storage is
+                # the whole stack, so the storage's bytes would be the wrong ones)
                 f.write(memoryview(flat.numpy()))
         f.flush()
         os.fsync(f.fileno())
