@@ -215,3 +215,32 @@ def test_a_bad_hugging_face_directory_is_refused_in_one_line_and_nothing_is_writ
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert fingerprint(tmp_path / "out") == before_out and fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["export-hf", "import-hf"])
+def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_line(good, tmp_path, capsys,
+                                                                                   monkeypatch, command):
+    """The second file written fails with ENOSPC (export: a shard; import: an output rank file)."""
+    import errno
+
+    from fairseq_moe_ext.checkpoint import hf_export, hf_import
+
+    args, model, hf_dir = good
+    module, name = (hf_export, "write_safetensors") if command == "export-hf" else (hf_import.torch, "save")
+    real, calls = getattr(module, name), []
+
+    def full_disk(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **kw)
+
+    source = write_set(args, model, tmp_path / "set" / "ck.pt", 2) if command == "export-hf" else hf_dir
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / ("hf" if command == "export-hf" else "imported.pt")
+    monkeypatch.setattr(module, name, full_disk)
+    code = checkpoint_tool([command, str(source), str(target), *(["--max-shard-size", "40KB"]
+                                                                 if command == "export-hf" else ["--world-size", "2"])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "no space left on device" in err and "nothing was written" in err, err
+    assert len(calls) == 2 and list((tmp_path / "out").iterdir()) == []  # no file, no directory
