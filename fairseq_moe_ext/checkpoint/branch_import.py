@@ -104,9 +104,11 @@ def expert_ffn_dims(branch: BranchSet, keys: List[Tuple[str, str]], shapes) -> D
 
 
 def imported_cfg(branch: BranchSet, flags: Dict) -> Tuple[Optional[Dict], Optional[argparse.Namespace]]:
-    """(cfg, args) for this project's ``moe_transformer`` with ``flags``, from the branch file's."""
-    options = argparse.Namespace(**{**vars(branch.options), **flags, "arch": "moe_transformer",
-                                    "_name": "moe_transformer"})
+    """(cfg, args) for this project's ``moe_transformer`` (``moe_transformer_lm`` for a moe_lm set) with
+    ``flags``, from the branch file's. The branch's other options keep their names and meanings; fairseq
+    drops those the model's config does not know when it loads the checkpoint."""
+    arch = "moe_transformer_lm" if branch.language_model else "moe_transformer"
+    options = argparse.Namespace(**{**vars(branch.options), **flags, "arch": arch, "_name": arch})
     cfg = branch.head["cfg"]
     if not isinstance(cfg, dict):
         return None, options
