@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
+from .branch_vocab import check_vocabulary
 from .errors import CheckpointSetError
 from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file
@@ -124,11 +125,16 @@ CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_
                   "moe_gate_loss_wt")
 
 
-def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print) -> str:
-    """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written."""
+def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print,
+                      dictionary: Optional[str] = None, langs: Optional[str] = None) -> str:
+    """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written.
+    With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``)."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     branch = BranchSet(prefix)
+    if dictionary is not None:
+        branch.notes.extend(check_vocabulary(branch.shared["model"], (branch.head.get("cfg") or {}).get("task")
+                                             or branch.head.get("args"), dictionary, langs, branch.shared_path))
     shards = math.gcd(workers, branch.experts)
     held = (f"{branch.local} per rank file" if branch.experts >= branch.world
             else f"{branch.world // branch.experts} replicas each")
