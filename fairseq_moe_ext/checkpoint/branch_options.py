@@ -91,6 +91,13 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
                 f"{path} was trained with --{name.replace('_', '-')} {value} ({what}): {why}, so the import would "
                 f"change what the model computes (nothing was written)"
             )
+    arch = str(_get(options, "arch", _get(options, "_name", "")))
+    if "megatron" in arch or "model_parallel" in str(_get(options, "_name", "")) or (
+            "lm" in arch.split("_") and not is_language_model(options)):
+        raise CheckpointSetError(
+            f"{path} is a {arch!r} language model: import-fairseq-moe imports the branch's transformer_lm (moe_lm) and "
+            f"translation transformers; other language models (model-parallel, convolutional) have other keys "
+            f"(nothing was written)")
     if is_language_model(options):
         check_language_model(options, path)
     policy = str(_get(options, "moe_second_expert_policy", "sampling"))

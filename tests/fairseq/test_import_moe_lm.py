@@ -127,11 +127,18 @@ def test_a_decoder_only_branch_model_imports_into_moe_transformer_lm_with_the_sa
         assert torch.equal(imported(**batch)[0], model(**batch)[0])
 
 
-def test_a_moe_lm_set_with_bitsandbytes_stable_embeddings_is_refused_in_one_line(lm_data, tmp_path, capsys):
+@pytest.mark.parametrize("changes, message", [
+    ({"use_stable_embedding": True}, "--use-stable-embedding (bitsandbytes' StableEmbedding"),
+    ({"arch": "transformer_lm_megatron", "_name": "model_parallel_transformer_lm"},
+     "is a 'transformer_lm_megatron' language model: import-fairseq-moe imports the branch's transformer_lm"),
+    ({"arch": "lightconv_lm", "_name": "lightconv_lm"}, "is a 'lightconv_lm' language model"),
+], ids=["stable-embeddings", "model-parallel-lm", "convolutional-lm"])
+def test_a_moe_lm_set_this_project_cannot_represent_is_refused_in_one_line(lm_data, tmp_path, capsys, changes,
+                                                                          message):
     built = language_model(lm_data, *BRANCH_SEMANTICS)
-    options = branch_lm_options(model_cfg(lm_data, *BRANCH_SEMANTICS), 4, use_stable_embedding=True)
+    options = branch_lm_options(model_cfg(lm_data, *BRANCH_SEMANTICS), 4, **changes)
     prefix = write_branch_set(tmp_path / "moe_lm" / "model", built.model.state_dict(), options, 2)
     assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--use-stable-embedding (bitsandbytes' StableEmbedding" in err and len(err.splitlines()) == 1, err
+    assert message in err and "(nothing was written)" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "imported.pt").exists()
