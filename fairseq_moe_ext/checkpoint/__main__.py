@@ -57,6 +57,10 @@ def main(argv=None) -> int:
         "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
     )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
+    p.add_argument("--dictionary", default=None,
+                   help="the dict.txt you will generate with: checked against the embedding's rows, with --langs")
+    p.add_argument("--langs", default=None,
+                   help="the model's languages, in order (a comma list or a file); default: what the set records")
     p = sub.add_parser("export-hf", help="write a translation set as a Hugging Face NLLB-MoE checkpoint directory "
                        "(config.json, safetensors shards and their index)")
     p.add_argument("checkpoint", help="the set, e.g. save_dir/checkpoint_best.pt (rank suffix not needed)")
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
             return 0
         if args.command == "import-fairseq-moe":
             _refuse_overwrite(args.output)
-            import_branch_set(args.prefix, args.output, args.world_size)
+            import_branch_set(args.prefix, args.output, args.world_size, dictionary=args.dictionary,
+                              langs=args.langs)
             return 0
         if args.command == "inspect":
             lines = inspect_checkpoint(args.checkpoint)

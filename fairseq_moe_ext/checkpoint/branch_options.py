@@ -51,6 +51,32 @@ def model_options(state: Dict, path: str) -> argparse.Namespace:
     return model
 
 
+# A moe-branch language model (moe_lm) option that stock fairseq's transformer_lm, which
+# ``moe_transformer_lm`` builds, has no counterpart for.
+LM_REFUSED = (
+    ("use_stable_embedding", "bitsandbytes' StableEmbedding (an embedding with a layer norm of its own)",
+     "there is no StableEmbedding here"),
+)
+
+
+def is_language_model(options: argparse.Namespace) -> bool:
+    """A decoder-only ``transformer_lm`` (moe_lm) set: its arch (``transformer_lm``, ``transformer_lm_gpt``, ...)."""
+    names = (str(_get(options, "arch", "")), str(_get(options, "_name", "")))
+    return any(name.startswith("transformer_lm") for name in names)
+
+
+def check_language_model(options: argparse.Namespace, path: str) -> None:
+    """Refuse the moe_lm options ``moe_transformer_lm`` cannot represent. Everything else the branch's
+    ``TransformerLanguageModelConfig`` holds is stock fairseq's option of the same name and meaning
+    (positions learned or sinusoidal, tied embeddings, pre-norm), carried over as it is."""
+    for name, what, why in LM_REFUSED:
+        value = _get(options, name)
+        if value:
+            raise CheckpointSetError(
+                f"{path} was trained with --{name.replace('_', '-')} ({what}): {why}, so the import would change "
+                f"what the language model computes (nothing was written)")
+
+
 def _get(options, name, default=None):
     value = getattr(options, name, default)
     return default if value is None else value
@@ -66,11 +92,14 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
                 f"change what the model computes (nothing was written)"
             )
     arch = str(_get(options, "arch", _get(options, "_name", "")))
-    if arch.startswith("transformer_lm") or "lm" in arch.split("_"):
+    if "megatron" in arch or "model_parallel" in str(_get(options, "_name", "")) or (
+            "lm" in arch.split("_") and not is_language_model(options)):
         raise CheckpointSetError(
-            f"{path} is a {arch!r} (moe_lm) checkpoint: import-fairseq-moe imports the branch's translation "
-            f"transformers (NLLB-200 MoE) only so far (nothing was written)"
-        )
+            f"{path} is a {arch!r} language model: import-fairseq-moe imports the branch's transformer_lm (moe_lm) and "
+            f"translation transformers; other language models (model-parallel, convolutional) have other keys "
+            f"(nothing was written)")
+    if is_language_model(options):
+        check_language_model(options, path)
     policy = str(_get(options, "moe_second_expert_policy", "sampling"))
     if policy not in SECOND_EXPERT_POLICIES:
         raise CheckpointSetError(
