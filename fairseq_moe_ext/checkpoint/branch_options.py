@@ -17,6 +17,7 @@ import argparse
 import math
 from typing import Dict, List, Tuple
 
+from .config_value import config_value
 from .errors import CheckpointSetError
 
 # Options whose non-default value changes what the model computes in a way this project cannot.
@@ -52,7 +53,8 @@ def model_options(state: Dict, path: str) -> argparse.Namespace:
 
 
 def _get(options, name, default=None):
-    value = getattr(options, name, default)
+    """The branch's option, or ``default`` where it is unset: the branch's args hold None for that."""
+    value = config_value(options, name)
     return default if value is None else value
 
 

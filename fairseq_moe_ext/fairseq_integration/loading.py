@@ -10,7 +10,8 @@ from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.compat import check_resumable, flag
+from ..checkpoint.compat import check_resumable
+from ..checkpoint.config_value import config_value
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
@@ -71,7 +72,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     if target.model is not None:  # None: an expert-sharded inference load (no model yet to compare)
         check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
         check_resume_policy(path, state.get("cfg"), target.model_cfg, target.criterion_cfg,
-                            allow_function_change=bool(flag(target.model_cfg, "moe_allow_function_change")))
+                            allow_function_change=bool(config_value(target.model_cfg, "moe_allow_function_change")))
     return state
 
 
@@ -88,12 +89,12 @@ def wrap_trainer_load_checkpoint(original):
                        self.data_parallel_world_size, every_rank_saves=is_expert_parallel_trainer(self))
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
-        dense = flag(self.cfg.model, "moe_upcycle_from")
+        dense = config_value(self.cfg.model, "moe_upcycle_from")
         if dense:
             check_upcycle_start(checkpoint_cfg)  # before the save dir's own checkpoint_last is looked for
         resolved = decided_on_rank_0(lambda: resolve_restore(
             filename, checkpoint_cfg, self.checkpoint_suffix,
-            allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback"))))
+            allow_fallback=bool(config_value(self.cfg.model, "moe_restore_fallback"))))
         if resolved is None:
             if dense:
                 return load_upcycled(self, dense)  # the first launch of an upcycled run: nothing to resume

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 from fairseq.models.transformer.transformer_config import TransformerConfig
-from fairseq.utils import safe_getattr
 
+from ..checkpoint.config_value import config_value
 from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
 from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed
@@ -37,7 +37,7 @@ def moe_layer_names(model):
 
 
 def base_seed(args) -> int:
-    seed = safe_getattr(args, "seed", None)
+    seed = config_value(args, "seed")
     if seed is None:
         # Models registered with a dataclass (moe_transformer_lm, and any model under
         # fairseq-hydra-train) get only their own config section, which has no seed. fairseq seeds
