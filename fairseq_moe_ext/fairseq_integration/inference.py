@@ -119,7 +119,7 @@ def load_sharded(original, filenames, *args, **kwargs):
     if not moe_layers(model):
         raise ValueError(f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
                          f"--moe-inference-experts sharded")
-    layout = moe_dist.expert_layout()
+    layout = moe_dist.model_layout(model)
     if layout.parallel_size != sharded.world_size:
         raise ValueError(f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
                          f"workers (--moe-expert-parallel-size): add --moe-inference-experts local")

@@ -102,7 +102,7 @@ def wrap_trainer_load_checkpoint(original):
         if dense:
             logger.info(f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
                         f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)")
-        layout = moe_dist.expert_layout()
+        layout = moe_dist.model_layout(self._model)
         logger.info(f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
                     f"(expert shard {layout.ep_rank} of {layout.parallel_size})")
         STATE.load_targets.append(LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model,

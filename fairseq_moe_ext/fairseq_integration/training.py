@@ -63,7 +63,7 @@ def wrap_distributed_model(original):
             return wrapped
         STATE.expert_parallel_training = True
         return moe_dist.ExpertParallelModel(wrapped, torch.distributed.get_world_size(process_group),
-                                            replica_group=moe_dist.expert_replica_group())
+                                            replica_group=moe_dist.expert_replica_group(moe_dist.model_layout(model)))
 
     return distributed_fairseq_model
 
@@ -94,7 +94,8 @@ def wrap_clip_grad_norm(original):
         if any(moe_dist.is_expert(p) or is_sharded(p) for p in params):  # experts, or FSDP2's slices
             if aggregate_norm_fn is not None:
                 raise moe_dist.unsupported_backend_error("fully_sharded")
-            return moe_dist.clip_grad_norm_(params, max_norm)
+            # fairseq hands over the parameters alone, so the group is the process's, read once here.
+            return moe_dist.clip_grad_norm_(params, max_norm, moe_dist.expert_parallel_group())
         if STATE.expert_parallel_training and params:
             raise RuntimeError(
                 "the optimizer's parameters lost the expert marker (--fp16 flattens gradients into one "

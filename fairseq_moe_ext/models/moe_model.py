@@ -59,10 +59,12 @@ class MoEModelMixin:
         # First: it sets the timeout and the expert-parallel size P (checked against the workers)
         # that the groups are created with, just below.
         apply_runtime_options(args)
-        # The groups are read from process state once, here, and handed to everything built below:
-        # experts are sharded over the P-worker group, routing statistics are the whole world's.
-        group, statistics_group = expert_parallel_group(), moe_statistics_group()
-        cls.check_expert_parallel_world(args, expert_layout().world_size)
+        # The layout (with P) is read from process state once, here, recorded on the model for everything
+        # that later has the model (moe_dist.model_layout), and its groups handed to the layers built
+        # below: experts are sharded over the P-worker group, routing statistics are the whole world's.
+        layout = expert_layout()
+        group, statistics_group = expert_parallel_group(layout), moe_statistics_group(layout)
+        cls.check_expert_parallel_world(args, layout.world_size)
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         seed = base_seed(args)
@@ -70,6 +72,7 @@ class MoEModelMixin:
             install_moe_layers(getattr(model, side), cfg, args, side, seed + SEED_OFFSETS[side], group=group,
                                statistics_group=statistics_group, no_encoder_attn=no_encoder_attn)
         model.moe_cache = attach_moe_cache(model)
+        model.moe_layout = layout
         return model
 
     @classmethod

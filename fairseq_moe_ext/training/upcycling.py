@@ -141,7 +141,7 @@ def load_upcycled(trainer, path: str) -> None:
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
         moe_architecture_of(dense_model_cfg, path)
     full = upcycle_state(dense, path, options, moe_layer_test(model_cfg), dense.get("cfg"))
-    layout = moe_dist.expert_layout()
+    layout = moe_dist.model_layout(trainer._model)
     share = moe_ckpt.shard_state(full, layout.ep_rank, layout.parallel_size)
     check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg, moe_freq)
     trainer.model.load_state_dict(share["model"], strict=True, model_cfg=model_cfg)

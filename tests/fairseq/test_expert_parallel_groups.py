@@ -124,7 +124,7 @@ def wrapped_reduce_on_worker(rank, args):
     wrapped = training.wrap_distributed_model(DistributedFairseqModel)(
         args, model, torch.distributed.new_group(), torch.device("cpu"))
     wrapped.all_reduce_grads()
-    norm = moe_dist.clip_grad_norm_(list(model.parameters()), 0)
+    norm = moe_dist.clip_grad_norm_(list(model.parameters()), 0, moe_dist.expert_parallel_group())  # as hook 4
     return model.shared.grad, model.expert.grad, norm
 
 
@@ -169,7 +169,7 @@ def training_step_on_worker(rank, built):
     loss, _, _ = criterion(wrapped, collate(task, sentence_pairs(12)[3 * rank: 3 * rank + 3]))
     loss.backward()
     wrapped.all_reduce_grads()
-    moe_dist.clip_grad_norm_(list(model.parameters()), 0.7)
+    moe_dist.clip_grad_norm_(list(model.parameters()), 0.7, moe_dist.expert_parallel_group(moe_dist.model_layout(model)))
     update_balance_biases(model)
 
 
