@@ -10,7 +10,7 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 3. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
    groups, gradient scaling), ``io_waits.py`` (where workers wait for another's file work),
    ``option_ranges.py`` (every numeric option's range). Fairseq may appear here, models do not.
-4. ``models/`` and ``criterions/``: the fairseq architectures and criterions.
+4. ``models/``, ``criterions/`` and ``tasks/``: the fairseq architectures, criterions and tasks.
 5. ``training/``: what fairseq-train decides around the model (save dir, restore choice, set ids,
    resume policy, upcycling).
 6. ``fairseq_integration/``: the hook table and its adapters; importing it installs the hooks.
@@ -35,7 +35,7 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def install_into_fairseq() -> None:
     """Register the MoE architectures and criterions with fairseq and install the hooks (again: no-op)."""
-    from . import criterions, fairseq_integration, models  # noqa: F401  (importing registers)
+    from . import criterions, fairseq_integration, models, tasks  # noqa: F401  (importing registers)
 
     fairseq_integration.install()
 

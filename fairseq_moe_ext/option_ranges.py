@@ -66,6 +66,9 @@ MODEL_RANGES = {
     "moe_eval_capacity_factor": Range(
         "--moe-eval-capacity-factor", False, "a finite number",
         "use 0 for dropless routing, > 0 for a fixed capacity, < 0 for a bounded dropless one"),
+    "moe_eval_capacity_token_fraction": Range(
+        "--moe-eval-capacity-token-fraction", False, "a finite number >= 0",
+        "use 0 (off), a fraction such as 0.25 (the nllb branch's default) or 1 (nothing dropped)", low=0),
     "moe_gate_noise": Range("--moe-gate-noise", False, "a finite number >= 0",
                             "use 0 (no noise) or a standard deviation > 0", low=0, high=FP32_MAX,
                             holder="the fp32 router scores it is added to"),

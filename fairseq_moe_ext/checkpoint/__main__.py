@@ -1,4 +1,4 @@
-"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle|import-fairseq-moe``.
+"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle|import-fairseq-moe|export-hf|import-hf``.
 
 The CLI lives apart from the library so that ``-m`` runs a module the package has not imported
 yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integration``).
@@ -16,6 +16,8 @@ from .branch_import import import_branch_set
 from .config_value import config_value
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
+from .hf_export import export_hf, shard_size
+from .hf_import import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .reshard import experts_per_key, load_full, save_set
@@ -56,11 +58,39 @@ def main(argv=None) -> int:
         "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
     )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
+    p.add_argument("--dictionary", default=None,
+                   help="the dict.txt you will generate with: checked against the embedding's rows, with --langs")
+    p.add_argument("--langs", default=None,
+                   help="the model's languages, in order (a comma list or a file); default: what the set records")
+    p = sub.add_parser("export-hf", help="write a translation set as a Hugging Face NLLB-MoE checkpoint directory "
+                       "(config.json, safetensors shards and their index)")
+    p.add_argument("checkpoint", help="the set, e.g. save_dir/checkpoint_best.pt (rank suffix not needed)")
+    p.add_argument("output_dir", help="a new (or empty) directory for config.json and the shards")
+    p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
+    p.add_argument("--training-as-nllb", action="store_true",
+                   help="export a set trained with options that act in training only and NllbMoe lacks (a capacity "
+                   "factor other than 1, gate noise): NllbMoe's own training settings are written, with a NOTE; "
+                   "evaluation is unchanged")
+    p = sub.add_parser("import-hf", help="import a Hugging Face NLLB-MoE checkpoint directory as this project's "
+                       "checkpoint")
+    p.add_argument("hf_dir", help="the directory holding config.json and the safetensors file(s)")
+    p.add_argument("output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if "
+                   "--world-size > 1)")
+    p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "export-hf":
+            export_hf(args.checkpoint, args.output_dir, shard_size(args.max_shard_size),
+                      training_as_nllb=args.training_as_nllb)
+            return 0
+        if args.command == "import-hf":
+            _refuse_overwrite(args.output)
+            import_hf(args.hf_dir, args.output, args.world_size)
+            return 0
         if args.command == "import-fairseq-moe":
             _refuse_overwrite(args.output)
-            import_branch_set(args.prefix, args.output, args.world_size)
+            import_branch_set(args.prefix, args.output, args.world_size, dictionary=args.dictionary,
+                              langs=args.langs)
             return 0
         if args.command == "inspect":
             lines = inspect_checkpoint(args.checkpoint)

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
+from .branch_vocab import check_vocabulary
 from .config_value import config_value
 from .errors import CheckpointSetError
 from .manifest import describe_file, write_manifest
@@ -105,9 +106,11 @@ def expert_ffn_dims(branch: BranchSet, keys: List[Tuple[str, str]], shapes) -> D
 
 
 def imported_cfg(branch: BranchSet, flags: Dict) -> Tuple[Optional[Dict], Optional[argparse.Namespace]]:
-    """(cfg, args) for this project's ``moe_transformer`` with ``flags``, from the branch file's."""
-    options = argparse.Namespace(**{**vars(branch.options), **flags, "arch": "moe_transformer",
-                                    "_name": "moe_transformer"})
+    """(cfg, args) for this project's ``moe_transformer`` (``moe_transformer_lm`` for a moe_lm set) with
+    ``flags``, from the branch file's. The branch's other options keep their names and meanings; fairseq
+    drops those the model's config does not know when it loads the checkpoint."""
+    arch = "moe_transformer_lm" if branch.language_model else "moe_transformer"
+    options = argparse.Namespace(**{**vars(branch.options), **flags, "arch": arch, "_name": arch})
     cfg = branch.head["cfg"]
     if not isinstance(cfg, dict):
         return None, options
@@ -123,11 +126,16 @@ CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_
                   "moe_gate_loss_wt")
 
 
-def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print) -> str:
-    """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written."""
+def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print,
+                      dictionary: Optional[str] = None, langs: Optional[str] = None) -> str:
+    """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written.
+    With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``)."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     branch = BranchSet(prefix)
+    if dictionary is not None:
+        branch.notes.extend(check_vocabulary(branch.shared["model"], (branch.head.get("cfg") or {}).get("task")
+                                             or branch.head.get("args"), dictionary, langs, branch.shared_path))
     shards = math.gcd(workers, branch.experts)
     held = (f"{branch.local} per rank file" if branch.experts >= branch.world
             else f"{branch.world // branch.experts} replicas each")

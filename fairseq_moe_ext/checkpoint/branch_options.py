@@ -1,12 +1,15 @@
 """The options of a fairseq ``moe``/``nllb``-branch checkpoint, mapped to this project's flags.
 
 The branch's MoE layer (``fairseq/modules/moe/top2gate.py`` and ``moe_layer.py`` on those branches)
-routes every token to the argmax expert and, under ``--moe-second-expert-policy all``, to the argmax
-of the others, and renormalises the two gates to sum to 1 (``--moe-normalize-gate`` here). Its
-training capacity is ``2*ceil(S/E)`` slots per expert, what ``--moe-capacity-factor 1`` gives with
-top-2 here; in evaluation ``ceil(moe_eval_capacity_token_fraction * S)``, which drops nothing when
-the fraction is 1 or more (no expert is chosen by more than S slots): ``--moe-eval-capacity-factor
-0``. A layer i is MoE on a side when ``(i + 1) % max(<side>_moe_freq, moe_freq) == 0``.
+routes every token to the argmax expert and its second expert by ``--moe-second-expert-policy``
+(``--moe-second-expert-policy`` here, the same three policies and draws), renormalises the two gates after
+capacity dropping unless ``--moe-normalize-gate-prob-before-dropping`` (``--moe-normalize-gate`` with or
+without ``--moe-normalize-gate-after-dropping``), queues tokens for capacity in B x T order
+(``--moe-batch-major-routing``), ranks them by top-1 probability with batch-prioritised routing, and has a
+training capacity of ``2*ceil(S/E)`` slots per expert (``--moe-capacity-factor 1`` with top-2) and an
+evaluation capacity of ``ceil(moe_eval_capacity_token_fraction * S)`` (``--moe-eval-capacity-token-fraction``,
+S counting pads as the branch does). A layer i is MoE on a side when ``(i + 1) % max(<side>_moe_freq,
+moe_freq) == 0``.
 
 ``branch_flags`` returns this project's flags and the NOTE lines for what is mapped but not
 reproduced exactly; what cannot be represented at all is refused in one line naming the option.
@@ -52,6 +55,32 @@ def model_options(state: Dict, path: str) -> argparse.Namespace:
     return model
 
 
+# A moe-branch language model (moe_lm) option that stock fairseq's transformer_lm, which
+# ``moe_transformer_lm`` builds, has no counterpart for.
+LM_REFUSED = (
+    ("use_stable_embedding", "bitsandbytes' StableEmbedding (an embedding with a layer norm of its own)",
+     "there is no StableEmbedding here"),
+)
+
+
+def is_language_model(options: argparse.Namespace) -> bool:
+    """A decoder-only ``transformer_lm`` (moe_lm) set: its arch (``transformer_lm``, ``transformer_lm_gpt``, ...)."""
+    names = (str(_get(options, "arch", "")), str(_get(options, "_name", "")))
+    return any(name.startswith("transformer_lm") for name in names)
+
+
+def check_language_model(options: argparse.Namespace, path: str) -> None:
+    """Refuse the moe_lm options ``moe_transformer_lm`` cannot represent. Everything else the branch's
+    ``TransformerLanguageModelConfig`` holds is stock fairseq's option of the same name and meaning
+    (positions learned or sinusoidal, tied embeddings, pre-norm), carried over as it is."""
+    for name, what, why in LM_REFUSED:
+        value = _get(options, name)
+        if value:
+            raise CheckpointSetError(
+                f"{path} was trained with --{name.replace('_', '-')} ({what}): {why}, so the import would change "
+                f"what the language model computes (nothing was written)")
+
+
 def _get(options, name, default=None):
     """The branch's option, or ``default`` where it is unset: the branch's args hold None for that."""
     value = config_value(options, name)
@@ -68,11 +97,14 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
                 f"change what the model computes (nothing was written)"
             )
     arch = str(_get(options, "arch", _get(options, "_name", "")))
-    if arch.startswith("transformer_lm") or "lm" in arch.split("_"):
+    if "megatron" in arch or "model_parallel" in str(_get(options, "_name", "")) or (
+            "lm" in arch.split("_") and not is_language_model(options)):
         raise CheckpointSetError(
-            f"{path} is a {arch!r} (moe_lm) checkpoint: import-fairseq-moe imports the branch's translation "
-            f"transformers (NLLB-200 MoE) only so far (nothing was written)"
-        )
+            f"{path} is a {arch!r} language model: import-fairseq-moe imports the branch's transformer_lm (moe_lm) and "
+            f"translation transformers; other language models (model-parallel, convolutional) have other keys "
+            f"(nothing was written)")
+    if is_language_model(options):
+        check_language_model(options, path)
     policy = str(_get(options, "moe_second_expert_policy", "sampling"))
     if policy not in SECOND_EXPERT_POLICIES:
         raise CheckpointSetError(
@@ -80,40 +112,37 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
             f"(all, sampling, random): an unknown gate option (nothing was written)"
         )
     notes = []
-    if policy != "all":
-        notes.append(f"--moe-second-expert-policy {policy}: the branch chose the second expert at random (also in "
-                     f"evaluation); imported as 'all' (the second-best expert, always), what NLLB-200 MoE and Hugging "
-                     f"Face NllbMoe use")
     experts = int(_get(options, "moe_expert_count", 0))
+    # The branch routes B x T (batch-major) tensors, renormalises after dropping unless told otherwise, and
+    # draws its second expert as its policy says, in evaluation too: each is an option here, set to match.
+    after = not _get(options, "moe_normalize_gate_prob_before_dropping", False)
     flags = {"moe_expert_count": experts, "moe_top_k": 2, "moe_normalize_gate": True, "moe_capacity_factor": 1.0,
              "moe_gating_use_fp32": True,
-             "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False))}
+             "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
+             "moe_batch_major_routing": True, "moe_normalize_gate_after_dropping": after,
+             "moe_second_expert_policy": policy}
     freq = int(_get(options, "moe_freq", 0))
     for side in layers:
         flags[f"{side}_moe_freq"] = max(int(_get(options, f"{side}_moe_freq", 0)), freq)
     flags["moe_freq"] = freq or max(flags[f"{side}_moe_freq"] for side in layers)
     fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.25))
-    if fraction >= 1.0:
-        flags["moe_eval_capacity_factor"] = 0.0  # ceil(f * S) >= S: nothing is ever dropped
-    elif fraction <= 0.0:
+    if not math.isfinite(fraction):
+        raise CheckpointSetError(f"{path} has --moe-eval-capacity-token-fraction {fraction}: not a number of slots")
+    if fraction > 0.0:
+        flags["moe_eval_capacity_token_fraction"] = fraction  # ceil(f * S), pads counted, as the branch
+        flags["moe_eval_capacity_factor"] = 0.0
+    else:
         flags["moe_eval_capacity_factor"] = 1.0
         notes.append("--moe-eval-capacity-token-fraction <= 0: evaluation used the training capacity 2*ceil(S/E); "
                      "imported as --moe-eval-capacity-factor 1 (the same count, but S here excludes pad tokens)")
-    else:
-        flags["moe_eval_capacity_factor"] = fraction * experts / 2
-        notes.append(f"--moe-eval-capacity-token-fraction {fraction:g}: evaluation capacity ceil({fraction:g}*S) slots "
-                     f"per expert; imported as --moe-eval-capacity-factor {fraction * experts / 2:g} "
-                     f"(2*int(cf*ceil(S/E)) slots: the same up to rounding, and S here excludes pad tokens); pass "
-                     f"--moe-eval-capacity-factor 0 to drop nothing")
-    if not _get(options, "moe_normalize_gate_prob_before_dropping", False):
-        notes.append("gates renormalised after capacity dropping in the branch (a token whose second slot is dropped "
-                     "keeps gate 1 on its first); here before dropping: identical wherever nothing is dropped "
-                     "(evaluation with --moe-eval-capacity-factor 0)")
+    if policy != "all":
+        notes.append(f"--moe-second-expert-policy {policy}: the second expert is drawn at random, in evaluation too "
+                     f"(as the branch does): generation differs from run to run unless torch is seeded")
     if not _get(options, "moe_gating_use_fp32", False):
         notes.append("the branch routed in the activation dtype (no --moe-gating-use-fp32); routing runs in fp32 here")
     if not _get(options, "use_moe_pad_mask", False):
         notes.append("the branch routed pad tokens too (no --use-moe-pad-mask), where they took capacity; pad tokens "
-                     "are never routed here")
+                     "are never routed here: identical outputs for real tokens wherever nothing is dropped")
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
         flags["moe_eom"] = eom  # Expert Output Masking: the same per-slot mask and 1 - p scaling here
@@ -121,6 +150,4 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
     notes.append(f"training only: the branch's balance loss mean(me*ce)*E^2 (here E*sum(me*ce), the same value), "
                  f"--moe-normalize-expert-grad {grad} and --moe-local-drop are not reproduced; dropout after the MoE "
                  f"block is fairseq's --dropout here (the branch applied it inside each expert)")
-    if not math.isfinite(fraction):
-        raise CheckpointSetError(f"{path} has --moe-eval-capacity-token-fraction {fraction}: not a number of slots")
     return flags, notes

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .branch_options import branch_flags, model_options
+from .branch_options import branch_flags, is_language_model, model_options
 from .config_value import config_value
 from .errors import CheckpointSetError
 from .safe_load import safe_load
@@ -115,7 +115,10 @@ class BranchSet:
                 f"-rank-{world - 1}.pt away (nothing was written)")
         self.world = world
         self.local = max(1, self.experts // world)
-        layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in ("encoder", "decoder")}
+        # A moe_lm set (transformer_lm) is decoder-only: its options hold no encoder to place MoE layers in.
+        self.language_model = is_language_model(self.options)
+        sides = ("decoder",) if self.language_model else ("encoder", "decoder")
+        layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in sides}
         self.flags, self.notes = branch_flags(self.options, self.rank_paths[0], layers)
         self.first_state = first  # rank 0's experts, consumed by the first pass of ``rank_experts``
         self.num_updates = int(((first.get("optimizer_history") or [{}])[-1] or {}).get("num_updates", 0) or 0)

@@ -23,12 +23,14 @@ from ..fully_sharded import refused_options, zero_sharding_error
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.placement import places_moe_layer, side_moe_freq
 from ..moe.router import ROUTER_TYPES
+from ..moe.second_expert import SECOND_EXPERT_POLICIES
 from ..option_ranges import MODEL_RANGES, check_option, check_options
 
 logger = logging.getLogger(__name__)
 
 MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
 MOE_BALANCE_CHOICES = ChoiceEnum(["none", "bias"])
+MOE_SECOND_EXPERT_CHOICES = ChoiceEnum(list(SECOND_EXPERT_POLICIES))
 
 
 @dataclass
@@ -120,6 +122,32 @@ class MoEConfig(FairseqDataclass):
     )
     moe_normalize_gate: bool = field(
         default=False, metadata={"help": "renormalise each token's k gate values to sum to 1"}
+    )
+    # The fairseq nllb branch's routing semantics, which import-fairseq-moe sets (docs/interop.md).
+    moe_eval_capacity_token_fraction: float = field(
+        default=0.0,
+        metadata={"help": "evaluation capacity as the nllb branch (and Hugging Face NllbMoe) compute it: ceil(f * S) "
+                  "slots per expert for both choices together, S being every token position of the batch, pads "
+                  "included; replaces --moe-eval-capacity-factor in validation and inference (default 0: off)"},
+    )
+    moe_normalize_gate_after_dropping: bool = field(
+        default=False,
+        metadata={"help": "renormalise each token's gates over the slots kept after capacity dropping (the nllb "
+                  "branch's default; a token whose second slot is dropped weights its first by 1) instead of "
+                  "before, as --moe-normalize-gate does; implies that normalisation"},
+    )
+    moe_batch_major_routing: bool = field(
+        default=False,
+        metadata={"help": "queue tokens for capacity sentence by sentence (B x T, as the nllb branch and Hugging "
+                  "Face route) instead of time step by time step (the T x B order of fairseq's layers); only "
+                  "which slots are dropped differs"},
+    )
+    moe_second_expert_policy: MOE_SECOND_EXPERT_CHOICES = field(
+        default="all",
+        metadata={"help": "top-2 only, the nllb branch's: all = the second-best expert; sampling = drawn by "
+                  "logits + Gumbel noise among the others; random = the second-best, kept with probability "
+                  "min(1, 2 * its gate). sampling and random draw in validation and inference too, as the branch "
+                  "does (default all)"},
     )
     # 600 s: torch's NCCL default, the timeout of fairseq's own collectives on GPUs. Workers reach an
     # MoE collective as far apart as they reach fairseq's gradient all-reduce (the same per-step
@@ -223,6 +251,13 @@ def check_routing_extensions(args, k: int) -> None:
         )
     if moe_option(args, "moe_bias_update_rate") is not None and str(moe_option(args, "moe_balance")) != "bias":
         raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
+    policy = str(moe_option(args, "moe_second_expert_policy"))
+    if policy != "all" and (k != 2 or str(moe_option(args, "moe_router")) != "top"):
+        raise ValueError(f"--moe-second-expert-policy {policy} is the nllb branch's top-2 softmax gate's: use "
+                         f"--moe-top-k 2 with --moe-router top, or drop the flag")
+    if moe_option(args, "moe_normalize_gate_after_dropping") and str(moe_option(args, "moe_router")) != "top":
+        raise ValueError("--moe-normalize-gate-after-dropping renormalises softmax probabilities: use it with "
+                         "--moe-router top, or drop it")
     if str(moe_option(args, "moe_router")) == "sigmoid" and k < 2:
         raise ValueError(
             "--moe-router sigmoid normalises the gates over the chosen experts, so with --moe-top-k 1 every gate is 1 "

@@ -29,7 +29,19 @@ class MoEFeedForward(MoELayer):
 
     padding_mask: Optional[torch.Tensor] = None
 
+    def __init__(self, *args, batch_major: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        # --moe-batch-major-routing: tokens queue for capacity in B x T order, as the nllb branch's layers
+        # transpose to before their MoE layer. Only which slots are dropped depends on it.
+        self.batch_major = batch_major
+
     def forward(self, x):
+        if not self.batch_major or x.dim() != 3:
+            return self._forward_tokens(x)
+        return self._forward_tokens(x.transpose(0, 1), batch_major=True).transpose(0, 1)
+
+    def _forward_tokens(self, x, batch_major: bool = False):
+        """``x``: T x B x C, or B x T x C when ``batch_major``."""
         if STATE.dummy_batch:
             # fairseq's dummy batch (a worker whose data shard ran out repeats a batch with its loss
             # multiplied by 0): its tokens still travel through the all-to-all, so every worker
@@ -38,7 +50,8 @@ class MoEFeedForward(MoELayer):
             return super().forward(x, torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device))
         mask = self.padding_mask
         if mask is not None:
-            mask = mask[:, -x.shape[0]:].transpose(0, 1)  # cross-self-attention prepends source
+            mask = mask[:, -x.shape[1 if batch_major else 0]:]  # cross-self-attention prepends source
+            mask = mask if batch_major else mask.transpose(0, 1)
             if mask.shape != x.shape[:-1]:
                 mask = None
         return super().forward(x, mask)
@@ -57,6 +70,8 @@ def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
         normalize_gates=moe_option(args, "moe_normalize_gate"),
         batch_prioritized=moe_option(args, "moe_batch_prioritized_routing"),
         balance_bias_rate=bias_update_rate(args),
+        second_expert_policy=str(moe_option(args, "moe_second_expert_policy")),
+        normalize_gates_after_dropping=bool(moe_option(args, "moe_normalize_gate_after_dropping")),
     )
     return MoELayerConfig(
         model_dim=model_dim,
@@ -70,6 +85,7 @@ def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
         shared_expert_count=moe_option(args, "moe_shared_expert_count"),
         shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim"),  # None: hidden_dim
         expert_output_masking=float(moe_option(args, "moe_eom")),
+        eval_capacity_token_fraction=float(moe_option(args, "moe_eval_capacity_token_fraction")),
     )
 
 
@@ -148,7 +164,8 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, gro
     config = moe_layer_config(args, model_dim, ffn_dim)  # every MoE layer of a side computes the same function
     replaced = 0
     for i in moe_layer_indices(len(stack.layers), freq):
-        ffn = MoEFeedForward(config, group=group, statistics_group=statistics_group, seed=layer_seed_base + i)
+        ffn = MoEFeedForward(config, group=group, statistics_group=statistics_group, seed=layer_seed_base + i,
+                             batch_major=bool(moe_option(args, "moe_batch_major_routing")))
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))
         else:

@@ -64,6 +64,14 @@ def expert_capacity_tensor(
     return k * slots.long()
 
 
+def token_fraction_capacity(num_positions: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The fairseq nllb branch's (and Hugging Face NllbMoe's) evaluation capacity, ``ceil(fraction * S)`` slots
+    per expert for both choices together, S being every token position of the batch, pads included (they
+    route B x T tensors and count pads). Computed in fp64 on the device, as ``math.ceil`` on the host; capped
+    at MAX_SLOTS so that a huge fraction serves every slot instead of wrapping int64."""
+    return torch.ceil(float(fraction) * num_positions.double()).clamp(max=float(MAX_SLOTS)).long()
+
+
 def slots_within_capacity(
     expert_index: torch.Tensor,
     num_experts: int,

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import comm
 from .cache import MoEAux, MoEAuxCache
-from .capacity import expert_capacity_tensor, slots_within_capacity
+from .capacity import expert_capacity_tensor, slots_within_capacity, token_fraction_capacity
 from .dispatch import (
     bucket_counts,
     combine_slots,
@@ -35,6 +35,7 @@ from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
 from .router import TopKRouter
+from .second_expert import gates_renormalised_over_served
 from .shared_experts import SharedExperts
 
 
@@ -112,6 +113,10 @@ class MoELayer(nn.Module):
     eval_capacity_factor = property(lambda self: self.config.eval_capacity_factor)
     # Expert Output Masking (NLLB, the nllb branch's moe_layer.py ``tok_dropout``): see _mask_expert_outputs.
     expert_output_masking = property(lambda self: self.config.expert_output_masking)
+    # The nllb branch's evaluation capacity ceil(f * S) (capacity.token_fraction_capacity); 0: off.
+    eval_capacity_token_fraction = property(lambda self: self.config.eval_capacity_token_fraction)
+    # The nllb branch's default: gates renormalised over the slots kept after dropping (second_expert.py).
+    normalize_gates_after_dropping = property(lambda self: self.config.routing.normalize_gates_after_dropping)
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x``: ``[..., model_dim]``; ``padding_mask``: ``x.shape[:-1]``, True at pad tokens.
@@ -186,10 +191,11 @@ class MoELayer(nn.Module):
         # One all-reduce for counts and sums (each collective is a point where the faster worker
         # waits): fp64 holds the int64 counts exactly (below 2^53) and every fp32 sum; with one
         # process the round trip fp32 -> fp64 -> fp32 changes no bit.
-        totals = comm.all_reduce_sum(
-            torch.cat([top1_count.double(), num_real.double(), prob_sum.double(), lse_square.sum().double().view(1)]),
-            statistics_group,
-        )
+        by_fraction = not self.training and self.eval_capacity_token_fraction > 0
+        parts = [top1_count.double(), num_real.double(), prob_sum.double(), lse_square.sum().double().view(1)]
+        if by_fraction:  # every token position, pads included: the S of the branch's ceil(f * S)
+            parts.append(torch.full((1,), float(n), dtype=torch.float64, device=tokens.device))
+        totals = comm.all_reduce_sum(torch.cat(parts), statistics_group)
         counts = totals[: num_experts + 1].round().long()
         sums = totals[num_experts + 1 :].float()
         total_tokens = counts[-1]
@@ -198,6 +204,8 @@ class MoELayer(nn.Module):
 
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = expert_capacity_tensor(total_tokens, num_experts, k, capacity_factor)
+        if by_fraction:
+            capacity = token_fraction_capacity(totals[-1].round().long(), self.eval_capacity_token_fraction)
         slot_expert = expert_index.reshape(-1)  # token-major slots (token t, choice j) -> t * k + j
         # The real tokens' choices before capacity: logged, and the load behind the balance bias.
         routed_load = bucket_counts(slot_expert, num_experts + 1)[:num_experts]
@@ -206,6 +214,10 @@ class MoELayer(nn.Module):
         if capacity is not None:
             keep = self._slots_within_capacity(routing, capacity, expert_index)
             slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
+        gates = routing.gates
+        if self.normalize_gates_after_dropping:
+            gates = gates_renormalised_over_served(routing.probs, routing.expert_index,
+                                                   (slot_expert < num_experts).view(n, k))
 
         # Dispatch: slots sorted by expert; unserved ones (pads, dropped) sort last and are cut off.
         order = torch.argsort(slot_expert, stable=True)
@@ -218,7 +230,7 @@ class MoELayer(nn.Module):
             slot_row = inverse_permutation(order)
             dispatched = dispatch_slots(tokens, order, slot_row, k)
             expert_out = self._mask_expert_outputs(self._run_experts(dispatched, loads, expert_load, exchange))
-            y = combine_slots(expert_out, routing.gates, order, slot_row)
+            y = combine_slots(expert_out, gates, order, slot_row)
         else:
             sorted_slots = order[:served]
             slot_row = served_slot_rows(sorted_slots, n * k)  # unserved slots: row `served`, past the end
@@ -233,7 +245,7 @@ class MoELayer(nn.Module):
                 # served row (row 0) at gate exactly 0: their term adds exactly zero.
                 served_mask = slot_expert < num_experts
                 slot_row = torch.where(served_mask, slot_row, 0)
-                gates = routing.gates * served_mask.view(n, k)
+                gates = gates * served_mask.view(n, k)
                 y = combine_slots(expert_out, gates, sorted_slots, slot_row)
         # Statistics for the logs stay on the device; the criterion reads all layers' at once.
         probs = probs.detach()

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Union
 from .balance_bias import check_bias_update_rate
 from .capacity import check_capacity_factor
 from .experts import resolve_activation
+from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
 
 ROUTER_TYPES = ("top", "cosine", "sigmoid")  # router.py says what each one computes
@@ -37,6 +38,10 @@ class RoutingConfig:
     normalize_gates: bool = False  # a token's k gates sum to 1
     batch_prioritized: bool = False  # over capacity, serve the highest top-1 gate first
     balance_bias_rate: Optional[float] = None  # loss-free balancing (balance_bias.py); None: off
+    # The nllb branch's top-2 gate (second_expert.py): how the second expert is chosen, and whether the
+    # gates are renormalised over the slots kept after capacity dropping (by the layer) instead of before.
+    second_expert_policy: str = "all"
+    normalize_gates_after_dropping: bool = False
 
     def __post_init__(self):
         k = self.k
@@ -54,6 +59,10 @@ class RoutingConfig:
             )
         if self.balance_bias_rate is not None:
             object.__setattr__(self, "balance_bias_rate", check_bias_update_rate(self.balance_bias_rate))
+        check_second_expert_policy(self.second_expert_policy, k, self.router_type)
+        if self.normalize_gates_after_dropping and self.router_type != "top":
+            raise ValueError("normalize_gates_after_dropping renormalises softmax probabilities: use it with the "
+                             "'top' router")
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,9 @@ class MoELayerConfig:
     shared_expert_count: int = 0  # shared_experts.py
     shared_expert_dim: Optional[int] = None  # None: hidden_dim
     expert_output_masking: float = 0.0  # the layer's _mask_expert_outputs
+    # The nllb branch's evaluation capacity, ceil(f * S) slots per expert with S every token position
+    # (capacity.token_fraction_capacity); replaces eval_capacity_factor when > 0.
+    eval_capacity_token_fraction: float = 0.0
 
     def __post_init__(self):
         _positive_int("model_dim", self.model_dim)
@@ -98,6 +110,10 @@ class MoELayerConfig:
         if not 0.0 <= float(self.expert_output_masking) < 1.0:
             raise ValueError(f"expert_output_masking must be in [0, 1), got {self.expert_output_masking!r}")
         object.__setattr__(self, "expert_output_masking", float(self.expert_output_masking))
+        fraction = self.eval_capacity_token_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < math.inf:
+            raise ValueError(f"eval_capacity_token_fraction must be a finite number >= 0, got {fraction!r}")
+        object.__setattr__(self, "eval_capacity_token_fraction", float(fraction))
 
     @property
     def shared_hidden_dim(self) -> int:

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from .balance_bias import BalanceBias
 from .layer_config import ROUTER_TYPES, RoutingConfig
+from .second_expert import randomly_kept_second, sampled_second_expert
 
 __all__ = ["ROUTER_TYPES", "Routing", "TopKRouter", "take_chosen"]
 
@@ -84,9 +85,12 @@ class TopKRouter(nn.Module):
         self.router_type = routing.router_type
         self.fp32 = routing.fp32
         self.gate_noise = routing.gate_noise
-        self.normalize_gates = routing.normalize_gates
+        # Renormalised here (before capacity) unless the layer renormalises over the slots it kept.
+        self.normalize_gates = routing.normalize_gates and not routing.normalize_gates_after_dropping
         self.batch_prioritized = routing.batch_prioritized
         self.balance_bias = balance_bias
+        # The nllb branch's --moe-second-expert-policy (second_expert.py); "all" is plain top-2.
+        self.second_expert_policy = routing.second_expert_policy
         if self.router_type in ("top", "sigmoid"):
             self.wg = nn.Linear(model_dim, num_experts, bias=False)
         else:
@@ -139,6 +143,9 @@ class TopKRouter(nn.Module):
                 # The bias shifts scores (not logits), for choosing only.
                 selection_scores = self.scores(selection_scores.detach()) + self.balance_bias.bias
             expert_index = torch.topk(selection_scores, self.k, dim=-1, sorted=True).indices
+            if self.second_expert_policy == "sampling":
+                second = sampled_second_expert(logits, expert_index[:, 0])
+                expert_index = torch.stack([expert_index[:, 0], second], dim=1)
             gates = take_chosen(scores, expert_index)
             if self.normalize_gates or sigmoid:
                 total = gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
@@ -148,7 +155,11 @@ class TopKRouter(nn.Module):
                     # the router learns from d log p, the unnormalised (Switch) gate's gradient over p.
                     total = total.detach()
                 gates = gates / total
+            if self.second_expert_policy == "random":
+                # After the gates: the draw compares with the second gate as it stands (normalised or not).
+                expert_index = randomly_kept_second(expert_index, gates, self.num_experts)
         # Batch-prioritised routing (Riquelme et al.): when an expert is over capacity, the tokens
-        # the router is most confident about are served first.
-        priority_score = -gates[:, 0].detach() if self.batch_prioritized else None
+        # the router is most confident about are served first: by their top-1 probability before any
+        # renormalisation over the chosen k, as the nllb branch and Hugging Face's NllbMoe rank them.
+        priority_score = -probs.gather(1, expert_index[:, :1]).squeeze(1).detach() if self.batch_prioritized else None
         return Routing(logits, probs, expert_index, gates, priority_score)

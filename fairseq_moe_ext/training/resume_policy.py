@@ -56,6 +56,8 @@ POLICY: Dict[str, Rule] = {
     "moe_top_k": Rule(CHANGES_FUNCTION, "a token is sent to another number of experts"),
     "moe_normalize_gate": Rule(CHANGES_FUNCTION, "the gates a token's expert outputs are weighted with"),
     "moe_eom": Rule(CHANGES_FUNCTION, "inference multiplies every expert output by 1 - p"),
+    "moe_second_expert_policy": Rule(CHANGES_FUNCTION, "which second expert a token reaches, drawn at random or not"),
+    "moe_normalize_gate_after_dropping": Rule(CHANGES_FUNCTION, "the gates of tokens that lost a slot"),
     "activation_fn": Rule(CHANGES_FUNCTION, "the activation of the experts and of the dense layers"),
     # other parameters: compat.check_resumable refuses them by parameter shapes and names
     "moe_expert_count": Rule(CHANGES_PARAMETERS, "another number of experts and router rows"),
@@ -70,6 +72,9 @@ POLICY: Dict[str, Rule] = {
     "moe_capacity_factor": Rule(MAY_CHANGE, "which slots training drops; " + TRAINING_ONLY),
     "moe_eval_capacity_factor": Rule(MAY_CHANGE, "validation and inference routing capacity, a choice of each run"),
     "moe_batch_prioritized_routing": Rule(MAY_CHANGE, "which slots are dropped when a capacity is reached"),
+    "moe_batch_major_routing": Rule(MAY_CHANGE, "which slots are dropped when a capacity is reached"),
+    "moe_eval_capacity_token_fraction": Rule(MAY_CHANGE, "validation and inference routing capacity, a choice of "
+                                                         "each run"),
     "moe_gate_noise": Rule(MAY_CHANGE, "exploration noise in training; " + TRAINING_ONLY),
     "moe_bias_update_rate": Rule(MAY_CHANGE, "how fast the bias moves from now on, like a learning rate",
                                  effective=_bias_rate),

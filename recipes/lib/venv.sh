@@ -10,15 +10,19 @@ repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 venv=${MOE_VENV:-$repo_root/.venv}
 stamp=$venv/.moe-ext-installed
 requirements=$repo_root/requirements.txt
-if [ ! -f "$stamp" ] || ! cmp -s "$requirements" "$stamp"; then
+# Test-only pins (the transformers oracle): installed here, never by setup.py.
+test_requirements=$repo_root/tests/requirements-oracle.txt
+# The stamp holds both files as installed: editing either one reinstalls.
+wanted=$(cat "$requirements" "$test_requirements")
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   echo "[venv] installing pinned dependencies into $venv (first use only)" >&2
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements" \
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements" -r "$test_requirements" \
       ${FAIRSEQ_SPEC:+"$FAIRSEQ_SPEC"} 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo_root" \
       2>&1 | grep -v "is ignored: it is neither" >&2 || true
   "$venv/bin/python" -c "import fairseq, torch, fairseq_moe_ext" >/dev/null
-  cp "$requirements" "$stamp"
+  printf '%s\n' "$wanted" > "$stamp"
 fi
 # shellcheck disable=SC1091
 source "$venv/bin/activate"

@@ -20,7 +20,7 @@ TIERS = (
     ("moe",),
     ("checkpoint",),
     ("process_state", "distributed", "fully_sharded", "io_waits", "option_ranges"),
-    ("models", "criterions"),
+    ("models", "criterions", "tasks"),
     ("training",),
     ("fairseq_integration",),
     ("__init__", "__main__"),

@@ -75,12 +75,15 @@ def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_
     prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), options, 2, cfg_as_dict=False)
     assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt")]) == 0
     printed = capsys.readouterr().out
-    assert "NOTE --moe-second-expert-policy sampling" in printed
-    assert f"--moe-eval-capacity-factor {0.5 * EXPERTS / 2:g}" in printed  # ceil(0.5 S) ~ 2 int(cf ceil(S/E))
+    assert "NOTE --moe-second-expert-policy sampling: the second expert is drawn at random" in printed
+    assert "--moe-second-expert-policy sampling" in printed.split("flags: ")[1]
+    assert "--moe-eval-capacity-token-fraction 0.5" in printed  # ceil(0.5 S), as the branch
+    assert "--moe-normalize-gate True --moe-normalize-gate-after-dropping True" in printed  # the branch's default
+    assert "--moe-batch-major-routing True" in printed
     assert "--encoder-moe-freq 2" in printed  # max(encoder_moe_freq, moe_freq), as the branch's encoder reads it
     assert "--moe-eom 0.2" in printed  # Expert Output Masking, as NLLB-200 MoE was trained with it
     state = torch.load(tmp_path / "imported.pt", weights_only=False)
-    assert state["args"].arch == "moe_transformer" and state["args"].moe_eval_capacity_factor == 1.0
+    assert state["args"].arch == "moe_transformer" and state["args"].moe_eval_capacity_token_fraction == 0.5
     assert state["args"].moe_eom == 0.2
     assert "last_optimizer_state" not in state and state["moe"]["num_updates"] == 300
 

@@ -47,6 +47,8 @@ MODEL = {
     "moe_top_k": row("--moe-top-k", "an integer >= 1", "type type type type type high high type"),
     "moe_capacity_factor": row("--moe-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
     "moe_eval_capacity_factor": row("--moe-eval-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
+    "moe_eval_capacity_token_fraction": row("--moe-eval-capacity-token-fraction", "a finite number >= 0",
+                                            "ok type type type ok ok type ok"),
     "moe_gate_noise": row("--moe-gate-noise", "a finite number >= 0", "ok type type type high high type ok"),
     "moe_eom": row("--moe-eom", "a probability in [0, 1)", "ok type type type high high type ok"),
     "moe_shared_expert_count": row("--moe-shared-expert-count", "an integer >= 0",

@@ -135,7 +135,31 @@ def test_python_stdlib_lm_quick_mode_compares_moe_and_dense_perplexity(tmp_path)
     assert_png(work / "plots" / "expert_load.png")
 
 
-@pytest.mark.parametrize("script", ["iwslt14_de_en.sh", "wmt16_en_de.sh", "wikitext103_lm.sh"])
+@pytest.mark.slow
+def test_nllb_moe_dry_run_imports_a_tiny_nllb_layout_set_generates_and_fine_tunes_from_it(tmp_path):
+    work = tmp_path / "nllb"
+    output = run_recipe("nllb_moe.sh", work, "--dry-run")
+    for stage in range(1, 6):
+        assert f"==> [{stage}/5]" in output
+    imported = (work / "imported" / "import.log").read_text()
+    assert "8 rank files + shared" in imported and "4 experts (2 replicas each)" in imported
+    # NLLB's dictionary: the language tokens, then the 3 data-source tags, which the task must add
+    assert "+ 3 language tokens + 3 data-source tags = 70 rows" in imported and "--moe-eom 0.2" in imported
+    assert len(hypotheses(work / "generate.out")) == 8  # the tiny set's 8 test sentences
+    log = (work / "finetune" / "train.log").read_text()
+    assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
+    assert "num_updates: 3 >= max_update: 3" in log and (work / "finetune" / "ckpt" / "checkpoint_last.pt").is_file()
+
+
+def test_nllb_moe_without_the_downloaded_files_says_where_to_get_them(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "recipes" / "nllb_moe.sh")], capture_output=True, text=True,
+                          env=dict(fairseq_env(), WORK=str(tmp_path / "w"), MODEL_DIR=str(tmp_path / "none"),
+                                   MOE_VENV=sys.prefix), cwd=ROOT)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "checkpoint_2_300000-shared.pt is missing: download https://tinyurl.com/nllb200moe54bmodel" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["iwslt14_de_en.sh", "wmt16_en_de.sh", "wikitext103_lm.sh", "nllb_moe.sh"])
 def test_real_data_recipes_document_themselves_and_refuse_unknown_arguments(script):
     shown = subprocess.run(["bash", str(ROOT / "recipes" / script), "--help"], capture_output=True, text=True)
     assert shown.returncode == 0 and "--dry-run" in shown.stdout and "Knobs" in shown.stdout

@@ -9,6 +9,7 @@ holds experts ``r*E/R ...``; with E < R, expert ``r % E``.
 """
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 from typing import Dict, Optional
@@ -38,6 +39,31 @@ def branch_model_options(our_model_args, experts: int, **changes) -> argparse.Na
     return argparse.Namespace(**options)
 
 
+# The MoE options of the moe branch's TransformerLanguageModelConfig (fairseq/models/transformer_lm.py there),
+# as a moe_lm run (examples/moe_lm, README.moe.md there) sets them, with an eval capacity that drops nothing.
+BRANCH_LM_MOE_OPTIONS = dict(moe_freq=2, moe_gating_use_fp32=True, moe_second_expert_policy="all",
+                             moe_normalize_gate_prob_before_dropping=False, moe_expert_ffn_dim=None,
+                             moe_top1_expert=False, moe_eval_capacity_token_fraction=1.0,
+                             moe_normalize_expert_grad="sqrt_world_size", use_moe_pad_mask=False,
+                             record_a2a_perf_stats=False, dummy_a2a=False, moe_batch_prioritized_routing=False,
+                             use_stable_embedding=False, alternate_decoder_ffn_embed_dim=0, base_layers=0,
+                             base_sublayers=1, base_shuffle=1, fp16_no_flatten_grads=False, world_size=1,
+                             distributed_rank=0)
+
+
+def branch_lm_options(our_model_cfg: Dict, experts: int, **changes) -> Dict:
+    """Our language model's cfg["model"] as the moe branch stored its ``transformer_lm``'s: a dict (a
+    dataclass model) of stock transformer_lm options plus the branch's MoE options, none of ours."""
+    from fairseq_moe_ext.models.moe_config import MoEEncoderDecoderConfig
+
+    ours = {f.name for f in dataclasses.fields(MoEEncoderDecoderConfig)}
+    options = {k: v for k, v in dict(our_model_cfg).items() if k not in ours}
+    options.update(BRANCH_LM_MOE_OPTIONS, _name="transformer_lm", arch="transformer_lm_gpt", moe_expert_count=experts,
+                   moe_freq=our_model_cfg["moe_freq"])
+    options.update(changes)
+    return options
+
+
 def branch_model_state(model_state: Dict[str, torch.Tensor]):
     """(shared state, {(layer, tensor name): [E tensors]}) from one of our full model states."""
     shared, experts = {}, {}
@@ -53,18 +79,32 @@ def branch_model_state(model_state: Dict[str, torch.Tensor]):
 
 
 def write_branch_set(prefix: Path, model_state, options: argparse.Namespace, ranks: int, num_updates: int = 300,
-                     cfg_as_dict: bool = True, declared_world: Optional[int] = None) -> Path:
-    """Write ``<prefix>-shared.pt`` and ``<prefix>-rank-<r>.pt`` for ``ranks`` workers; returns the prefix."""
+                     cfg_as_dict: bool = True, declared_world: Optional[int] = None, task: Optional[Dict] = None
+                     ) -> Path:
+    """Write ``<prefix>-shared.pt`` and ``<prefix>-rank-<r>.pt`` for ``ranks`` workers; returns the prefix.
+
+    ``options`` is a translation model's Namespace, or a language model's dict (``branch_lm_options``):
+    a moe_lm run's task is ``task`` (its cfg["task"]) and its criterion ``moe_cross_entropy``."""
     shared, experts = branch_model_state(model_state)
+    return write_branch_parts(prefix, shared, experts, options, ranks, num_updates, cfg_as_dict, declared_world, task)
+
+
+def write_branch_parts(prefix: Path, shared: Dict[str, torch.Tensor], experts, options: argparse.Namespace, ranks: int,
+                       num_updates: int = 300, cfg_as_dict: bool = True, declared_world: Optional[int] = None,
+                       task: Optional[Dict] = None) -> Path:
+    """``write_branch_set`` from the branch's own names: ``shared`` (every non-expert tensor) and
+    ``experts`` ({(layer, "fc1.weight" ...): [one tensor per global expert]})."""
     count = len(next(iter(experts.values())))
     world = ranks if declared_world is None else declared_world
+    lm = isinstance(options, dict)
+    criterion = {"_name": "moe_cross_entropy", "moe_gate_loss_wt": 0.01, "moe_gate_loss_combine_method": "sum"}
+    if not lm:
+        criterion.update(_name="moe_label_smoothed_cross_entropy", label_smoothing=0.1, moe_cmr_loss_wt=0.0)
     cfg = {"_name": None, "common": {"seed": 2}, "model": options,
-           "task": {"_name": "translation_multi_simple_epoch"},
-           "criterion": {"_name": "moe_label_smoothed_cross_entropy", "label_smoothing": 0.1,
-                         "moe_gate_loss_wt": 0.01, "moe_gate_loss_combine_method": "sum", "moe_cmr_loss_wt": 0.0},
+           "task": task or {"_name": "translation_multi_simple_epoch"}, "criterion": criterion,
            "distributed_training": {"distributed_world_size": world}}
     head = {"cfg": cfg if cfg_as_dict else None, "args": None if cfg_as_dict else argparse.Namespace(
-                **{**vars(options), "distributed_world_size": world}),
+                **{**(options if lm else vars(options)), "distributed_world_size": world}),
             # numpy scalars, as the branch's meters leave them in extra_state
             "extra_state": {"train_iterator": {"epoch": 3, "iterations_in_epoch": 0, "shuffle": True, "version": 2},
                             "best": numpy.float64(2.5)},

@@ -29,7 +29,7 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
 
     sigmoid = router.router_type == "sigmoid"
     bias = None if router.balance_bias is None else router.balance_bias.bias
-    probs, choices = {}, {}
+    probs, choices, top1 = {}, {}, {}
     for t in real:
         logits = reference_logits(router, flat[t])
         # Softmax, or DeepSeek-V3's independent sigmoid per expert.
@@ -42,6 +42,9 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
             # k = 1: the gate's value is 1, its gradient that of log p (the router's straight-through).
             g = g / (g.sum().detach() if k == 1 else g.sum())
         probs[t], choices[t] = g, order
+        # Batch-prioritised routing ranks by the top-1 probability over all experts, before any renormalisation
+        # over the chosen k (the nllb branch's and HF NllbMoe's importance score).
+        top1[t] = float((p / p.sum())[order[0]].detach())
 
     if choices_out is not None:
         choices_out.extend(choices[t] for t in real)
@@ -49,7 +52,7 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
     capacity = reference_capacity(n, num_experts, k, cf)
     service = list(real)
     if router.batch_prioritized:
-        service = sorted(real, key=lambda t: (-float(probs[t][0].detach()), real.index(t)))
+        service = sorted(real, key=lambda t: (-top1[t], real.index(t)))
     kept, load = set(), [0] * num_experts
     for j in range(k):
         for t in service:

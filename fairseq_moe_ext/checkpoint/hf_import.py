@@ -1,0 +1,216 @@
+"""``import-hf``: a Hugging Face NllbMoe checkpoint directory becomes this project's set.
+
+Input: ``config.json`` (``hf_config.imported_options``) and either ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json`` (what ``save_pretrained`` writes). Every shard's header is
+read and checked first (present, complete, every tensor the config implies there with its shape), so
+bad input is refused before a file is written. Then output file r of the set is assembled and written
+in turn: each tensor is read on its own by seeking in whichever shard holds it (rank 0 also takes
+every non-expert parameter; each file takes the stacked experts ``r*E/W ...`` of every MoE layer).
+Peak memory is one output file, not the model. Written staged and atomically, as the other tools.
+"""
+
+import json
+import math
+import os
+import secrets
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from .errors import CheckpointSetError
+from .hf_config import SIDES, imported_options
+from .hf_names import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
+from .manifest import describe_file, write_manifest
+from .names import base_of, manifest_path, rank_file
+from .rank_state import moe_metadata
+from .safetensors_file import SafetensorsFile
+from .staging import write_all_or_nothing
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_config(hf_dir: str) -> Dict:
+    if not os.path.isdir(hf_dir):
+        branch = [p for p in (hf_dir + "-shared.pt", hf_dir + "-rank-0.pt") if os.path.exists(p)]
+        if branch:
+            raise CheckpointSetError(f"{hf_dir} names a fairseq moe/nllb-branch set ({os.path.basename(branch[0])}): "
+                                     f"use import-fairseq-moe for it (nothing was written)")
+        raise CheckpointSetError(f"{hf_dir} is not a directory: give a Hugging Face checkpoint directory (config.json "
+                                 f"and safetensors files) (nothing was written)")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        found = sorted(f for f in os.listdir(hf_dir) if f.endswith("-shared.pt"))
+        if found:
+            raise CheckpointSetError(f"{hf_dir} holds a fairseq moe/nllb-branch set ({found[0]}), not a Hugging Face "
+                                     f"checkpoint: use import-fairseq-moe for it (nothing was written)")
+        raise CheckpointSetError(f"{hf_dir} has no config.json: not a Hugging Face checkpoint directory (nothing was "
+                                 f"written)")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointSetError(f"cannot read {path}: {' '.join(str(e).split())} (nothing was written)") from None
+    if not isinstance(config, dict):
+        raise CheckpointSetError(f"{path} is not a JSON object: not a Hugging Face config (nothing was written)")
+    return config
+
+
+def open_shards(hf_dir: str) -> Dict[str, SafetensorsFile]:
+    """Tensor name -> the checked shard that holds it."""
+    index = os.path.join(hf_dir, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointSetError(f"cannot read {index}: {' '.join(str(e).split())}; restore it from the "
+                                     f"checkpoint's source (nothing was written)") from None
+    elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
+        weight_map, files = None, [SINGLE]
+    else:
+        raise CheckpointSetError(f"{hf_dir} has neither {INDEX} nor {SINGLE}: only safetensors checkpoints are "
+                                 f"imported; save the model with save_pretrained(safe_serialization=True) (nothing "
+                                 f"was written)")
+    shards = {}
+    for name in files:
+        if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
+            raise CheckpointSetError(f"{INDEX} names {name}, which is missing from {hf_dir}: download or copy the "
+                                     f"whole checkpoint (nothing was written)")
+        shards[name] = SafetensorsFile(os.path.join(hf_dir, name))
+    where = {}
+    for name, shard in shards.items():
+        where.update(dict.fromkeys(shard.entries, shard))
+    for tensor, name in (weight_map or {}).items():
+        if tensor not in shards[name].entries:
+            raise CheckpointSetError(f"{INDEX} places {tensor} in {name}, which does not hold it: files from "
+                                     f"different checkpoints (nothing was written)")
+    return where
+
+
+def expected_shapes(options) -> Tuple[Dict[str, List[int]], Dict[Tuple[str, str], List[int]]]:
+    """(our non-expert key -> shape, (MoE layer, stacked name) -> one expert's shape) that ``options`` imply."""
+    d = options.encoder_embed_dim
+    shapes, experts = {}, {}
+    for side in SIDES:
+        hidden, freq = getattr(options, f"{side}_ffn_embed_dim"), getattr(options, f"{side}_moe_freq")
+        for wb in ("weight", "bias"):
+            shapes[f"{side}.layer_norm.{wb}"] = [d]
+        for i in range(getattr(options, f"{side}_layers")):
+            layer = f"{side}.layers.{i}"
+            parts = ["self_attn"] + (["encoder_attn"] if side == "decoder" else [])
+            for part in parts:
+                for proj in ("q", "k", "v", "out"):
+                    shapes[f"{layer}.{part}.{proj}_proj.weight"] = [d, d]
+                    shapes[f"{layer}.{part}.{proj}_proj.bias"] = [d]
+            for norm in [f"{p}_layer_norm" for p in parts] + ["final_layer_norm"]:
+                shapes[f"{layer}.{norm}.weight"] = shapes[f"{layer}.{norm}.bias"] = [d]
+            if freq > 0 and (i + 1) % freq == 0:
+                shapes[f"{layer}.fc1.router.wg.weight"] = [options.moe_expert_count, d]
+                experts.update({(layer, "batched_fc1_w"): [hidden, d], (layer, "batched_fc1_b"): [hidden],
+                                (layer, "batched_fc2_w"): [d, hidden], (layer, "batched_fc2_b"): [d]})
+            else:
+                shapes.update({f"{layer}.fc1.weight": [hidden, d], f"{layer}.fc1.bias": [hidden],
+                               f"{layer}.fc2.weight": [d, hidden], f"{layer}.fc2.bias": [d]})
+    return shapes, experts
+
+
+def plan(hf_dir: str, options, where: Dict[str, SafetensorsFile]):
+    """(our key -> HF name, (layer, name, expert) -> HF name, vocabulary), checked against ``options``."""
+    shapes, expert_shapes = expected_shapes(options)
+    embedding = next((n for n in (HF_EMBEDDING, *HF_TIED) if n in where), None)
+    if embedding is None:
+        raise CheckpointSetError(f"{hf_dir} holds no {HF_EMBEDDING}: a shard is missing, or not an NllbMoe "
+                                 f"checkpoint (nothing was written)")
+    vocab = where[embedding].shape(embedding)[0]
+    shapes[EMBEDDING] = [vocab, options.encoder_embed_dim]
+    names, expert_names = {EMBEDDING: embedding}, {}
+    for name in where:
+        found = hf_expert(name)
+        if found is not None:
+            expert_names[found] = name
+        elif our_key(name) is not None and name != HF_EMBEDDING:
+            names[our_key(name)] = name
+        elif name not in (HF_EMBEDDING, *HF_TIED):
+            raise CheckpointSetError(f"{hf_dir} holds {name}, which moe_transformer has no place for: not an NllbMoe "
+                                     f"checkpoint this project can represent (nothing was written)")
+    wanted = [(key, shape, names.get(key)) for key, shape in shapes.items()]
+    wanted += [((layer, tensor, j), shape, expert_names.get((layer, tensor, j)))
+               for (layer, tensor), shape in expert_shapes.items() for j in range(options.moe_expert_count)]
+    for key, shape, name in wanted:
+        if name is None:
+            what = key if isinstance(key, str) else f"expert {key[2]} of {key[0]}"
+            raise CheckpointSetError(f"{hf_dir} lacks the tensor for {what} that config.json implies: a shard is "
+                                     f"missing, or the config belongs to another model (nothing was written)")
+        if where[name].shape(name) != shape:
+            raise CheckpointSetError(f"{hf_dir}: {name} has shape {where[name].shape(name)}, but config.json implies "
+                                     f"{shape}: files from different models (nothing was written)")
+    extra = sorted(set(names) - set(shapes))
+    if extra:
+        raise CheckpointSetError(f"{hf_dir} holds {names[extra[0]]}, which config.json does not place (a dense block "
+                                 f"where the config says sparse, or the reverse) (nothing was written)")
+    return names, sorted(expert_shapes), vocab
+
+
+def import_hf(hf_dir: str, output: str, workers: int, report: Callable[[str], None] = print) -> str:
+    """Import the NllbMoe directory ``hf_dir`` as ``output`` for ``workers`` workers; returns what was written."""
+    if workers < 1:
+        raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
+    config = read_config(hf_dir)
+    options, notes = imported_options(config, os.path.join(hf_dir, "config.json"))
+    where = open_shards(hf_dir)
+    names, expert_layers, vocab = plan(hf_dir, options, where)
+    experts = options.moe_expert_count
+    shards, single, base = math.gcd(workers, experts), workers == 1, base_of(output)
+    per = experts // shards
+    report(f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} safetensors file(s), sparse steps "
+           f"{options.encoder_moe_freq}/{options.decoder_moe_freq}, vocabulary {vocab}")
+    for line in notes:
+        report(f"NOTE {line}")
+    set_id = secrets.token_hex(8)
+
+    def read(name):
+        return where[name].read(name)
+
+    def write(staging):
+        written, files = [], []
+        expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
+        for shard in range(shards):
+            model = {}
+            if shard == 0:
+                model = {key: read(name) for key, name in names.items()}
+                for key in TIED_HERE:  # one tensor: torch.save stores it once, fairseq ties them again
+                    model[key] = model[EMBEDDING]
+                for side in SIDES:
+                    model[f"{side}.version"] = torch.tensor([VERSION])
+            for (layer, tensor), key in zip(expert_layers, expert_keys):
+                first = read(hf_expert_key(layer, tensor, shard * per))
+                stacked = first.new_empty((per, *first.shape))
+                stacked[0] = first
+                for j in range(1, per):
+                    stacked[j] = read(hf_expert_key(layer, tensor, shard * per + j))
+                model[key] = stacked
+            meta = moe_metadata([], expert_keys, world_size=1 if single else shards, rank=shard, num_updates=0,
+                                set_id=None if single else set_id, experts_per_worker=per)
+            meta["imported_from"] = hf_dir
+            state = {"args": options, "cfg": None, "model": model, "criterion": {}, "task_state": {},
+                     "extra_state": {}, "moe": meta,
+                     "optimizer_history": [{"optimizer_name": "none", "lr_scheduler_state": {"best": None},
+                                            "num_updates": 0}]}
+            name = os.path.basename(output if single else rank_file(base, shard, shards))
+            torch.save(state, os.path.join(staging, name))
+            del state, model
+            written.append(name)
+            files.append(dict(describe_file(os.path.join(staging, name)), rank=shard))
+        if single:
+            return written
+        manifest = write_manifest(os.path.join(staging, os.path.basename(base)), shards, 0, files,
+                                  dict.fromkeys(expert_keys, experts), set_id, workers=workers)
+        return written + [os.path.basename(manifest)]
+
+    what = output if single else f"the {shards}-file set {manifest_path(base)}"
+    write_all_or_nothing(os.path.dirname(output), what, write)
+    report(f"wrote {output if single else manifest_path(base)}")
+    return output if single else manifest_path(base)
+

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# NLLB-200 MoE (54.5B, 128 experts) on stock fairseq with this plugin: import the released files,
+# generate with the experts in one process or sharded over the GPUs of one node, and fine-tune with
+# the flags of NLLB's README (examples/nllb/modeling/README.md on fairseq's nllb branch).
+#
+#   bash recipes/nllb_moe.sh              # the released model (download it first, below); GPUs
+#   bash recipes/nllb_moe.sh --dry-run    # a tiny synthetic set in the same layout, on CPU (CI, ~40 s)
+#
+# Download (the README's link, "NLLB-200 | MoE-128 | transformer_24_24_big | 54.5B"; it asks for
+#   `wget --trust-server-names <url>`): https://tinyurl.com/nllb200moe54bmodel . Unpack it into
+#   MODEL_DIR, which then holds checkpoint_2_300000-shared.pt and checkpoint_2_300000-rank-{0..255}.pt
+#   (256 rank files: trained on 256 GPUs, so each of the 128 experts has a replica; the README's
+#   replication_count 2), the README's fine-tuning restores "$MODEL_FOLDER/checkpoint_2_300000.pt".
+#   Also needed: NLLB's dictionary (DICT) and SentencePiece model (SPM) and the 202-language list
+#   (LANGS: examples/nllb/modeling/scripts/flores200/langs.txt on the nllb branch, in that order: it
+#   fixes the language tokens' ids), and DATA, your bitext binarized with that SPM and dictionary
+#   (fairseq-preprocess -s SRC -t TGT --srcdict DICT --tgtdict DICT).
+# Stages: import (import-fairseq-moe checks DICT and LANGS against the embedding: NLLB's dictionary
+#   has 3 data-source tags after the language tokens, so the task is translation_multi_simple_epoch_nllb
+#   --add-data-source-prefix-tags); generate (bf16: about 109 GB of weights, one H200 in one process, or
+#   GPUS workers each holding 128/GPUS experts); fine-tune (--restore-file the import, reset_all).
+# Fine-tuning 54.5B with Adam needs far more than one node (NLLB's config: 16 nodes x 8 GPUs, FSDP):
+#   run the printed command with torchrun on every node, or set FINETUNE=0.
+# Outputs (under WORK): imported/ (the set), generate.out, finetune/ (train.log, ckpt/).
+#
+# Knobs (environment; defaults in brackets):
+#   WORK [./work-dirs/nllb_moe]   MODEL_DIR [./nllb-200-moe]   PREFIX [checkpoint_2_300000]
+#   DICT [$MODEL_DIR/dictionary.txt]   SPM [$MODEL_DIR/sentencepiece.bpe.model]   LANGS [$MODEL_DIR/langs.txt]
+#   DATA [required unless --dry-run]   SRC [eng_Latn] TGT [fra_Latn]   GPUS [8] (1: one process)
+#   BEAM [4] GEN_SUBSET [test] MAX_SENTENCES [16]
+#   FINETUNE [1] DROPOUT [0.3] LR [5e-05] WARMUP [10] MAX_UPDATE [50] MAX_TOKENS [250] UPDATE_FREQ [16]
+#   DDP_BACKEND [fully_sharded]   (the README's: --moe-eom 0.2 --moe-gate-loss-wt 0, lr 5e-5, warmup 10,
+#   50 updates, 250 tokens per GPU; UPDATE_FREQ 16 on 8 GPUs keeps its 128 GPUs' batch)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source recipes/lib/common.sh
+recipe_args "$@"
+
+if [ "$DRY_RUN" = 1 ]; then
+  : "${WORK:=./work-dirs/nllb_moe_dry_run}" "${GPUS:=1}" "${MAX_UPDATE:=3}" "${WARMUP:=2}" "${MAX_TOKENS:=400}"
+  : "${UPDATE_FREQ:=1}" "${DDP_BACKEND:=legacy_ddp}" "${LR:=1e-3}" "${DROPOUT:=0.1}"
+fi
+: "${WORK:=./work-dirs/nllb_moe}" "${MODEL_DIR:=./nllb-200-moe}" "${PREFIX:=checkpoint_2_300000}"
+: "${SRC:=eng_Latn}" "${TGT:=fra_Latn}" "${GPUS:=8}" "${BEAM:=4}" "${GEN_SUBSET:=test}" "${MAX_SENTENCES:=16}"
+: "${FINETUNE:=1}" "${DROPOUT:=0.3}" "${LR:=5e-05}" "${WARMUP:=10}" "${MAX_UPDATE:=50}" "${MAX_TOKENS:=250}"
+: "${UPDATE_FREQ:=16}" "${DDP_BACKEND:=fully_sharded}"
+
+STAGES=5
+echo "==> [1/$STAGES] environment"
+setup_environment
+
+stage 2 "the NLLB-200 MoE files"
+if [ "$DRY_RUN" = 1 ]; then
+  MODEL_DIR=$WORK/tiny_nllb DATA=$WORK/data-bin
+  if needs_run "$MODEL_DIR/.done" "tiny-1"; then
+    rm -rf "$MODEL_DIR" "$DATA"
+    python recipes/nllb_tiny_set.py "$MODEL_DIR" --data-bin "$DATA" 2>&1 | grep -v "INFO" | sed 's/^/    /'
+    mark_done "$MODEL_DIR/.done" "tiny-1"
+  fi
+fi
+: "${DICT:=$MODEL_DIR/dictionary.txt}" "${SPM:=$MODEL_DIR/sentencepiece.bpe.model}" "${LANGS:=$MODEL_DIR/langs.txt}"
+for file in "$MODEL_DIR/$PREFIX-shared.pt" "$MODEL_DIR/$PREFIX-rank-0.pt" "$DICT" "$LANGS"; do
+  if [ ! -f "$file" ]; then
+    echo "$0: $file is missing: download https://tinyurl.com/nllb200moe54bmodel into MODEL_DIR (see --help)" >&2
+    exit 2
+  fi
+done
+if [ -z "${DATA:-}" ] || [ ! -d "$DATA" ]; then
+  echo "$0: DATA=${DATA:-} is not a directory: binarize your $SRC-$TGT bitext with NLLB's SPM and dictionary (see --help)" >&2
+  exit 2
+fi
+echo "    $(ls "$MODEL_DIR" | grep -c -- "$PREFIX-rank-") rank files + $PREFIX-shared.pt in $MODEL_DIR; data $DATA"
+
+stage 3 "import-fairseq-moe for $GPUS worker(s), dictionary checked against the embedding"
+imported=$WORK/imported/model.pt
+if needs_run "$WORK/imported/.done" "$MODEL_DIR/$PREFIX $GPUS $DICT $LANGS"; then
+  rm -rf "$WORK/imported"
+  mkdir -p "$WORK/imported"
+  python -m fairseq_moe_ext.checkpoint import-fairseq-moe "$MODEL_DIR/$PREFIX" "$imported" --world-size "$GPUS" \
+    --dictionary "$DICT" --langs "$LANGS" | tee "$WORK/imported/import.log" | sed 's/^/    /'
+  mark_done "$WORK/imported/.done" "$MODEL_DIR/$PREFIX $GPUS $DICT $LANGS"
+fi
+
+# The multilingual task as NLLB ran it: language tokens from LANGS (their order fixes their ids), the source's
+# on the encoder side and the target's first in the decoder, and the 3 data-source tags after them.
+task_args=(
+  "$DATA" --user-dir "$USER_DIR" --task translation_multi_simple_epoch_nllb --add-data-source-prefix-tags
+  --lang-dict "$LANGS" --lang-pairs "$SRC-$TGT" --source-lang "$SRC" --target-lang "$TGT"
+  --encoder-langtok src --decoder-langtok --num-workers 0
+)
+if [ "$DRY_RUN" = 1 ]; then
+  device=(--cpu)
+else
+  device=(--bf16)
+fi
+
+stage 4 "fairseq-generate $GEN_SUBSET $SRC-$TGT (beam $BEAM; $([ "$GPUS" -gt 1 ] && echo "experts sharded over $GPUS workers" || echo "one process"))"
+gen_args=("${task_args[@]}" --path "$imported" --gen-subset "$GEN_SUBSET" --beam "$BEAM"
+          --max-sentences "$MAX_SENTENCES" "${device[@]}")
+if [ "$DRY_RUN" = 1 ]; then
+  gen_args+=(--max-len-a 1 --max-len-b 4)  # random weights rarely stop on their own
+else
+  gen_args+=(--bpe sentencepiece --sentencepiece-model "$SPM" --scoring sacrebleu)
+fi
+if [ "$GPUS" -gt 1 ]; then
+  # Each worker holds 128/GPUS experts (the set was imported for GPUS workers) and prints its own sentences.
+  python -m torch.distributed.run --standalone --nproc_per_node "$GPUS" "$FAIRSEQ_BIN/fairseq-generate" \
+    "${gen_args[@]}" --distributed-world-size "$GPUS" > "$WORK/generate.out" 2>&1
+else
+  fairseq_tool generate "${gen_args[@]}" > "$WORK/generate.out" 2>&1
+fi
+echo "    $(grep -c '^H-' "$WORK/generate.out") hypotheses; $(grep -E 'BLEU' "$WORK/generate.out" | tail -1)"
+
+stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0)"
+if [ "$FINETUNE" != 1 ]; then
+  echo "    skipped (FINETUNE=$FINETUNE)"
+  finish
+  exit 0
+fi
+# fairseq-train builds the model from its flags, also when restoring: the import's own shape and MoE flags.
+read -r -a model_args <<< "$(python recipes/checkpoint_flags.py "$imported")"
+# NLLB's fine-tuning (README "Finetuning NLLB models", MoE; sweep_mmt.py's optimisation flags), mapped here:
+# --moe-gate-loss-wt 0 as the README; fairseq's adam with NLLB's betas and eps, inverse_sqrt from 1e-7, no
+# clipping, label smoothing 0.1; reset_all = fairseq's four --reset-* flags.
+train_args=(
+  "${task_args[@]}" --arch moe_transformer "${model_args[@]}" --dropout "$DROPOUT"
+  --criterion moe_label_smoothed_cross_entropy --label-smoothing 0.1 --moe-gate-loss-wt 0
+  --moe-gate-loss-combine-method sum --sampling-method temperature --sampling-temperature 1
+  --optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-06 --weight-decay 0.0 --clip-norm 0.0
+  --lr "$LR" --lr-scheduler inverse_sqrt --warmup-init-lr 1e-07 --warmup-updates "$WARMUP"
+  --max-update "$MAX_UPDATE" --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ"
+  --restore-file "$imported" --reset-optimizer --reset-dataloader --reset-meters --reset-lr-scheduler
+  --validate-interval-updates 10 --save-interval-updates 50 --keep-interval-updates 1 --no-epoch-checkpoints
+  --best-checkpoint-metric nll_loss --ddp-backend "$DDP_BACKEND" --save-dir "$WORK/finetune/ckpt"
+  --log-format json --log-interval 1 "${device[@]}"
+)
+rm -rf "$WORK/finetune"
+train_workers "$GPUS" "$WORK/finetune/train.log" "${train_args[@]}" > /dev/null
+echo "    $(grep -oE 'done training in [0-9.]+ seconds' "$WORK/finetune/train.log"); valid nll_loss by epoch:" \
+  "$(grep -oE '"valid_nll_loss": "[0-9.]+"' "$WORK/finetune/train.log" | grep -oE '[0-9.]+' | tr '\n' ' ')"
+finish
