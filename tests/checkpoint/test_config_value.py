@@ -13,12 +13,14 @@ from fairseq_moe_ext.checkpoint.config_value import config_value
 omegaconf = pytest.importorskip("omegaconf")
 
 VALUES = {"set": 3, "none": None}
+# fmt: off
 KINDS = {
     "namespace": lambda: argparse.Namespace(**VALUES),
     "dict": lambda: dict(VALUES),
     "omegaconf": lambda: omegaconf.OmegaConf.create(VALUES),
     "omegaconf-struct": lambda: _struct(omegaconf.OmegaConf.create(VALUES)),  # fairseq's cfg sections
 }
+# fmt: on
 
 
 def _struct(cfg):
@@ -57,8 +59,9 @@ def second_readers(path: Path, relative: str):
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
             continue
-        name_is_text = len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(
-            node.args[1].value, str)
+        name_is_text = (
+            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+        )
         if node.func.id == "getattr" and len(node.args) == 3 and name_is_text and is_config(node.args[0]):
             yield f"{relative}:{node.lineno} getattr(..., {node.args[1].value!r}, default)"
         if node.func.id == "safe_getattr" and relative not in ARCHITECTURE_DEFAULTS:
