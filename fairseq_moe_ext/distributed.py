@@ -73,11 +73,21 @@ def expert_world_size() -> int:
 
 
 def expert_layout() -> ExpertLayout:
-    """This worker's layout; P is the one the last model build resolved (W if none did)."""
+    """This worker's layout as the process state has it now; P is the one the last model build
+    resolved (W if none did). Read where a model is built (which records it: ``model_layout``);
+    everything that has the model reads the model's."""
     world = expert_world_size()
     if world == 1:
         return ExpertLayout(1, 1, 0)
     return ExpertLayout(world, STATE.expert_parallel_size or world, dist.get_rank())
+
+
+def model_layout(model: torch.nn.Module) -> ExpertLayout:
+    """The layout ``model`` was built with (``MoEModelMixin`` records it as ``model.moe_layout``). A
+    model built without MoE layers (a dense ``--arch``) records none: the process's layout, which
+    for it is every parameter on every worker."""
+    layout = getattr(model, "moe_layout", None)
+    return expert_layout() if layout is None else layout
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,8 @@ class ExpertGroups:
     statistics: Any
 
 
-def _expert_groups() -> Optional[ExpertGroups]:
-    layout = expert_layout()
+def _expert_groups(layout: Optional[ExpertLayout]) -> Optional[ExpertGroups]:
+    layout = expert_layout() if layout is None else layout
     if layout.world_size == 1:
         return None
     # A new default group (re-initialised job), another timeout or another P needs new groups.
@@ -133,24 +143,25 @@ def close_process_groups() -> None:
         dist.destroy_process_group()
 
 
-def expert_parallel_group():
+def expert_parallel_group(layout: Optional[ExpertLayout] = None):
     """The P workers this worker's experts are sharded over (tokens reach them by all-to-all), or
-    ``None`` when every expert is local (P == 1, one process, ``all_experts_local()``)."""
-    groups = _expert_groups()
+    ``None`` when every expert is local (P == 1, one process, ``all_experts_local()``). ``layout``:
+    the model's (default: the process's, ``expert_layout()``)."""
+    groups = _expert_groups(layout)
     return None if groups is None else groups.parallel
 
 
-def expert_replica_group():
+def expert_replica_group(layout: Optional[ExpertLayout] = None):
     """The W/P workers holding the same experts as this one (their gradients are summed), or
     ``None`` when there are no replicas (W == P, one process)."""
-    groups = _expert_groups()
+    groups = _expert_groups(layout)
     return None if groups is None else groups.replica
 
 
-def moe_statistics_group():
+def moe_statistics_group(layout: Optional[ExpertLayout] = None):
     """Every worker of the job: routing statistics are totalled over it, so the balance loss, z-loss
     and capacity are those of the whole world's batch. ``None`` in one process."""
-    groups = _expert_groups()
+    groups = _expert_groups(layout)
     return None if groups is None else groups.statistics
 
 
@@ -162,7 +173,7 @@ def expert_parameter_names(module: torch.nn.Module) -> List[str]:
     return [name for name, p in module.named_parameters() if is_expert(p)]
 
 
-def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], group=None) -> torch.Tensor:
     """sqrt(shared norm^2 + each expert's norm^2 counted once), identical on every worker.
 
     Called after ``ExpertParallelModel.all_reduce_grads`` (fairseq's Trainer: all-reduce, multiply,
@@ -172,7 +183,8 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
     Everything stays on the gradients' device (fp64 sums, in parameter order) and the expert part
     is all-reduced on the group's device: no host read at all, where a ``.cpu()`` per parameter
-    used to stall the GPU once per parameter per step."""
+    used to stall the GPU once per parameter per step. ``group``: ``expert_parallel_group()`` of the
+    model the parameters belong to (None: every expert local)."""
     grads = [(p.grad.detach(), is_expert(p)) for p in params if p is not None and p.grad is not None]
     device = local_part(grads[0][0]).device if grads else torch.device("cpu")
     # --ddp-backend fully_sharded: each worker holds a slice of each shared gradient.
@@ -184,7 +196,6 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             expert_sq = expert_sq + sq
         else:
             shared_sq = shared_sq + sq
-    group = expert_parallel_group()
     if group is not None:
         summed = on_group_device(expert_sq, group)
         with collective("all-reduce of expert gradient norms", group, [summed]):
@@ -227,9 +238,10 @@ def sum_expert_grads_over_replicas(params: Iterable[torch.Tensor], group) -> Non
             offset += g.numel()
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
+    """``group``: as for ``global_grad_norm``."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    total_norm = global_grad_norm(params)
+    total_norm = global_grad_norm(params, group)
     if max_norm > 0:
         clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
         grads = [local_part(p.grad.detach()) for p in params if p is not None and p.grad is not None]

@@ -29,6 +29,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .checkpoint.config_value import config_value
 from .moe.comm import collective
 from .moe.experts import is_expert
 
@@ -40,25 +41,24 @@ from .moe.experts import is_expert
 def refused_options(args) -> list:
     """One line per option FSDP2 cannot honour here, for an argparse Namespace or a fairseq cfg node
     holding the flags (the MoE architectures check them at parse time, fairseq_integration hook 20 for every model)."""
-    flag = lambda name: getattr(args, name, None)  # noqa: E731
     refused = []
-    if flag("cpu_offload"):
+    if config_value(args, "cpu_offload"):
         refused.append(
             "--cpu-offload is fairscale's and is not supported with --ddp-backend fully_sharded (torch "
             "FSDP2): drop --cpu-offload, or shard over more workers to save memory"
         )
-    if flag("use_sharded_state"):
+    if config_value(args, "use_sharded_state"):
         refused.append(
             "--use-sharded-state writes fairscale's per-shard files; --ddp-backend fully_sharded (torch "
             "FSDP2) saves an ordinary checkpoint set: drop --use-sharded-state"
         )
-    if flag("store_ema"):
+    if config_value(args, "store_ema"):
         refused.append(
             "--store-ema keeps a whole copy of the model on every worker, which --ddp-backend "
             "fully_sharded shards: drop --store-ema or use --ddp-backend legacy_ddp"
         )
     for precision in ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16"):
-        if flag(precision):
+        if config_value(args, precision):
             refused.append(
                 f"--{precision.replace('_', '-')} is not mapped onto torch FSDP2's mixed precision yet: "
                 f"train --ddp-backend fully_sharded in fp32 (drop --{precision.replace('_', '-')}) or use "

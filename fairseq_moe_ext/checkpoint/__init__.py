@@ -31,6 +31,7 @@ Modules:
     save.py         the save of a set in training, as one transaction with the collectives as values
     share.py        a worker's share of a set, read without the files that hold other workers' experts
     compat.py       whether a checkpoint fits the model being resumed, and which flag to change if not
+    config_value.py the one reader of config values (a Namespace, an omegaconf section, a dict)
     inspection.py   the checkpoint tool's ``inspect`` report
     staging.py      the checkpoint tool's output appears whole or not at all
     write_failure.py  a failed write (a full disk) in one line, the same for every writer

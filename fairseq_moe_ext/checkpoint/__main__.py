@@ -13,6 +13,7 @@ import sys
 import torch
 
 from .branch_import import import_branch_set
+from .config_value import config_value
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
 from .hf_export import export_hf, shard_size
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         if args.command == "merge":
             print(f"wrote {write_merged(full, args.output)}")
         else:
-            shards = expert_parallel_size(full, args.world_size, getattr(args, "expert_parallel_size", None))
+            shards = expert_parallel_size(full, args.world_size, config_value(args, "expert_parallel_size"))
             print(f"wrote {save_set(full, base_of(args.output), shards, workers=args.world_size)}")
         return 0
     except CheckpointError as e:

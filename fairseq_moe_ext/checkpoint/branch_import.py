@@ -25,6 +25,7 @@ import torch
 
 from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
 from .branch_vocab import check_vocabulary
+from .config_value import config_value
 from .errors import CheckpointSetError
 from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file
@@ -167,7 +168,7 @@ def import_branch_set(
         else f"{branch.world // branch.experts} replicas each"
     )
     report(
-        f"found {prefix}: {branch.world} rank files + shared, arch {getattr(branch.options, 'arch', '?')}, "
+        f"found {prefix}: {branch.world} rank files + shared, arch {config_value(branch.options, 'arch', '?')}, "
         f"{branch.experts} experts ({held}), "
         f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}"
     )
@@ -187,7 +188,9 @@ def import_branch_set(
                     model = {**shared_model(branch), **model}
                     flags = dict(branch.flags)
                     dims = expert_ffn_dims(branch, out.keys, out.shapes)
-                    if any(dims[side] != getattr(branch.options, f"{side}_ffn_embed_dim", dims[side]) for side in dims):
+                    if any(
+                        dims[side] != config_value(branch.options, f"{side}_ffn_embed_dim", dims[side]) for side in dims
+                    ):
                         flags["moe_expert_ffn_dim"] = max(dims.values())
                     head = imported_cfg(branch, flags)
                     branch.shared = None  # rank 0 is written: the shared state is not needed any more

@@ -20,6 +20,7 @@ import argparse
 import math
 from typing import Dict, List, Tuple
 
+from .config_value import config_value
 from .errors import CheckpointSetError
 
 # Options whose non-default value changes what the model computes in a way this project cannot.
@@ -86,7 +87,8 @@ def check_language_model(options: argparse.Namespace, path: str) -> None:
 
 
 def _get(options, name, default=None):
-    value = getattr(options, name, default)
+    """The branch's option, or ``default`` where it is unset: the branch's args hold None for that."""
+    value = config_value(options, name)
     return default if value is None else value
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .branch_options import branch_flags, is_language_model, model_options
+from .config_value import config_value
 from .errors import CheckpointSetError
 from .safe_load import safe_load
 
@@ -100,7 +101,7 @@ class BranchSet:
             )
         counts = {shape[0] for shape in self.routers.values()}
         self.experts = int(next(iter(counts)))
-        declared = int(getattr(self.options, "moe_expert_count", 0) or 0)
+        declared = int(config_value(self.options, "moe_expert_count") or 0)
         if len(counts) > 1 or declared != self.experts:
             raise CheckpointSetError(
                 f"{self.shared_path}: the routers' expert counts {sorted(counts)} disagree with --moe-expert-count "
@@ -171,12 +172,6 @@ class BranchSet:
 
 def _declared_world(state: Dict) -> Optional[int]:
     cfg = state.get("cfg")
-    section = cfg.get("distributed_training") if isinstance(cfg, dict) else None
-    value = (
-        section.get("distributed_world_size")
-        if isinstance(section, dict)
-        else getattr(section, "distributed_world_size", None)
-        if section is not None
-        else getattr(state.get("args"), "distributed_world_size", None)
-    )
+    section = config_value(cfg, "distributed_training") if isinstance(cfg, dict) else None
+    value = config_value(section if section is not None else state.get("args"), "distributed_world_size")
     return int(value) if isinstance(value, int) and value > 0 else None

@@ -5,6 +5,7 @@ import argparse
 from typing import Callable, Dict, Tuple
 
 from ..moe.experts import is_expert
+from .config_value import config_value
 
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, freq_of: Callable) -> None:
@@ -31,7 +32,7 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, f
         return
     # Other parameters (not other shapes): name the flag that differs, if one of ours does. Without
     # such a flag, fairseq's own error (after its upgrades of old key names) stands.
-    saved = layout_flags(flag(state.get("cfg"), "model"), freq_of)
+    saved = layout_flags(config_value(state.get("cfg"), "model"), freq_of)
     current = layout_flags(model_cfg, freq_of)
     for what, (given, value) in saved.items():
         this_flag, this_value = current[what]
@@ -46,20 +47,13 @@ def layout_flags(cfg, freq_of: Callable) -> Dict[str, Tuple[str, object]]:
     """The flags that decide which parameters an MoE model has (beyond their shapes):
     {what: (flag as the user would pass it, value)}."""
     flags = {
-        "router": ("--moe-router", flag(cfg, "moe_router")),
-        "shared experts": ("--moe-shared-expert-count", flag(cfg, "moe_shared_expert_count")),
-        "balance": ("--moe-balance", flag(cfg, "moe_balance")),
+        "router": ("--moe-router", config_value(cfg, "moe_router")),
+        "shared experts": ("--moe-shared-expert-count", config_value(cfg, "moe_shared_expert_count")),
+        "balance": ("--moe-balance", config_value(cfg, "moe_balance")),
     }
     for side in ("encoder", "decoder"):
-        side_freq = flag(cfg, f"{side}_moe_freq")
-        given = argparse.Namespace(moe_freq=flag(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})
+        side_freq = config_value(cfg, f"{side}_moe_freq")
+        given = argparse.Namespace(moe_freq=config_value(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})
         flags[f"{side} freq"] = (f"--{side}-moe-freq" if side_freq is not None else "--moe-freq", freq_of(given, side))
-        flags[f"{side} layers"] = (f"--{side}-layers", flag(cfg, f"{side}_layers"))
+        flags[f"{side} layers"] = (f"--{side}-layers", config_value(cfg, f"{side}_layers"))
     return flags
-
-
-def flag(cfg, name):
-    """``cfg.name`` of an argparse Namespace, an omegaconf section or a plain dict; None if absent."""
-    if cfg is None:
-        return None
-    return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)

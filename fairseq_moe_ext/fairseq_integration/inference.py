@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
+from ..checkpoint.config_value import config_value
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
 from ..process_state import STATE, LoadTarget
@@ -66,9 +67,9 @@ def add_inference_experts_flag(parser) -> None:
 def decide_sharded_inference(args) -> None:
     """At parse time, in every CLI: record in STATE whether this inference run keeps experts sharded."""
     STATE.sharded_inference = None
-    mode = getattr(args, "moe_inference_experts", "auto")
-    path = getattr(args, "path", None)
-    world = int(getattr(args, "distributed_world_size", 1) or 1)
+    mode = config_value(args, "moe_inference_experts", "auto")
+    path = config_value(args, "path")
+    world = int(config_value(args, "distributed_world_size", 1) or 1)
     if not path or world <= 1 or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) != world:
         return  # one process, or torchrun and fairseq disagree (fairseq's own error, or N independent jobs)
     # fairseq-generate shards its batches by it but, never initialising distributed, leaves it 0 on
@@ -76,10 +77,10 @@ def decide_sharded_inference(args) -> None:
     args.distributed_rank = int(os.environ["RANK"])
     if mode == "local" or (mode == "auto" and saved_world_size(path.split(os.pathsep)[0]) != world):
         return
-    cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
+    cpu = config_value(args, "cpu", False) or not torch.cuda.is_available()
     # On GPUs, fairseq's --distributed-backend (default nccl) as training honours it: "cuda:gloo"
     # runs two workers on one GPU, which NCCL refuses.
-    backend = "gloo" if cpu else (getattr(args, "distributed_backend", None) or "nccl")
+    backend = "gloo" if cpu else (config_value(args, "distributed_backend") or "nccl")
     STATE.sharded_inference = ShardedInference(
         args.distributed_rank,
         world,
@@ -131,7 +132,7 @@ def load_sharded(original, filenames, *args, **kwargs):
             f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
             f"--moe-inference-experts sharded"
         )
-    layout = moe_dist.expert_layout()
+    layout = moe_dist.model_layout(model)
     if layout.parallel_size != sharded.world_size:
         raise ValueError(
             f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "

@@ -10,7 +10,8 @@ from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.compat import check_resumable, flag
+from ..checkpoint.compat import check_resumable
+from ..checkpoint.config_value import config_value
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
@@ -75,7 +76,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
             state.get("cfg"),
             target.model_cfg,
             target.criterion_cfg,
-            allow_function_change=bool(flag(target.model_cfg, "moe_allow_function_change")),
+            allow_function_change=bool(config_value(target.model_cfg, "moe_allow_function_change")),
         )
     return state
 
@@ -98,7 +99,7 @@ def wrap_trainer_load_checkpoint(original):
         )
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
-        dense = flag(self.cfg.model, "moe_upcycle_from")
+        dense = config_value(self.cfg.model, "moe_upcycle_from")
         if dense:
             check_upcycle_start(checkpoint_cfg)  # before the save dir's own checkpoint_last is looked for
         resolved = decided_on_rank_0(
@@ -106,7 +107,7 @@ def wrap_trainer_load_checkpoint(original):
                 filename,
                 checkpoint_cfg,
                 self.checkpoint_suffix,
-                allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback")),
+                allow_fallback=bool(config_value(self.cfg.model, "moe_restore_fallback")),
             )
         )
         if resolved is None:
@@ -118,7 +119,7 @@ def wrap_trainer_load_checkpoint(original):
                 f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
                 f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)"
             )
-        layout = moe_dist.expert_layout()
+        layout = moe_dist.model_layout(self._model)
         logger.info(
             f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
             f"(expert shard {layout.ep_rank} of {layout.parallel_size})"

@@ -32,6 +32,7 @@ from torch.amp.grad_scaler import OptState
 
 from .. import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
+from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
@@ -60,7 +61,7 @@ def wrap_parse_args_and_arch(original):
 def keep_tpu_off_unless_asked(args, tpu_asked: bool) -> None:
     """fairseq sets ``args.tpu`` for every --bf16 run; leave it on only when the user asked for a TPU
     (fairseq's parser takes no abbreviations, so ``--tpu`` is spelt out) and torch_xla is there."""
-    if not getattr(args, "tpu", False):
+    if not config_value(args, "tpu", False):
         return
     if tpu_asked:
         if importlib.util.find_spec("torch_xla") is None:
@@ -70,7 +71,7 @@ def keep_tpu_off_unless_asked(args, tpu_asked: bool) -> None:
             )
         return
     args.tpu = False
-    if getattr(args, "bf16", False):
+    if config_value(args, "bf16", False):
         logger.info("--bf16 trains on the CUDA device (or the CPU with --cpu), not on a TPU: add --tpu for a TPU")
 
 

@@ -29,7 +29,7 @@ def is_expert_parallel_trainer(trainer) -> bool:
         cached = (
             trainer.data_parallel_world_size > 1
             and moe_dist.has_experts(trainer._model)
-            and moe_dist.expert_layout().parallel_size > 1
+            and moe_dist.model_layout(trainer._model).parallel_size > 1
         )
         STATE.expert_parallel_trainers[trainer] = cached
     return cached
@@ -39,7 +39,7 @@ def wrap_checkpoint_suffix(original_fget):
     def checkpoint_suffix(self):
         suffix = original_fget(self)
         if is_expert_parallel_trainer(self):
-            layout = moe_dist.expert_layout()
+            layout = moe_dist.model_layout(self._model)
             suffix += moe_ckpt.rank_suffix(layout.ep_rank, layout.parallel_size)
         return suffix
 
@@ -49,7 +49,7 @@ def wrap_checkpoint_suffix(original_fget):
 def wrap_should_save(original_fget):
     def should_save_checkpoint_on_current_rank(self):
         if is_expert_parallel_trainer(self):
-            return moe_dist.expert_layout().replica_index == 0  # one file per expert shard
+            return moe_dist.model_layout(self._model).replica_index == 0  # one file per expert shard
         return original_fget(self)
 
     return should_save_checkpoint_on_current_rank
@@ -61,7 +61,7 @@ def wrap_trainer_state_dict(original):
         state = sharding.gather_full_state(self, original(self))  # FSDP2's slices made whole
         if not moe_dist.has_experts(self._model):
             return state
-        layout = moe_dist.expert_layout()
+        layout = moe_dist.model_layout(self._model)
         world, rank = (layout.parallel_size, layout.ep_rank) if is_expert_parallel_trainer(self) else (1, 0)
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
         experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
@@ -104,7 +104,7 @@ def wrap_save_checkpoint(original):
             with _atomic_copies(), _removals_deferred() as pruned:
                 return original(cfg, trainer, epoch_itr, val_loss), pruned
 
-        layout = moe_dist.expert_layout()
+        layout = moe_dist.model_layout(trainer._model)
         describe = SetDescription(
             num_updates=trainer.get_num_updates(),
             num_experts={

@@ -16,11 +16,12 @@ import torch
 
 from .. import distributed as moe_dist
 from .. import fully_sharded
+from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import foreach_mul_
 
 
 def is_fully_sharded_backend(cfg) -> bool:
-    return str(getattr(cfg, "ddp_backend", None)) == "fully_sharded"
+    return str(config_value(cfg, "ddp_backend")) == "fully_sharded"
 
 
 def check_options(*nodes) -> None:
@@ -90,7 +91,7 @@ def shard_for_training(args, model, process_group, device):
     if moe_dist.has_experts(model):
         moe_dist.check_shared_parameters_agree(model, process_group)
     sharded = fully_sharded.shard_model(
-        model, process_group, reshard_after_forward=not getattr(args, "no_reshard_after_forward", False)
+        model, process_group, reshard_after_forward=not config_value(args, "no_reshard_after_forward", False)
     )
     return FullyShardedModel(sharded)
 

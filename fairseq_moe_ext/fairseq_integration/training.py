@@ -12,7 +12,7 @@ from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
 from fairseq.logging import metrics
 
 from .. import distributed as moe_dist
-from ..checkpoint.compat import flag
+from ..checkpoint.config_value import config_value
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
 from ..fully_sharded import is_sharded
 from ..moe import rows_received
@@ -63,7 +63,9 @@ def wrap_distributed_model(original):
             return wrapped
         STATE.expert_parallel_training = True
         return moe_dist.ExpertParallelModel(
-            wrapped, torch.distributed.get_world_size(process_group), replica_group=moe_dist.expert_replica_group()
+            wrapped,
+            torch.distributed.get_world_size(process_group),
+            replica_group=moe_dist.expert_replica_group(moe_dist.model_layout(model)),
         )
 
     return distributed_fairseq_model
@@ -83,7 +85,7 @@ def _data_parallel(original, args, model, process_group, device):
             gradient_as_bucket_view=args.gradient_as_bucket_view,
         )
     )
-    if getattr(args, "heartbeat_timeout", -1) > 0:  # fairseq's own branch adds its watchdog too
+    if config_value(args, "heartbeat_timeout", -1) > 0:  # fairseq's own branch adds its watchdog too
         wrapped = DistributedTimeoutWrapper(wrapped, timeout=args.heartbeat_timeout)
     return wrapped
 
@@ -95,7 +97,8 @@ def wrap_clip_grad_norm(original):
         if any(moe_dist.is_expert(p) or is_sharded(p) for p in params):  # experts, or FSDP2's slices
             if aggregate_norm_fn is not None:
                 raise moe_dist.unsupported_backend_error("fully_sharded")
-            return moe_dist.clip_grad_norm_(params, max_norm)
+            # fairseq hands over the parameters alone, so the group is the process's, read once here.
+            return moe_dist.clip_grad_norm_(params, max_norm, moe_dist.expert_parallel_group())
         if STATE.expert_parallel_training and params:
             raise RuntimeError(
                 "the optimizer's parameters lost the expert marker (--fp16 flattens gradients into one "
@@ -184,10 +187,10 @@ def check_training_setup(trainer) -> None:
     """Configuration errors that would otherwise surface inside Trainer.train_step, where fairseq
     answers an error by writing crash.pt (and the batch-prefetching thread may still be running)."""
     model_cfg = trainer.cfg.model
-    arch = flag(model_cfg, "arch") or flag(model_cfg, "_name")
+    arch = config_value(model_cfg, "arch") or config_value(model_cfg, "_name")
     # The unwrapped model and criterion: touching trainer.model would build the DDP wrapper here.
     if isinstance(trainer._criterion, MoELossMixin) and find_moe_cache(trainer._model) is None:
-        criterion = flag(trainer.cfg.criterion, "_name")
+        criterion = config_value(trainer.cfg.criterion, "_name")
         raise ValueError(
             f"MoE criterions need an MoE model: --criterion {criterion} collects MoE balance losses, but "
             f"--arch {arch} has no MoE layers; use --arch moe_transformer* / moe_transformer_lm*, or a non-MoE "

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.utils import safe_getattr
 
 from ..distributed import (
     SUPPORTED_DDP_BACKENDS,
@@ -18,6 +17,7 @@ from ..distributed import (
     set_expert_parallel_size,
     unsupported_backend_error,
 )
+from ..checkpoint.config_value import config_value
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 from ..fully_sharded import refused_options, zero_sharding_error
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
@@ -223,7 +223,7 @@ def moe_default(name: str):
 
 def moe_option(args, name: str):
     """``args.<name>``, or the option's default where ``args`` lacks it."""
-    return safe_getattr(args, name, moe_default(name))
+    return config_value(args, name, moe_default(name))
 
 
 def moe_freq(args, side: str) -> int:
@@ -282,7 +282,7 @@ def bias_update_rate(args) -> Optional[float]:
 def check_moe_layers_placed(args, sides) -> None:
     """An MoE architecture whose --moe-freq places no MoE layer would train a dense model under an
     MoE name; refuse it (a model without experts is what the dense architectures are for)."""
-    layers = {side: int(safe_getattr(args, f"{side}_layers", 0) or 0) for side in sides}
+    layers = {side: int(config_value(args, f"{side}_layers") or 0) for side in sides}
     freqs = {side: moe_freq(args, side) for side in sides}
     if any(places_moe_layer(layers[side], freq) for side, freq in freqs.items()):
         return
@@ -326,10 +326,10 @@ def check_expert_parallel_size(size: int, world: int, experts: int) -> None:
 def check_ddp_backend(args) -> None:
     """fairseq builds fully_sharded models differently before any MoE code runs, so the backend is
     checked while the command line is parsed (the architecture functions see every flag)."""
-    backend = safe_getattr(args, "ddp_backend", None)
+    backend = config_value(args, "ddp_backend")
     if backend is not None and str(backend) not in SUPPORTED_DDP_BACKENDS:
         raise unsupported_backend_error(str(backend))
-    if str(safe_getattr(args, "zero_sharding", "none")) == "os":
+    if str(config_value(args, "zero_sharding")) == "os":
         raise zero_sharding_error()
     refused = refused_options(args) if str(backend) == "fully_sharded" else []
     if refused:

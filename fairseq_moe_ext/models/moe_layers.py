@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
-from fairseq.utils import safe_getattr
 
+from ..checkpoint.config_value import config_value
 from ..moe import MoELayer, MoELayerConfig, RoutingConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
@@ -60,15 +60,15 @@ class MoEFeedForward(MoELayer):
 def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
     """The one place fairseq args become an MoE layer's config (``moe/layer_config.py``); ``ffn_dim``:
     the dense layer's ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim."""
-    activation_dropout = safe_getattr(args, "activation_dropout", 0.0) or safe_getattr(args, "relu_dropout", 0.0) or 0.0
+    activation_dropout = config_value(args, "activation_dropout") or config_value(args, "relu_dropout") or 0.0
     expert_dim = moe_option(args, "moe_expert_ffn_dim") or ffn_dim
     routing = RoutingConfig(
-        k=args.moe_top_k,
-        router_type=str(args.moe_router),
+        k=moe_option(args, "moe_top_k"),
+        router_type=str(moe_option(args, "moe_router")),
         fp32=not moe_option(args, "moe_gating_no_fp32"),
-        gate_noise=args.moe_gate_noise,
-        normalize_gates=args.moe_normalize_gate,
-        batch_prioritized=args.moe_batch_prioritized_routing,
+        gate_noise=moe_option(args, "moe_gate_noise"),
+        normalize_gates=moe_option(args, "moe_normalize_gate"),
+        batch_prioritized=moe_option(args, "moe_batch_prioritized_routing"),
         balance_bias_rate=bias_update_rate(args),
         second_expert_policy=str(moe_option(args, "moe_second_expert_policy")),
         normalize_gates_after_dropping=bool(moe_option(args, "moe_normalize_gate_after_dropping")),
@@ -76,11 +76,11 @@ def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
     return MoELayerConfig(
         model_dim=model_dim,
         hidden_dim=expert_dim,
-        num_experts=args.moe_expert_count,
+        num_experts=moe_option(args, "moe_expert_count"),
         routing=routing,
-        capacity_factor=args.moe_capacity_factor,
-        eval_capacity_factor=args.moe_eval_capacity_factor,
-        activation=utils.get_activation_fn(safe_getattr(args, "activation_fn", "relu")),
+        capacity_factor=moe_option(args, "moe_capacity_factor"),
+        eval_capacity_factor=moe_option(args, "moe_eval_capacity_factor"),
+        activation=utils.get_activation_fn(config_value(args, "activation_fn") or "relu"),
         activation_dropout=float(activation_dropout),
         shared_expert_count=moe_option(args, "moe_shared_expert_count"),
         shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim"),  # None: hidden_dim
@@ -182,7 +182,7 @@ def install_moe_layers(
 
 
 def wrap_for_checkpointing(layer: nn.Module, cfg) -> nn.Module:
-    if not safe_getattr(cfg, "checkpoint_activations", False):
+    if not config_value(cfg, "checkpoint_activations"):
         return layer
     check_backward_detection()
     # fairseq's own checkpoint_wrapper runs the first forward under no_grad, which would cut the

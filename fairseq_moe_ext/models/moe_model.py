@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 from fairseq.models.transformer.transformer_config import TransformerConfig
-from fairseq.utils import safe_getattr
 
+from ..checkpoint.config_value import config_value
 from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
 from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed
@@ -37,7 +37,7 @@ def moe_layer_names(model):
 
 
 def base_seed(args) -> int:
-    seed = safe_getattr(args, "seed", None)
+    seed = config_value(args, "seed")
     if seed is None:
         # Models registered with a dataclass (moe_transformer_lm, and any model under
         # fairseq-hydra-train) get only their own config section, which has no seed. fairseq seeds
@@ -59,10 +59,12 @@ class MoEModelMixin:
         # First: it sets the timeout and the expert-parallel size P (checked against the workers)
         # that the groups are created with, just below.
         apply_runtime_options(args)
-        # The groups are read from process state once, here, and handed to everything built below:
-        # experts are sharded over the P-worker group, routing statistics are the whole world's.
-        group, statistics_group = expert_parallel_group(), moe_statistics_group()
-        cls.check_expert_parallel_world(args, expert_layout().world_size)
+        # The layout (with P) is read from process state once, here, recorded on the model for everything
+        # that later has the model (moe_dist.model_layout), and its groups handed to the layers built
+        # below: experts are sharded over the P-worker group, routing statistics are the whole world's.
+        layout = expert_layout()
+        group, statistics_group = expert_parallel_group(layout), moe_statistics_group(layout)
+        cls.check_expert_parallel_world(args, layout.world_size)
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         seed = base_seed(args)
@@ -78,6 +80,7 @@ class MoEModelMixin:
                 no_encoder_attn=no_encoder_attn,
             )
         model.moe_cache = attach_moe_cache(model)
+        model.moe_layout = layout
         return model
 
     @classmethod

@@ -20,6 +20,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.utils import safe_getattr
 
+from ..checkpoint.config_value import config_value
 from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_ddp_backend, check_moe_args, moe_option
 
 # Re-exported: tests and user code import these from this module, where they used to live.
@@ -57,7 +58,7 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
     def check_expert_parallel_world(cls, args, world: int) -> None:
         # --eval-bleu generates in lock-step (fairseq_integration/inference.py), which matches one
         # process only when routing is dropless: a capacity would depend on the other workers' tokens.
-        if safe_getattr(args, "eval_bleu", False) and world > 1 and moe_option(args, "moe_eval_capacity_factor"):
+        if config_value(args, "eval_bleu") and world > 1 and moe_option(args, "moe_eval_capacity_factor"):
             raise ValueError(
                 f"--eval-bleu on {world} workers needs dropless inference routing to score what one process "
                 f"would generate: drop --moe-eval-capacity-factor (or set it to 0)"

@@ -73,7 +73,8 @@ class MoELayer(nn.Module):
         # Routing statistics (balance loss, z-loss, capacity) are those of every worker that routes
         # to these experts or to replicas of them, which can be more than the all-to-all reaches.
         self.statistics_group = group if statistics_group is None else statistics_group
-        self.world_size = parallel
+        # P, the expert-parallel group's size (ExpertLayout.parallel_size; its world_size is W).
+        self.parallel_size = parallel
         self.num_local_experts = num_experts // parallel
         self.cache = cache
         self.name = name
@@ -169,7 +170,7 @@ class MoELayer(nn.Module):
                 [
                     num_experts,
                     self.num_local_experts,
-                    self.world_size,
+                    self.parallel_size,
                     comm.group_size(statistics_group),
                     self.model_dim,
                     k,
@@ -302,25 +303,25 @@ class MoELayer(nn.Module):
 
     def _read_counts(self, expert_load: torch.Tensor) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
         """The layer's one host read per forward: rows per (global) expert sent from here, and with
-        expert parallelism the rows each rank sends to this one's experts, ``[W, L]`` (exchanged
+        expert parallelism the rows each rank sends to this one's experts, ``[P, L]`` (exchanged
         on the device first), as one ``tolist`` of their concatenation."""
         if self.group is None:
             return expert_load.tolist(), None
-        recv_counts = comm.exchange_counts(expert_load.view(self.world_size, self.num_local_experts), self.group)
+        recv_counts = comm.exchange_counts(expert_load.view(self.parallel_size, self.num_local_experts), self.group)
         both = torch.cat([expert_load, recv_counts.reshape(-1)]).tolist()
         return both[: self.num_experts], (recv_counts, both[self.num_experts :])
 
     def _run_experts(self, dispatched, loads: List[int], expert_load: torch.Tensor, exchange) -> torch.Tensor:
         if self.group is None:
             return self.experts(dispatched, loads, expert_load)
-        world, local = self.world_size, self.num_local_experts
+        parallel, local = self.parallel_size, self.num_local_experts
         recv_counts, recv_flat = exchange  # [source rank, local expert], on the device and the host
-        send_splits = [sum(loads[r * local : (r + 1) * local]) for r in range(world)]
-        recv_splits = [sum(recv_flat[r * local : (r + 1) * local]) for r in range(world)]
+        send_splits = [sum(loads[r * local : (r + 1) * local]) for r in range(parallel)]
+        recv_splits = [sum(recv_flat[r * local : (r + 1) * local]) for r in range(parallel)]
         received = comm.all_to_all(dispatched, send_splits, recv_splits, self.group)
         # Rows arrive grouped by source rank; experts want them grouped by local expert.
         row_expert = torch.repeat_interleave(
-            torch.arange(local, device=received.device).repeat(world),
+            torch.arange(local, device=received.device).repeat(parallel),
             recv_counts.reshape(-1).to(received.device),
             output_size=received.shape[0],
         )

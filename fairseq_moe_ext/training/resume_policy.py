@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
+from ..checkpoint.config_value import config_value
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,8 @@ def check_resume_policy(path: str, saved_cfg, model_cfg, criterion_cfg, allow_fu
     for name, rule in POLICY.items():
         if rule.kind == CHANGES_PARAMETERS:
             continue  # compat.check_resumable, which knows the parameters, has refused it already
-        saved_section, this_section = _get(saved_cfg, rule.section), current[rule.section]
-        was, now = _get(saved_section, name), _get(this_section, name)
+        saved_section, this_section = config_value(saved_cfg, rule.section, _ABSENT), current[rule.section]
+        was, now = config_value(saved_section, name, _ABSENT), config_value(this_section, name, _ABSENT)
         if was is _ABSENT or now is _ABSENT:
             continue
         if rule.effective is not None:
@@ -133,18 +134,6 @@ def check_resume_policy(path: str, saved_cfg, model_cfg, criterion_cfg, allow_fu
             logger.info(line)
         logged.append(line)
     return logged
-
-
-def _get(cfg, name):
-    """``cfg.name`` of an argparse Namespace, an omegaconf section or a plain dict; _ABSENT if absent."""
-    if cfg is None:
-        return _ABSENT
-    if isinstance(cfg, dict):
-        return cfg.get(name, _ABSENT)
-    try:
-        return getattr(cfg, name)
-    except AttributeError:  # omegaconf's missing keys included
-        return _ABSENT
 
 
 def _same(a, b) -> bool:

@@ -8,15 +8,16 @@ and world size, the seed and save dir (the same cfg everywhere), and the launch'
 
 import os
 
+from ..checkpoint.config_value import config_value
 from ..checkpoint.set_id import LAUNCH_ENVIRONMENT, derive_set_id
 
 
 def save_set_id(trainer, world_size: int) -> str:
     cfg = trainer.cfg
     launch = [
-        getattr(cfg.common, "seed", None),
-        getattr(cfg.checkpoint, "save_dir", None),  # as typed, the same on every worker (abspath depends on the cwd)
-        getattr(cfg.distributed_training, "distributed_init_method", None),
+        config_value(cfg.common, "seed"),
+        config_value(cfg.checkpoint, "save_dir"),  # as typed, the same on every worker (abspath depends on the cwd)
+        config_value(cfg.distributed_training, "distributed_init_method"),
         *(os.environ.get(name) for name in LAUNCH_ENVIRONMENT),
     ]
     return derive_set_id(trainer.get_num_updates(), world_size, launch)

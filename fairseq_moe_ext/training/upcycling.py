@@ -20,7 +20,8 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.compat import check_resumable, flag
+from ..checkpoint.compat import check_resumable
+from ..checkpoint.config_value import config_value
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
 from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_freq, moe_option
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
@@ -37,7 +38,7 @@ MOE_CRITERION_OF = {"label_smoothed_cross_entropy": "moe_label_smoothed_cross_en
 
 
 def moe_architecture_of(model_cfg, path: str) -> str:
-    arch = flag(model_cfg, "arch") or flag(model_cfg, "_name")
+    arch = config_value(model_cfg, "arch") or config_value(model_cfg, "_name")
     family = ARCH_MODEL_NAME_REGISTRY.get(arch)
     if family not in MOE_ARCHITECTURE_OF:
         raise moe_ckpt.CheckpointSetError(
@@ -78,7 +79,7 @@ def upcycled_cfg(dense_cfg, path: str, moe_flags: dict):
     else:
         cfg["model"] = {**model, **options}
     criterion = dense_cfg.get("criterion")
-    name = flag(criterion, "_name")
+    name = config_value(criterion, "_name")
     if isinstance(criterion, dict) and name in MOE_CRITERION_OF:
         cfg["criterion"] = dict(criterion, _name=MOE_CRITERION_OF[name])
     elif name not in MOE_CRITERION_OF.values():
@@ -125,7 +126,7 @@ def check_upcycle_start(checkpoint_cfg) -> None:
     for given, other in (
         (checkpoint_cfg.restore_file != RESTORE_DEFAULT, "--restore-file"),
         (checkpoint_cfg.finetune_from_model, "--finetune-from-model"),
-        (getattr(checkpoint_cfg, "continue_once", None), "--continue-once"),
+        (config_value(checkpoint_cfg, "continue_once"), "--continue-once"),
     ):
         if given:
             raise ValueError(f"--moe-upcycle-from and {other} both name a checkpoint to start from: pass one of them")
@@ -153,11 +154,11 @@ def load_upcycled(trainer, path: str) -> None:
         moe_option(model_cfg, "moe_expert_ffn_dim"),
     )
     dense = moe_ckpt.check_is_checkpoint(moe_ckpt.safe_load(dense_file(path)), path)
-    dense_model_cfg = flag(dense.get("cfg"), "model")
+    dense_model_cfg = config_value(dense.get("cfg"), "model")
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
         moe_architecture_of(dense_model_cfg, path)
     full = upcycle_state(dense, path, options, moe_layer_test(model_cfg), dense.get("cfg"))
-    layout = moe_dist.expert_layout()
+    layout = moe_dist.model_layout(trainer._model)
     share = moe_ckpt.shard_state(full, layout.ep_rank, layout.parallel_size)
     check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg, moe_freq)
     trainer.model.load_state_dict(share["model"], strict=True, model_cfg=model_cfg)

@@ -125,6 +125,15 @@ def test_building_a_model_on_four_workers_sets_the_layout_from_the_flag_or_its_d
         assert moe_dist.expert_layout() == ExpertLayout(1, 1, 0)
 
 
+def test_a_model_reads_the_layout_it_was_built_with_not_the_one_the_process_moved_on_to(four_workers):
+    apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=2))
+    model = torch.nn.Module()
+    model.moe_layout = moe_dist.expert_layout()  # what MoEModelMixin.build_moe_model records
+    apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=4))  # a later build
+    assert moe_dist.model_layout(model) == ExpertLayout(4, 2, 3)
+    assert moe_dist.model_layout(torch.nn.Linear(1, 1)) == ExpertLayout(4, 4, 3), "a dense model: the process's"
+
+
 def test_before_any_model_is_built_every_worker_is_one_shard_as_before_the_flag_existed(four_workers):
     assert moe_dist.expert_layout() == ExpertLayout(4, 4, 3)
 

@@ -135,7 +135,7 @@ CONTROL_PATHS = {
     "layer set-up check": lambda g: comm.check_same_on_every_rank([4, 2, 2, 8, 2], list("abcde"), "MoE layer", g),
     "counts exchange": lambda g: comm.exchange_counts(torch.tensor([[3, 1]]), g),
     "all_gather_rows": lambda g: comm.all_gather_rows(torch.tensor([[0, 1], [1, 0]]), g),
-    "global grad norm": lambda g: moe_dist.global_grad_norm(_model_with_grads().parameters()),
+    "global grad norm": lambda g: moe_dist.global_grad_norm(_model_with_grads().parameters(), g),
     "replica gradient sum": lambda g: moe_dist.sum_expert_grads_over_replicas(_model_with_grads().parameters(), g),
     "shared-parameter fingerprints": lambda g: moe_dist.check_shared_parameters_agree(_model_with_grads(), g),
 }

@@ -101,3 +101,9 @@ def test_an_integer_capacity_factor_becomes_the_float_a_flag_would_give():
     config = MoELayerConfig(D, H, E, capacity_factor=1, eval_capacity_factor=0)
     assert config == MoELayerConfig(D, H, E, capacity_factor=1.0, eval_capacity_factor=0.0)
     assert isinstance(config.capacity_factor, float) and isinstance(config.eval_capacity_factor, float)
+
+
+def test_the_layer_calls_its_expert_parallel_size_parallel_size_and_nothing_world_size():
+    layer = MoELayer(MoELayerConfig(D, H, E))  # one process: P = 1, every expert local
+    assert (layer.parallel_size, layer.num_local_experts) == (1, E)
+    assert not hasattr(layer, "world_size"), "world_size is W (ExpertLayout); the layer's group size is P"

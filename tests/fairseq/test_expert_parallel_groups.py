@@ -134,7 +134,7 @@ def wrapped_reduce_on_worker(rank, args):
         args, model, torch.distributed.new_group(), torch.device("cpu")
     )
     wrapped.all_reduce_grads()
-    norm = moe_dist.clip_grad_norm_(list(model.parameters()), 0)
+    norm = moe_dist.clip_grad_norm_(list(model.parameters()), 0, moe_dist.expert_parallel_group())  # as hook 4
     return model.shared.grad, model.expert.grad, norm
 
 
@@ -189,7 +189,9 @@ def training_step_on_worker(rank, built):
     loss, _, _ = criterion(wrapped, collate(task, sentence_pairs(12)[3 * rank : 3 * rank + 3]))
     loss.backward()
     wrapped.all_reduce_grads()
-    moe_dist.clip_grad_norm_(list(model.parameters()), 0.7)
+    moe_dist.clip_grad_norm_(
+        list(model.parameters()), 0.7, moe_dist.expert_parallel_group(moe_dist.model_layout(model))
+    )
     update_balance_biases(model)
 
 

@@ -1,10 +1,12 @@
 """The MoE layer flags reach every MoE layer through one function (``models/moe_layers.py``'s
 ``moe_layer_config``): a model built the way fairseq-train builds it holds, in each MoE layer, the
-config these flags describe, written out here field by field."""
+config these flags describe, written out here field by field; and the model records the expert
+layout it was built for, which the fairseq hooks read from it."""
 
 import pytest
 from fairseq import utils
 
+from fairseq_moe_ext.distributed import ExpertLayout
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
 from tiny_fairseq_models import language_model, translation
 
@@ -56,3 +58,9 @@ def test_without_the_optional_flags_the_experts_take_the_dense_ffn_size_and_the_
     configs = layer_configs(translation(data, "--moe-expert-count", "2", "--moe-freq", "1").model)
     want = MoELayerConfig(64, 128, 2, activation=utils.get_activation_fn("relu"))
     assert configs == [want] * 4
+
+
+def test_a_built_model_records_the_expert_layout_its_layers_were_built_for(data):
+    model = language_model(data).model
+    assert model.moe_layout == ExpertLayout(1, 1, 0)  # one process: every expert local
+    assert {layer.parallel_size for layer in model.modules() if isinstance(layer, MoELayer)} == {1}
