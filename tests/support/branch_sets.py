@@ -86,11 +86,12 @@ def write_branch_set(prefix: Path, model_state, options: argparse.Namespace, ran
     ``options`` is a translation model's Namespace, or a language model's dict (``branch_lm_options``):
     a moe_lm run's task is ``task`` (its cfg["task"]) and its criterion ``moe_cross_entropy``."""
     shared, experts = branch_model_state(model_state)
-    return write_branch_parts(prefix, shared, experts, options, ranks, num_updates, cfg_as_dict, declared_world)
+    return write_branch_parts(prefix, shared, experts, options, ranks, num_updates, cfg_as_dict, declared_world, task)
 
 
 def write_branch_parts(prefix: Path, shared: Dict[str, torch.Tensor], experts, options: argparse.Namespace, ranks: int,
-                       num_updates: int = 300, cfg_as_dict: bool = True, declared_world: Optional[int] = None) -> Path:
+                       num_updates: int = 300, cfg_as_dict: bool = True, declared_world: Optional[int] = None,
+                       task: Optional[Dict] = None) -> Path:
     """``write_branch_set`` from the branch's own names: ``shared`` (every non-expert tensor) and
     ``experts`` ({(layer, "fc1.weight" ...): [one tensor per global expert]})."""
     count = len(next(iter(experts.values())))
