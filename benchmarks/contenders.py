@@ -157,10 +157,10 @@ class OurMoE(Contender):
             self.make_skewed(skew)
 
     def build(self):
-        from fairseq_moe_ext.moe import MoELayer
+        from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 
         s = self.shape
-        layer = MoELayer(s.d_model, s.hidden, s.experts, k=s.k, capacity_factor=self.capacity_factor)
+        layer = MoELayer(MoELayerConfig.of(s.d_model, s.hidden, s.experts, k=s.k, capacity_factor=self.capacity_factor))
         layer.experts.matmul = self.expert_matmul
         return layer
 

@@ -69,7 +69,28 @@ def pytest_collection_modifyitems(config, items):
             mark = item.get_closest_marker("xdist_group")
             if mark and "@" not in item.nodeid:
                 item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
-    # Slow tests first, groups before single tests; the order within a module is kept.
+    # Slow tests first, the longest of them first (LONGEST_FIRST), then groups before single tests; the
+    # order within a module is kept. The workers take work in this order, so a long test handed out
+    # last would decide the wall time alone on one worker while the other idles.
     items.sort(
-        key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("xdist_group") is None)
+        key=lambda item: (
+            item.get_closest_marker("slow") is None,
+            next((i for i, part in enumerate(LONGEST_FIRST) if part in item.nodeid), len(LONGEST_FIRST)),
+            item.get_closest_marker("xdist_group") is None,
+        )
     )
+
+
+# The longest slow tests and module groups (measured on a quiet 2-core machine, longest first): node
+# id fragments. Each is about a minute of one worker; the tests/recipes ones would otherwise be
+# collected, and so started, last.
+LONGEST_FIRST = (
+    "test_fault_injection.py::test_eleven_seeded_sigkills",
+    "test_gpu_scripts.py::test_the_cpu_dry_run",
+    "test_recipes.py::test_main_job_tiny_mode",
+    "test_recipes.py::test_python_stdlib_lm_quick_mode",
+    "test_multiworker_training_cli.py::test_four_workers_with_two_experts",
+    "test_multiworker_training_cli.py::test_eval_lm_scores",
+    "test_fully_sharded_cli.py",
+    "test_multiworker_cli.py",
+)

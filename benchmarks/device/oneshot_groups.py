@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from report import DRY_RUN, device, emit, left, rel_err, run_guarded, verdict
 
-from fairseq_moe_ext.moe import MoELayer  # noqa: E402
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
 from fairseq_moe_ext.moe.lockstep import LockStep  # noqa: E402
 
 D, H, E = 64, 128, 8
@@ -44,7 +44,7 @@ def free_port():
 
 def layer(group, cf=0.0, statistics_group=None, seed=5, d=D, h=H):
     torch.manual_seed(0)  # the router (shared) from a common seed; experts are seeded by global id
-    return MoELayer(d, h, E, k=2, capacity_factor=cf, seed=seed, group=group, statistics_group=statistics_group)
+    return MoELayer(MoELayerConfig(d, h, E, capacity_factor=cf), seed=seed, group=group, statistics_group=statistics_group)
 
 
 def batch(n_total, seed=1):
@@ -108,7 +108,7 @@ def worker(rank, world, port, backend, out_dir):
 
 def lockstep_stacks(group, dev):
     torch.manual_seed(0)
-    layers = [MoELayer(D, H, E, k=2, seed=10 + i, group=group).to(dev).eval() for i in range(3)]
+    layers = [MoELayer(MoELayerConfig(D, H, E), seed=10 + i, group=group).to(dev).eval() for i in range(3)]
     return [layers[:1], layers[1:]]
 
 

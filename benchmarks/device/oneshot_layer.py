@@ -22,7 +22,7 @@ import torch
 
 from report import DRY_RUN, device, emit, out_of_time, rel_err, run_guarded, sized, skip_cuda, verdict
 
-from fairseq_moe_ext.moe import MoELayer  # noqa: E402
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
 from moe_reference import reference_logits, reference_moe  # noqa: E402
 
 ROUTERS = ("top", "cosine", "sigmoid")
@@ -50,7 +50,7 @@ PRECISION_BOUNDS = [
 def build(router, mode, d, h, e, seed):
     torch.manual_seed(seed)
     kw = dict(MODES[mode])
-    layer = MoELayer(d, h, e, k=2, router_type=router, seed=seed, **kw)
+    layer = MoELayer(MoELayerConfig.of(d, h, e, k=2, router_type=router, **kw), seed=seed)
     if layer.router.balance_bias is not None:
         layer.router.balance_bias.bias.copy_(torch.randn(e) * 0.05)
     return layer

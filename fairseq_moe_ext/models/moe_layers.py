@@ -16,7 +16,7 @@ from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.utils import safe_getattr
 
-from ..moe import MoELayer
+from ..moe import MoELayer, MoELayerConfig, RoutingConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
 from ..process_state import STATE
@@ -57,36 +57,35 @@ class MoEFeedForward(MoELayer):
         return super().forward(x, mask)
 
 
-def build_moe_ffn(args, model_dim: int, ffn_dim: int, layer_seed: int, *, group, statistics_group) -> MoEFeedForward:
-    """``group``: the expert-parallel process group the experts are spread over (None: all local);
-    ``statistics_group``: the workers routing statistics are totalled over (None: one process)."""
+def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
+    """The one place fairseq args become an MoE layer's config (``moe/layer_config.py``); ``ffn_dim``:
+    the dense layer's ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim."""
     activation_dropout = safe_getattr(args, "activation_dropout", 0.0) or safe_getattr(args, "relu_dropout", 0.0) or 0.0
     expert_dim = moe_option(args, "moe_expert_ffn_dim") or ffn_dim
-    return MoEFeedForward(
-        model_dim=model_dim,
-        hidden_dim=expert_dim,
-        num_experts=args.moe_expert_count,
+    routing = RoutingConfig(
         k=args.moe_top_k,
-        capacity_factor=args.moe_capacity_factor,
-        eval_capacity_factor=args.moe_eval_capacity_factor,
         router_type=str(args.moe_router),
-        fp32_router=not moe_option(args, "moe_gating_no_fp32"),
+        fp32=not moe_option(args, "moe_gating_no_fp32"),
         gate_noise=args.moe_gate_noise,
         normalize_gates=args.moe_normalize_gate,
         batch_prioritized=args.moe_batch_prioritized_routing,
+        balance_bias_rate=bias_update_rate(args),
+        second_expert_policy=str(moe_option(args, "moe_second_expert_policy")),
+        normalize_gates_after_dropping=bool(moe_option(args, "moe_normalize_gate_after_dropping")),
+    )
+    return MoELayerConfig(
+        model_dim=model_dim,
+        hidden_dim=expert_dim,
+        num_experts=args.moe_expert_count,
+        routing=routing,
+        capacity_factor=args.moe_capacity_factor,
+        eval_capacity_factor=args.moe_eval_capacity_factor,
         activation=utils.get_activation_fn(safe_getattr(args, "activation_fn", "relu")),
         activation_dropout=float(activation_dropout),
-        seed=layer_seed,
-        group=group,
-        statistics_group=statistics_group,
         shared_expert_count=moe_option(args, "moe_shared_expert_count"),
-        shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim") or expert_dim,
-        balance_bias_rate=bias_update_rate(args),
+        shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim"),  # None: hidden_dim
         expert_output_masking=float(moe_option(args, "moe_eom")),
         eval_capacity_token_fraction=float(moe_option(args, "moe_eval_capacity_token_fraction")),
-        normalize_gates_after_dropping=bool(moe_option(args, "moe_normalize_gate_after_dropping")),
-        second_expert_policy=str(moe_option(args, "moe_second_expert_policy")),
-        batch_major=bool(moe_option(args, "moe_batch_major_routing")),
     )
 
 
@@ -162,10 +161,11 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, gro
     freq = moe_freq(args, side)
     ffn_dim = cfg.encoder.ffn_embed_dim if side == "encoder" else cfg.decoder.ffn_embed_dim
     model_dim = cfg.encoder.embed_dim if side == "encoder" else cfg.decoder.embed_dim
+    config = moe_layer_config(args, model_dim, ffn_dim)  # every MoE layer of a side computes the same function
     replaced = 0
     for i in moe_layer_indices(len(stack.layers), freq):
-        ffn = build_moe_ffn(args, model_dim, ffn_dim, layer_seed=layer_seed_base + i, group=group,
-                            statistics_group=statistics_group)
+        ffn = MoEFeedForward(config, group=group, statistics_group=statistics_group, seed=layer_seed_base + i,
+                             batch_major=bool(moe_option(args, "moe_batch_major_routing")))
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))
         else:

@@ -5,11 +5,12 @@ from .capacity import expert_capacity, slots_within_capacity
 from .collective_device import MoECollectiveDeviceError, collective_device
 from .experts import BatchedExperts, expert_seed
 from .layer import MoELayer
+from .layer_config import MoELayerConfig, RoutingConfig
 from .losses import balance_loss, z_loss
 from .router import ROUTER_TYPES, Routing, TopKRouter
 
 __all__ = [
-    "BatchedExperts", "MoEAux", "MoEAuxCache", "MoECollectiveDeviceError", "MoELayer", "MoERecord",
-    "ROUTER_TYPES", "Routing", "TopKRouter", "UncollectedMoELossError", "balance_loss", "collective_device",
-    "expert_capacity", "expert_seed", "slots_within_capacity", "z_loss",
+    "BatchedExperts", "MoEAux", "MoEAuxCache", "MoECollectiveDeviceError", "MoELayer", "MoELayerConfig",
+    "MoERecord", "ROUTER_TYPES", "Routing", "RoutingConfig", "TopKRouter", "UncollectedMoELossError",
+    "balance_loss", "collective_device", "expert_capacity", "expert_seed", "slots_within_capacity", "z_loss",
 ]

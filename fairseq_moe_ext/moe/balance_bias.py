@@ -42,7 +42,7 @@ class BalanceBias(nn.Module):
     def __init__(self, num_experts: int, update_rate: float = DEFAULT_BIAS_UPDATE_RATE):
         super().__init__()
         self.num_experts = num_experts
-        self.update_rate = check_bias_update_rate(update_rate)
+        self.update_rate = float(update_rate)  # checked where it was configured (RoutingConfig)
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
         self.pending_load: Optional[torch.Tensor] = None  # [E] int64, this worker's, since the last update
 

@@ -44,8 +44,8 @@ def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> flo
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> Optional[int]:
-    """Slots per expert, or ``None`` when every slot is served (``capacity_factor == 0``)."""
-    capacity_factor = check_capacity_factor(capacity_factor)
+    """Slots per expert, or ``None`` when every slot is served (``capacity_factor == 0``); the factor
+    was checked where it was configured (``MoELayerConfig``)."""
     if capacity_factor == 0:
         return None
     tokens_per_expert = (num_tokens + num_experts - 1) // num_experts
@@ -57,7 +57,6 @@ def expert_capacity_tensor(
 ) -> Optional[torch.Tensor]:
     """``expert_capacity`` for a token count that lives on the device, computed there (no host read):
     the same integer as ``expert_capacity(int(num_tokens), ...)``, fp64 products included."""
-    capacity_factor = check_capacity_factor(capacity_factor)
     if capacity_factor == 0:
         return None
     tokens_per_expert = torch.div(num_tokens.long() + (num_experts - 1), num_experts, rounding_mode="floor")

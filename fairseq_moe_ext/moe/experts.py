@@ -70,16 +70,8 @@ class BatchedExperts(nn.Module):
         seed: int = 0,
         matmul: Optional[str] = None,
     ):
+        # The sizes and the dropout were checked where they were configured (MoELayerConfig).
         super().__init__()
-        for name, value in (
-            ("model_dim", model_dim),
-            ("hidden_dim", hidden_dim),
-            ("num_local_experts", num_local_experts),
-        ):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0.0 <= activation_dropout < 1.0:
-            raise ValueError(f"activation_dropout must be in [0, 1), got {activation_dropout!r}")
         self.model_dim = model_dim
         self.hidden_dim = hidden_dim
         self.num_local_experts = num_local_experts

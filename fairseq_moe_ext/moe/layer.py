@@ -14,14 +14,14 @@ holding the same experts), which makes a W-worker forward equal to one process h
 experts and the concatenated batch.
 """
 
-from typing import Callable, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from . import comm
 from .cache import MoEAux, MoEAuxCache
-from .capacity import check_capacity_factor, expert_capacity_tensor, slots_within_capacity, token_fraction_capacity
+from .capacity import expert_capacity_tensor, slots_within_capacity, token_fraction_capacity
 from .dispatch import (
     bucket_counts,
     combine_slots,
@@ -32,6 +32,7 @@ from .dispatch import (
 )
 from .balance_bias import BalanceBias
 from .experts import BatchedExperts
+from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
 from .router import TopKRouter
 from .second_expert import gates_renormalised_over_served
@@ -39,83 +40,56 @@ from .shared_experts import SharedExperts
 
 
 class MoELayer(nn.Module):
+    """``config``: what the layer computes (checked when it was built); ``group``: the expert-parallel
+    process group its experts are spread over (None: all local); ``statistics_group``: the workers
+    its routing statistics are totalled over (default ``group``); ``cache``: where ``forward``
+    records the aux losses under ``name``; ``seed``: the experts' initialisation."""
+
     def __init__(
         self,
-        model_dim: int,
-        hidden_dim: int,
-        num_experts: int,
-        k: int = 2,
-        capacity_factor: float = 0.0,
-        eval_capacity_factor: float = 0.0,
-        router_type: str = "top",
-        fp32_router: bool = True,
-        gate_noise: float = 0.0,
-        normalize_gates: bool = False,
-        batch_prioritized: bool = False,
-        activation: Union[str, Callable] = "relu",
-        activation_dropout: float = 0.0,
-        bias: bool = True,
-        seed: int = 0,
+        config: MoELayerConfig,
+        *,
         group=None,
         statistics_group=None,
         cache: Optional[MoEAuxCache] = None,
         name: str = "moe",
-        shared_expert_count: int = 0,
-        shared_expert_dim: Optional[int] = None,
-        balance_bias_rate: Optional[float] = None,
-        expert_output_masking: float = 0.0,
-        eval_capacity_token_fraction: float = 0.0,
-        normalize_gates_after_dropping: bool = False,
-        second_expert_policy: str = "all",
+        seed: int = 0,
     ):
         super().__init__()
-        world = comm.group_size(group)
-        if not isinstance(num_experts, int) or num_experts <= 0:
-            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
-        if num_experts % world != 0:
-            raise ValueError(
-                f"{num_experts} experts cannot be split evenly over {world} workers: use an expert "
-                f"count that is a multiple of the world size (e.g. {world * max(1, num_experts // world)})"
+        if not isinstance(config, MoELayerConfig):
+            raise TypeError(
+                f"MoELayer takes an MoELayerConfig, got {type(config).__name__}: build one with "
+                f"MoELayerConfig(model_dim, hidden_dim, num_experts, ...) or MoELayerConfig.of(...)"
             )
-        if not 0.0 <= float(expert_output_masking) < 1.0:
-            raise ValueError(f"expert_output_masking must be in [0, 1), got {expert_output_masking!r}")
-        # Expert Output Masking (NLLB, the nllb branch's moe_layer.py ``tok_dropout``): see _mask_expert_outputs.
-        self.expert_output_masking = float(expert_output_masking)
-        # The nllb branch's evaluation capacity ceil(f * S) (capacity.token_fraction_capacity); 0: off.
-        self.eval_capacity_token_fraction = float(eval_capacity_token_fraction)
-        if not self.eval_capacity_token_fraction >= 0.0 or self.eval_capacity_token_fraction == float("inf"):
-            raise ValueError(f"eval_capacity_token_fraction must be a finite number >= 0, got "
-                             f"{eval_capacity_token_fraction!r}")
-        # The nllb branch's default: gates renormalised over the slots kept after dropping (second_expert.py).
-        self.normalize_gates_after_dropping = bool(normalize_gates_after_dropping)
-        self.capacity_factor = check_capacity_factor(capacity_factor)
-        self.eval_capacity_factor = check_capacity_factor(eval_capacity_factor, "eval_capacity_factor")
-        self.model_dim = model_dim
-        self.num_experts = num_experts
-        self.k = k
+        self.config = config
+        parallel = comm.group_size(group)
+        num_experts = config.num_experts
+        if num_experts % parallel != 0:
+            raise ValueError(
+                f"{num_experts} experts cannot be split evenly over {parallel} workers: use an expert "
+                f"count that is a multiple of the world size (e.g. {parallel * max(1, num_experts // parallel)})"
+            )
         self.group = group
         # Routing statistics (balance loss, z-loss, capacity) are those of every worker that routes
         # to these experts or to replicas of them, which can be more than the all-to-all reaches.
         self.statistics_group = group if statistics_group is None else statistics_group
-        self.world_size = world
-        self.num_local_experts = num_experts // world
+        self.world_size = parallel
+        self.num_local_experts = num_experts // parallel
         self.cache = cache
         self.name = name
         self._group_checked = False
         # The most rows this worker's experts computed in one call since rows_received.take_peak
         # last read it: with dropless routing nothing bounds it, and it is what runs a GPU out of memory.
         self.rows_received_peak = 0
-        self.router = TopKRouter(
-            model_dim, num_experts, k, router_type=router_type, fp32=fp32_router,
-            gate_noise=gate_noise, normalize_gates=normalize_gates and not normalize_gates_after_dropping,
-            batch_prioritized=batch_prioritized, second_expert_policy=second_expert_policy,
-            # Loss-free balancing (balance_bias.py): None keeps the routing as it was.
-            balance_bias=None if balance_bias_rate is None else BalanceBias(num_experts, balance_bias_rate),
-        )
+        routing = config.routing
+        # Loss-free balancing (balance_bias.py): the layer makes the bias, the router reads it when
+        # choosing (its state key stays router.balance_bias.bias); None keeps the routing as it was.
+        bias = None if routing.balance_bias_rate is None else BalanceBias(num_experts, routing.balance_bias_rate)
+        self.router = TopKRouter(config.model_dim, num_experts, routing, balance_bias=bias)
         self.experts = BatchedExperts(
-            model_dim, hidden_dim, self.num_local_experts,
+            config.model_dim, config.hidden_dim, self.num_local_experts,
             first_global_id=comm.group_rank(group) * self.num_local_experts,
-            activation=activation, activation_dropout=activation_dropout, bias=bias, seed=seed,
+            activation=config.activation, activation_dropout=config.activation_dropout, bias=config.bias, seed=seed,
         )
         for p in self.experts.parameters():
             # The marker stock fairseq already honours (clip_grad_norm_, legacy DDP): this tensor
@@ -123,12 +97,25 @@ class MoELayer(nn.Module):
             p.expert = True
         # Always-active experts (shared_experts.py): shared parameters, never marked as experts.
         self.shared_experts = None
-        if shared_expert_count:
+        if config.shared_expert_count:
             self.shared_experts = SharedExperts(
-                model_dim, hidden_dim if shared_expert_dim is None else shared_expert_dim, shared_expert_count,
-                activation=activation,
-                activation_dropout=activation_dropout, bias=bias, seed=seed,
+                config.model_dim, config.shared_hidden_dim, config.shared_expert_count,
+                activation=config.activation, activation_dropout=config.activation_dropout, bias=config.bias,
+                seed=seed,
             )
+
+    # What the layer computes, read from its config (one place holds each value).
+    model_dim = property(lambda self: self.config.model_dim)
+    num_experts = property(lambda self: self.config.num_experts)
+    k = property(lambda self: self.config.routing.k)
+    capacity_factor = property(lambda self: self.config.capacity_factor)
+    eval_capacity_factor = property(lambda self: self.config.eval_capacity_factor)
+    # Expert Output Masking (NLLB, the nllb branch's moe_layer.py ``tok_dropout``): see _mask_expert_outputs.
+    expert_output_masking = property(lambda self: self.config.expert_output_masking)
+    # The nllb branch's evaluation capacity ceil(f * S) (capacity.token_fraction_capacity); 0: off.
+    eval_capacity_token_fraction = property(lambda self: self.config.eval_capacity_token_fraction)
+    # The nllb branch's default: gates renormalised over the slots kept after dropping (second_expert.py).
+    normalize_gates_after_dropping = property(lambda self: self.config.routing.normalize_gates_after_dropping)
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x``: ``[..., model_dim]``; ``padding_mask``: ``x.shape[:-1]``, True at pad tokens.

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .balance_bias import BalanceBias
-from .second_expert import check_second_expert_policy, randomly_kept_second, sampled_second_expert
+from .layer_config import ROUTER_TYPES, RoutingConfig
+from .second_expert import randomly_kept_second, sampled_second_expert
 
-ROUTER_TYPES = ("top", "cosine", "sigmoid")
+__all__ = ["ROUTER_TYPES", "Routing", "TopKRouter", "take_chosen"]
 
 
 @dataclass
@@ -66,55 +67,31 @@ def take_chosen(probs: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor
 
 
 class TopKRouter(nn.Module):
+    """Routes with the options of ``routing`` (checked when it was built); ``balance_bias`` is the
+    owning layer's (``MoELayer`` makes it from ``routing.balance_bias_rate``): the router only reads it."""
+
     def __init__(
         self,
         model_dim: int,
         num_experts: int,
-        k: int = 2,
-        router_type: str = "top",
-        fp32: bool = True,
-        gate_noise: float = 0.0,
-        normalize_gates: bool = False,
-        batch_prioritized: bool = False,
+        routing: RoutingConfig = RoutingConfig(),
+        balance_bias: Optional[BalanceBias] = None,
         cosine_proj_dim: int = 256,
         cosine_init_temperature: float = 0.5,
-        balance_bias: Optional[BalanceBias] = None,
-        second_expert_policy: str = "all",
     ):
         super().__init__()
-        if not isinstance(num_experts, int) or num_experts <= 0:
-            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"top-k must be an integer >= 1, got {k!r}")
-        if k > num_experts:
-            raise ValueError(
-                f"top-k ({k}) exceeds the number of experts ({num_experts}): "
-                f"use k <= {num_experts} or add experts"
-            )
-        if router_type not in ROUTER_TYPES:
-            raise ValueError(
-                f"unknown router type {router_type!r}: choose one of {', '.join(ROUTER_TYPES)}"
-            )
-        if not isinstance(model_dim, int) or model_dim <= 0:
-            raise ValueError(f"model_dim must be a positive integer, got {model_dim!r}")
-        if not math.isfinite(gate_noise) or gate_noise < 0:
-            raise ValueError(f"gate_noise must be a finite number >= 0, got {gate_noise!r}")
-        if router_type == "sigmoid" and k < 2:
-            raise ValueError(
-                "the sigmoid router normalises gates over the chosen k experts, so with k=1 every gate is 1 and "
-                "the router never learns: use k >= 2, or the 'top' router for k=1"
-            )
         self.num_experts = num_experts
-        self.k = k
-        self.router_type = router_type
-        self.fp32 = fp32
-        self.gate_noise = gate_noise
-        self.normalize_gates = normalize_gates
-        self.batch_prioritized = batch_prioritized
+        self.k = routing.k
+        self.router_type = routing.router_type
+        self.fp32 = routing.fp32
+        self.gate_noise = routing.gate_noise
+        # Renormalised here (before capacity) unless the layer renormalises over the slots it kept.
+        self.normalize_gates = routing.normalize_gates and not routing.normalize_gates_after_dropping
+        self.batch_prioritized = routing.batch_prioritized
         self.balance_bias = balance_bias
         # The nllb branch's --moe-second-expert-policy (second_expert.py); "all" is plain top-2.
-        self.second_expert_policy = check_second_expert_policy(second_expert_policy, k, router_type)
-        if router_type in ("top", "sigmoid"):
+        self.second_expert_policy = routing.second_expert_policy
+        if self.router_type in ("top", "sigmoid"):
             self.wg = nn.Linear(model_dim, num_experts, bias=False)
         else:
             self.cosine_projector = nn.Linear(model_dim, cosine_proj_dim)

@@ -34,8 +34,7 @@ class SharedExperts(nn.Module):
         bias: bool = True,
         seed: int = 0,
     ):
-        super().__init__()
-        check_shared_experts(count, hidden_dim)
+        super().__init__()  # count and hidden_dim were checked where they were configured (MoELayerConfig)
         self.count = count
         self.hidden_dim = hidden_dim
         # One "expert" of width S*h; its id (-1) is one no routed expert has, so its weights are not

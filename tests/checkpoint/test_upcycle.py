@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fairseq_moe_ext.checkpoint import CheckpointSetError
 from fairseq_moe_ext.checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_model_state
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 
 D, H, E = 8, 16, 4
 
@@ -41,7 +41,7 @@ def dense_ffn(state, prefix, x):
 
 
 def upcycled_layer(moe_state, prefix, k, normalize_gates=True):
-    layer = MoELayer(D, H, E, k=k, normalize_gates=normalize_gates, activation="relu")
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=k, normalize_gates=normalize_gates, activation="relu"))
     layer.load_state_dict({name: moe_state[f"{prefix}.fc1.{name}"] for name in layer.state_dict()})
     return layer.eval()
 
@@ -100,7 +100,7 @@ def test_by_default_an_upcycled_layer_spreads_its_tokens_over_experts_and_worker
     experts, tokens = 8, 512
     dense = dense_model_state()
     moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=experts), every_second_layer)
-    layer = MoELayer(D, H, experts, k=k, normalize_gates=True, activation="relu")
+    layer = MoELayer(MoELayerConfig.of(D, H, experts, k=k, normalize_gates=True, activation="relu"))
     layer.load_state_dict({name: moe[f"decoder.layers.1.fc1.{name}"] for name in layer.state_dict()})
     x = F.layer_norm(torch.randn(tokens, D, generator=torch.Generator().manual_seed(7)), (D,))  # as fairseq's FFN input
     with torch.no_grad():

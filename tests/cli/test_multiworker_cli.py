@@ -34,13 +34,23 @@ def losses_by_update(output):
 
 @pytest.fixture(scope="module")
 def two_worker_run(data, tmp_path_factory):
-    """A 2-worker run saved at update 4 (mid-epoch) and the same run uninterrupted to update 8."""
+    """A 2-worker run saved at update 4 (mid-epoch) and the same run uninterrupted to update 8. The
+    uninterrupted one also saves a set every 2 updates and keeps the newest three (sets at 4, 6 and
+    8): one run serves the resume, the pruning and the save-schedule tests."""
     root = tmp_path_factory.mktemp("sets")
-    uninterrupted = torchrun(2, TRAIN_EVERY_DIGIT, moe_args(data, root / "full", 8))
+    uninterrupted = torchrun(2, TRAIN_EVERY_DIGIT, moe_args(
+        data, root / "full", 8, "--save-interval-updates", "2", "--keep-interval-updates", "3"))
     torchrun(2, TRAIN_EVERY_DIGIT, moe_args(data, root / "ck", 4))
     snapshot = root / "at4"
     shutil.copytree(root / "ck", snapshot)
     return {"root": root, "save_dir": root / "ck", "at4": snapshot, "uninterrupted": uninterrupted}
+
+
+@pytest.fixture(scope="module")
+def at4_generation(two_worker_run, data):
+    """One-process fairseq-generate from the set saved at update 4: (hypotheses, output), the
+    reference of every test that compares a generation with it (generated once)."""
+    return generate(data, two_worker_run["at4"] / "checkpoint_last.pt")
 
 
 def test_every_worker_writes_its_rank_file_and_a_manifest_describes_the_set(two_worker_run):
@@ -72,10 +82,11 @@ def test_resuming_with_the_same_world_size_reproduces_the_uninterrupted_run(two_
 
 
 @pytest.mark.parametrize("workers", [1, 4])
-def test_resuming_at_another_world_size_keeps_the_model_function(two_worker_run, data, tmp_path, workers):
+def test_resuming_at_another_world_size_keeps_the_model_function(two_worker_run, at4_generation, data, tmp_path,
+                                                                 workers):
     save_dir = tmp_path / "ck"
     shutil.copytree(two_worker_run["at4"], save_dir)
-    reference, _ = generate(data, two_worker_run["at4"] / "checkpoint_last.pt")
+    reference, _ = at4_generation
     # One more update at a vanishing learning rate: the reshard is what is being checked.
     output = torchrun(workers, BIN / "fairseq-train",
                       moe_args(data, save_dir, 5, "--reset-lr-scheduler", "--lr", "1e-12"))
@@ -90,9 +101,9 @@ def test_resuming_at_another_world_size_keeps_the_model_function(two_worker_run,
     assert_same_generation(resharded, reference)
 
 
-def test_generation_from_a_set_is_the_same_in_one_and_two_processes(two_worker_run, data, tmp_path):
+def test_generation_from_a_set_is_the_same_in_one_and_two_processes(two_worker_run, at4_generation, data, tmp_path):
     path = two_worker_run["at4"] / "checkpoint_last.pt"
-    one, output = generate(data, path)
+    one, output = at4_generation
     assert "BLEU" in output
     two, _ = generate(data, path, workers=2, log_dir=tmp_path / "logs")
     assert_same_generation(two, one)
@@ -238,15 +249,6 @@ def test_a_stale_lock_of_a_dead_job_is_taken_over_and_a_finished_run_leaves_no_l
     assert not (one_worker_set_resumed_twice["save_dir"] / LOCK_NAME).exists()
 
 
-@pytest.fixture(scope="module")
-def reference_to_8(data, tmp_path_factory):
-    """Uninterrupted 2-worker run saving a set every 2 updates, keeping the newest two."""
-    root = tmp_path_factory.mktemp("ref8")
-    output = torchrun(2, BIN / "fairseq-train", moe_args(
-        data, root / "ck", 8, "--save-interval-updates", "2", "--keep-interval-updates", "2"))
-    return {"losses": losses_by_update(output), "save_dir": root / "ck"}
-
-
 def test_the_hub_interface_loads_a_set_with_every_expert_local(two_worker_run, data):
     from fairseq_moe_ext.models.moe_transformer import MoETransformerModel
 
@@ -258,13 +260,14 @@ def test_the_hub_interface_loads_a_set_with_every_expert_local(two_worker_run, d
     assert isinstance(hub.translate("s1 s2 s3 s4"), str)
 
 
-def test_two_runs_with_the_same_seed_end_in_bit_identical_checkpoints(two_worker_run, reference_to_8):
+def test_two_runs_with_the_same_seed_end_in_bit_identical_checkpoints(two_worker_run):
     from fairseq_moe_ext import checkpoint as moe_ckpt
 
-    # Same data, seed and world size; only the save schedule differs, which must not matter.
-    first = moe_ckpt.load_full(str(two_worker_run["root"] / "full" / "checkpoint_last.pt"))
-    second = moe_ckpt.load_full(str(reference_to_8["save_dir"] / "checkpoint_last.pt"))
-    assert first["moe"]["num_updates"] == second["moe"]["num_updates"] == 8
+    # Same data, seed and world size; only the save schedule differs (one save at update 4, against
+    # saves every 2 updates), which must not matter.
+    first = moe_ckpt.load_full(str(two_worker_run["at4"] / "checkpoint_last.pt"))
+    second = moe_ckpt.load_full(str(two_worker_run["root"] / "full" / "checkpoint_1_4.pt"))
+    assert first["moe"]["num_updates"] == second["moe"]["num_updates"] == 4
     for key, value in first["model"].items():
         assert torch.equal(value, second["model"][key]), key
     for slot, entry in first["last_optimizer_state"]["state"].items():
@@ -273,10 +276,11 @@ def test_two_runs_with_the_same_seed_end_in_bit_identical_checkpoints(two_worker
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (slot, name)
 
 
-def test_keep_interval_updates_prunes_whole_sets(reference_to_8):
-    names = sorted(p.name for p in reference_to_8["save_dir"].iterdir())
+def test_keep_interval_updates_prunes_whole_sets(two_worker_run):
+    names = sorted(p.name for p in (two_worker_run["root"] / "full").iterdir())
     kept = [n for n in names if n.startswith("checkpoint_1_")]
     assert kept == [
+        "checkpoint_1_4-rank-0-of-2.pt", "checkpoint_1_4-rank-1-of-2.pt", "checkpoint_1_4.set.json",
         "checkpoint_1_6-rank-0-of-2.pt", "checkpoint_1_6-rank-1-of-2.pt", "checkpoint_1_6.set.json",
         "checkpoint_1_8-rank-0-of-2.pt", "checkpoint_1_8-rank-1-of-2.pt", "checkpoint_1_8.set.json",
     ], names

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 
 D, H, E, K = 8, 16, 4, 2
 
 
 def layer(p, **kw):
     torch.manual_seed(0)
-    moe = MoELayer(D, H, E, k=K, normalize_gates=True, expert_output_masking=p, **kw)
+    moe = MoELayer(MoELayerConfig.of(D, H, E, k=K, normalize_gates=True, expert_output_masking=p, **kw))
     with torch.no_grad():
         moe.router.wg.weight.normal_(std=1.0)
     return moe

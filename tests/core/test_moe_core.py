@@ -10,6 +10,8 @@ from fairseq_moe_ext.moe import (
     BatchedExperts,
     MoEAuxCache,
     MoELayer,
+    MoELayerConfig,
+    RoutingConfig,
     TopKRouter,
     UncollectedMoELossError,
     balance_loss,
@@ -21,9 +23,9 @@ from moe_reference import assert_layer_matches_reference, reference_moe
 D, H, E = 12, 20, 4
 
 
-def make_layer(k=2, cf=0.0, **kw):
+def make_layer(k=2, cf=0.0, cache=None, name="moe", **kw):
     kw.setdefault("eval_capacity_factor", cf)
-    return MoELayer(D, H, E, k=k, capacity_factor=cf, **kw)
+    return MoELayer(MoELayerConfig.of(D, H, E, k=k, capacity_factor=cf, **kw), cache=cache, name=name)
 
 
 @pytest.mark.parametrize("k", [1, 2, E])
@@ -136,7 +138,7 @@ def test_balance_loss_gradient_reaches_the_router():
 
 @pytest.mark.parametrize("router_type", ["top", "cosine"])
 def test_router_math_is_fp32_when_inputs_are_bf16(router_type):
-    router = TopKRouter(D, E, k=2, router_type=router_type, fp32=True).to(torch.bfloat16)
+    router = TopKRouter(D, E, RoutingConfig(k=2, router_type=router_type, fp32=True)).to(torch.bfloat16)
     x = torch.randn(6, D, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         routing = router(x)
@@ -149,7 +151,7 @@ def test_router_math_is_fp32_when_inputs_are_bf16(router_type):
 
 
 def test_cosine_router_scores_are_scaled_cosine_similarities_with_clamped_temperature():
-    router = TopKRouter(D, E, k=1, router_type="cosine", cosine_proj_dim=8)
+    router = TopKRouter(D, E, RoutingConfig(k=1, router_type="cosine"), cosine_proj_dim=8)
     with torch.no_grad():
         router.temperature.fill_(10.0)  # exp(10) would exceed the clamp at 100
     x = torch.randn(5, D)
@@ -161,7 +163,7 @@ def test_cosine_router_scores_are_scaled_cosine_similarities_with_clamped_temper
 
 
 def test_gate_noise_changes_choices_only_in_training():
-    router = TopKRouter(D, E, k=1, gate_noise=50.0)
+    router = TopKRouter(D, E, RoutingConfig(k=1, gate_noise=50.0))
     x = torch.randn(200, D)
     router.eval()
     a, b = router(x).expert_index, router(x).expert_index
@@ -171,7 +173,7 @@ def test_gate_noise_changes_choices_only_in_training():
 
 
 def test_normalized_gates_sum_to_one():
-    router = TopKRouter(D, E, k=2, normalize_gates=True)
+    router = TopKRouter(D, E, RoutingConfig(k=2, normalize_gates=True))
     gates = router(torch.randn(7, D)).gates
     torch.testing.assert_close(gates.sum(-1), torch.ones(7))
 
@@ -305,7 +307,7 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
     args = dict(model_dim=D, hidden_dim=H, num_experts=E, k=2)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        MoELayer(**args)
+        MoELayerConfig.of(**args)
 
 
 def test_inputs_of_the_wrong_shape_raise_clear_errors():

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from dist_utils import run_on_workers
 from moe_reference import reference_bias_update, reference_moe
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def build(group, k, cf, prioritized):
     torch.manual_seed(0)  # shared weights (the router) come from the common seed
-    return MoELayer(D, H, E, k=k, capacity_factor=cf, batch_prioritized=prioritized, seed=5, group=group)
+    return MoELayer(MoELayerConfig.of(D, H, E, k=k, capacity_factor=cf, batch_prioritized=prioritized), seed=5, group=group)
 
 
 def batch(sizes):
@@ -88,7 +88,7 @@ def test_expert_parallel_step_equals_single_process_with_all_experts(world, size
 
 def uneven_experts(rank, world):
     try:
-        MoELayer(D, H, 3, group=dist.group.WORLD)
+        MoELayer(MoELayerConfig(D, H, 3), group=dist.group.WORLD)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -101,8 +101,8 @@ def test_an_expert_count_not_divisible_by_the_world_size_is_refused():
 
 def build_extended(group):
     torch.manual_seed(0)
-    layer = MoELayer(D, H, E, k=2, router_type="sigmoid", shared_expert_count=2, balance_bias_rate=0.05, seed=5,
-                     group=group)
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=2, router_type="sigmoid", shared_expert_count=2, balance_bias_rate=0.05),
+                     seed=5, group=group)
     layer.router.balance_bias.bias.copy_(torch.tensor([0.1, -0.05, 0.0, 0.05]))  # changes some choices
     return layer
 

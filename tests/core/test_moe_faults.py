@@ -15,14 +15,14 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_workers_through_faults
-from fairseq_moe_ext.moe import MoELayer, comm, grouped_mm
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, comm, grouped_mm
 
 D, H = 8, 16
 
 
 def layer_for(group, experts=4, **kwargs):
     torch.manual_seed(0)
-    return MoELayer(D, H, experts, k=2, seed=5, group=group, **kwargs)
+    return MoELayer(MoELayerConfig.of(D, H, experts, k=2, **kwargs), seed=5, group=group)
 
 
 def train_steps(layer, steps, before_step=lambda step: None):

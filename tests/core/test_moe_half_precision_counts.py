@@ -5,14 +5,14 @@ and bf16 has 8 significant bits (1001 counts as 1000)."""
 import pytest
 import torch
 
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 
 D, H, E, K = 8, 16, 4, 2
 
 
 def half_router_layer(dtype, **kwargs):
     torch.manual_seed(0)
-    return MoELayer(D, H, E, k=K, fp32_router=False, seed=3, **kwargs).to(dtype)
+    return MoELayer(MoELayerConfig.of(D, H, E, k=K, fp32=False, **kwargs), seed=3).to(dtype)
 
 
 def fp64_losses(layer, x):

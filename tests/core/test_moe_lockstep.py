@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.lockstep import LockStep
 from dist_utils import run_on_workers, run_workers_through_faults
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def build_stacks(group):
     """Two stacks ("encoder": one MoE layer, "decoder": two), shared weights from one seed."""
     torch.manual_seed(0)
-    layers = [MoELayer(D, H, E, k=2, seed=10 + i, group=group) for i in range(3)]
+    layers = [MoELayer(MoELayerConfig(D, H, E), seed=10 + i, group=group) for i in range(3)]
     return [layers[:1], layers[1:]]
 
 

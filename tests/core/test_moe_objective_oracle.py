@@ -14,7 +14,7 @@ gradients are checked against them, on random (non-one-hot) routing with padding
 import pytest
 import torch
 
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from router_loss_definitions import (
     E,
     router_probabilities,
@@ -68,7 +68,7 @@ def routed(k, padded, seed=0):
     gradient; the layer scores pad tokens too and leaves them out of everything after), the same
     logits recomputed here from the router weight and the real tokens, and the real-token rows."""
     torch.manual_seed(seed)
-    layer = MoELayer(D, H, E, k=k)
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=k))
     x = torch.randn(3, 7, D)
     mask = torch.zeros(3, 7, dtype=torch.bool)
     if padded:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 
-from fairseq_moe_ext.moe import BatchedExperts, MoELayer
+from fairseq_moe_ext.moe import BatchedExperts, MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe import grouped_mm as gm
 from fairseq_moe_ext.moe.dispatch import combine_slots, dispatch_slots, inverse_permutation, permute_rows
 from fairseq_moe_ext.moe.expert_ffn import expert_ffn
@@ -126,7 +126,7 @@ def test_permute_rows_passes_gradcheck():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_layer_with_an_idle_expert_equals_the_reference(activation):
-    layer = MoELayer(6, 10, 4, k=2, activation=activation)
+    layer = MoELayer(MoELayerConfig(6, 10, 4, activation=activation))
     with torch.no_grad():  # no token picks expert 3
         layer.router.wg.weight[3].fill_(-100.0)
     x = (torch.randn(9, 6) + 1.0).requires_grad_()  # positive features keep expert 3's score lowest
@@ -144,7 +144,7 @@ def test_layer_with_an_idle_expert_equals_the_reference(activation):
 
 
 def test_activation_dropout_is_off_in_eval_and_on_in_training():
-    layer = MoELayer(6, 10, 4, k=2, activation_dropout=0.5)
+    layer = MoELayer(MoELayerConfig(6, 10, 4, activation_dropout=0.5))
     x = torch.randn(9, 6)
     layer.eval()
     torch.testing.assert_close(layer(x), reference_moe(layer, x)[0])

@@ -4,7 +4,7 @@ sigmoid router (DeepSeek-V3) in the fairseq-free MoE core."""
 import pytest
 import torch
 
-from fairseq_moe_ext.moe import MoELayer, TopKRouter
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig, TopKRouter
 from fairseq_moe_ext.moe.balance_bias import BalanceBias, update_balance_biases
 from fairseq_moe_ext.moe.experts import is_expert
 from moe_reference import assert_layer_matches_reference, reference_bias_update, reference_moe
@@ -14,8 +14,9 @@ D, H, E = 12, 20, 4
 
 def make_layer(router_type="sigmoid", k=2, shared=0, bias_rate=None, num_experts=E, **kw):
     torch.manual_seed(0)
-    return MoELayer(D, H, num_experts, k=k, router_type=router_type, shared_expert_count=shared,
-                    shared_expert_dim=kw.pop("shared_dim", None), balance_bias_rate=bias_rate, seed=3, **kw)
+    config = MoELayerConfig.of(D, H, num_experts, k=k, router_type=router_type, shared_expert_count=shared,
+                               shared_expert_dim=kw.pop("shared_dim", None), balance_bias_rate=bias_rate, **kw)
+    return MoELayer(config, seed=3)
 
 
 def set_bias(layer, values):
@@ -45,7 +46,7 @@ def test_layer_with_shared_experts_bias_and_sigmoid_router_equals_a_per_token_re
 
 
 def test_the_balance_bias_changes_which_experts_are_chosen_but_not_the_gate_values():
-    router = TopKRouter(D, E, k=2, router_type="sigmoid", balance_bias=BalanceBias(E))
+    router = TopKRouter(D, E, RoutingConfig(k=2, router_type="sigmoid"), balance_bias=BalanceBias(E))
     x = torch.randn(50, D)
     before = router(x)
     router.balance_bias.bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # forces experts 0 and 1
@@ -57,7 +58,7 @@ def test_the_balance_bias_changes_which_experts_are_chosen_but_not_the_gate_valu
 
 
 def test_sigmoid_router_gates_are_the_chosen_sigmoid_scores_normalised_over_k_and_probs_over_all_experts():
-    router = TopKRouter(D, 6, k=3, router_type="sigmoid")
+    router = TopKRouter(D, 6, RoutingConfig(k=3, router_type="sigmoid"))
     x = torch.randn(20, D)
     routing = router(x)
     scores = torch.sigmoid(x @ router.wg.weight.t())
@@ -131,7 +132,7 @@ def test_shared_experts_are_shared_parameters_identical_whatever_the_worker_and_
     assert shared and not any(is_expert(p) for p in shared)
     assert all(is_expert(p) for p in layer.experts.parameters())
     torch.manual_seed(123)  # a different global RNG (as another worker's) gives the same shared experts
-    other = MoELayer(D, H, E, k=2, shared_expert_count=2, seed=3)
+    other = MoELayer(MoELayerConfig.of(D, H, E, k=2, shared_expert_count=2), seed=3)
     for a, b in zip(shared, other.shared_experts.parameters()):
         assert torch.equal(a, b)
     ffn = layer.shared_experts.ffn.batched_fc1_w[0]
@@ -142,7 +143,7 @@ def imbalance_over_training(router_type, k, num_experts, bias_rate, updates=100)
     """max load / mean load of each update of a small regression trained through the real layer
     (no balance loss), with a router skewed towards expert 0."""
     torch.manual_seed(0)
-    layer = MoELayer(16, 16, num_experts, k=k, router_type=router_type, balance_bias_rate=bias_rate, seed=1)
+    layer = MoELayer(MoELayerConfig.of(16, 16, num_experts, k=k, router_type=router_type, balance_bias_rate=bias_rate), seed=1)
     g = torch.Generator().manual_seed(2)
     direction = torch.zeros(16)
     direction[0] = 1.0
@@ -186,4 +187,4 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
     args = dict(model_dim=D, hidden_dim=H, num_experts=E, k=2)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        MoELayer(**args)
+        MoELayerConfig.of(**args)

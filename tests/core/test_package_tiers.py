@@ -137,9 +137,9 @@ def test_moe_and_checkpoint_import_and_the_checkpoint_tool_runs_where_fairseq_ca
     done = run_without_fairseq(
         """
         import fairseq_moe_ext.moe, fairseq_moe_ext.checkpoint
-        from fairseq_moe_ext.moe import MoELayer
+        from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
         import torch
-        layer = MoELayer(model_dim=8, hidden_dim=16, num_experts=4, k=2)
+        layer = MoELayer(MoELayerConfig(model_dim=8, hidden_dim=16, num_experts=4, routing=RoutingConfig(k=2)))
         assert layer(torch.randn(3, 8)).shape == (3, 8)
         loaded = sorted(name for name in sys.modules if name.split(".")[0] in {blocked!r})
         assert not loaded, loaded

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 
 D, H, E = 8, 16, 4
 
 
 def layer(policy, **kw):
     torch.manual_seed(0)
-    moe = MoELayer(D, H, E, k=2, second_expert_policy=policy, **kw)
+    moe = MoELayer(MoELayerConfig.of(D, H, E, k=2, second_expert_policy=policy, **kw))
     with torch.no_grad():
         moe.router.wg.weight.normal_(std=1.0)
     return moe.eval()
@@ -98,9 +98,9 @@ def test_all_policy_is_plain_top2_and_other_policies_need_top2_softmax_routing()
     with torch.no_grad():
         assert torch.equal(layer("all").router(x).expert_index, torch.topk(layer("all").router(x).logits, 2).indices)
     with pytest.raises(ValueError, match="top-2 softmax routing"):
-        MoELayer(D, H, E, k=1, second_expert_policy="sampling")
+        MoELayerConfig.of(D, H, E, k=1, second_expert_policy="sampling")
     with pytest.raises(ValueError, match="unknown second-expert policy"):
-        MoELayer(D, H, E, k=2, second_expert_policy="third")
+        MoELayerConfig.of(D, H, E, k=2, second_expert_policy="third")
 
 
 def test_gates_renormalised_after_dropping_weight_a_token_that_lost_its_second_slot_by_1():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dist_utils import run_on_workers
 from fairseq_moe_ext.criterions.moe_criterions import MoELossMixin
 from fairseq_moe_ext.distributed import global_grad_norm
-from fairseq_moe_ext.moe import MoEAuxCache, MoELayer
+from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
 from sync_census import SyncCensus
 
 D, H, E = 8, 16, 4
@@ -64,7 +64,7 @@ CASES = [(path, router, "loop") for path in PATHS for router in ROUTERS] + [
 def test_one_process_layer_syncs_once_per_forward_and_never_in_backward(path, router, matmul):
     kwargs, padded = PATHS[path]
     torch.manual_seed(0)
-    layer = MoELayer(D, H, E, **kwargs, **ROUTERS[router])
+    layer = MoELayer(MoELayerConfig.of(D, H, E, **kwargs, **ROUTERS[router]))
     layer.experts.matmul = matmul
     forward, backward = census_of_one_step(layer, *tokens(4, padded))
     assert forward.count <= 1, forward.summary()
@@ -76,7 +76,7 @@ def test_shared_experts_add_no_host_sync_to_the_layer_forward_on_either_expert_p
     # The shared experts run as one expert of all the tokens: their one row count is the input's
     # shape, known on the host, and must not cross to the device as a copy (a second sync).
     torch.manual_seed(0)
-    layer = MoELayer(D, H, E, k=2, shared_expert_count=2)
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=2, shared_expert_count=2))
     layer.experts.matmul = layer.shared_experts.ffn.matmul = matmul
     forward, backward = census_of_one_step(layer, *tokens(4, padded=True))
     assert forward.count <= 1, forward.summary()
@@ -112,7 +112,7 @@ def test_the_census_sees_every_kind_of_host_sync():
 def test_the_grad_norm_and_the_criterion_read_the_host_at_most_once_per_step():
     torch.manual_seed(0)
     cache = MoEAuxCache()
-    layers = [MoELayer(D, H, E, k=2, cache=cache, name=f"decoder.layers.{i}.fc1") for i in range(3)]
+    layers = [MoELayer(MoELayerConfig(D, H, E), cache=cache, name=f"decoder.layers.{i}.fc1") for i in range(3)]
     x, mask = tokens(4, padded=True)
     for layer in layers:
         x = x + layer(x, mask)
@@ -139,7 +139,7 @@ def expert_parallel_census(rank, world):
     for path in TWO_WORKER_BOUNDS:  # one spawn for all paths: starting workers is the slow part
         kwargs, padded = PATHS[path]
         torch.manual_seed(0)
-        layer = MoELayer(D, H, E, **kwargs, seed=5, group=dist.group.WORLD)
+        layer = MoELayer(MoELayerConfig.of(D, H, E, **kwargs), seed=5, group=dist.group.WORLD)
         forward, backward = census_of_one_step(layer, *tokens(2 + 3 * rank, padded, seed=rank))
         found[path] = (forward.count, forward.summary(), backward.count, backward.summary())
     return found

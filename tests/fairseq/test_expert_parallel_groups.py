@@ -13,7 +13,7 @@ from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
 from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext.distributed import ExpertLayout
 from fairseq_moe_ext.fairseq_integration import training
-from fairseq_moe_ext.moe import MoELayer
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases
 from in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
 from thread_world import ThreadWorld
@@ -38,7 +38,7 @@ SIZES = [5, 9, 0, 7]  # tokens per worker; rank 2 has none (fairseq's dummy batc
 
 def layer(group=None, statistics_group=None):
     torch.manual_seed(0)  # the shared weights (router) come from the common seed, experts from their ids
-    return MoELayer(D, H, E, k=2, capacity_factor=0.75, seed=5, balance_bias_rate=0.05, group=group,
+    return MoELayer(MoELayerConfig.of(D, H, E, k=2, capacity_factor=0.75, balance_bias_rate=0.05), seed=5, group=group,
                     statistics_group=statistics_group)
 
 

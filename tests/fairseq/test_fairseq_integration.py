@@ -131,7 +131,7 @@ def test_flattened_fp16_gradients_are_refused_in_multi_worker_training(monkeypat
 def test_backends_that_would_shard_or_average_experts_are_refused(backend):
     from fairseq import models
 
-    layer = fairseq_moe_ext.moe.MoELayer(4, 8, 2)
+    layer = fairseq_moe_ext.moe.MoELayer(fairseq_moe_ext.moe.MoELayerConfig(4, 8, 2))
     args = argparse.Namespace(ddp_backend=backend)
     with pytest.raises(ValueError, match=f"--ddp-backend {backend} is not supported with MoE models.*legacy_ddp"):
         models.DistributedFairseqModel(args, layer, process_group=None, device=torch.device("cpu"))

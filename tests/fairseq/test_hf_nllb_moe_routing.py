@@ -4,6 +4,8 @@ batch-prioritised routing, replicas in the source set, another output world size
 policies with HF's and our torch generator seeded alike. Where HF and the branch differ (the random policy's
 gate with normalisation before dropping), tests/core/test_second_expert_policy.py checks the branch's rule."""
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ pytest.importorskip("transformers", reason="transformers (tests/requirements-ora
 
 from hf_nllb_moe import PAD, TOLERANCE, assert_same_as_hf, batch, hf_model, import_hf, oracle_task  # noqa: E402
 from fairseq_moe_ext.models.moe_layers import MoEFeedForward  # noqa: E402
+from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 FRACTION = 0.25  # the branch's default: ceil(S/4) slots per expert for 2S slots over 4 experts, most dropped
@@ -48,11 +51,24 @@ def hf_logits(hf, src, tgt, seed=None):
                   decoder_attention_mask=tgt.ne(PAD).long()).logits
 
 
+ROUTING_FIELDS = {f.name for f in fields(RoutingConfig)}
+LAYER_FIELDS = {f.name for f in fields(MoELayerConfig)}
+
+
 def set_layers(model, **values):
+    """Change an option of every MoE layer of a loaded model: a field of its (frozen) config through a
+    new config, anything else (the fairseq layer's ``batch_major``) as an attribute."""
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
+            config, routing = module.config, module.config.routing
             for name, value in values.items():
-                setattr(module, name, value)
+                if name in ROUTING_FIELDS:
+                    routing = replace(routing, **{name: value})
+                elif name in LAYER_FIELDS:
+                    config = replace(config, **{name: value})
+                else:
+                    setattr(module, name, value)
+            module.config = replace(config, routing=routing)
 
 
 def differ(a, b):

@@ -27,18 +27,39 @@ def moe_args(data, save_dir, max_update, *extra):
     ]
 
 
-def generate(data, path, workers=1, extra=(), log_dir=None):
+def generate(data, path, workers=1, extra=(), log_dir=None, in_process=True):
+    """fairseq-generate's hypotheses ``{sentence id: (score, text)}`` and its output: on ``workers``
+    torchrun workers, or in one process. One process is this one (fairseq_cli.generate's own main,
+    its output written with --results-path): these tests compare what is generated, and a fresh
+    interpreter would add only fairseq's import; ``in_process=False`` runs the real command line
+    (tests/cli/test_fairseq_cli.py and test_sharded_inference_cli.py keep it covered)."""
     args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
             "--max-tokens", "2000", "--num-workers", "0", *extra]
     if workers > 1:
         torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir)
         output = "\n".join(Path(p).read_text() for p in glob.glob(f"{log_dir}/**/stdout.log", recursive=True))
+    elif in_process:
+        output = generate_in_process(args)
     else:
         output = run_fairseq("generate", *args)
     hypotheses = {
         i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)
     }
     return hypotheses, output
+
+
+def generate_in_process(args):
+    """fairseq_cli.generate.main on ``args`` in this process; returns what it wrote (hypotheses and
+    the BLEU line) to its --results-path file."""
+    import tempfile
+
+    from fairseq import options
+    from fairseq_cli import generate as generate_cli
+
+    with tempfile.TemporaryDirectory() as results:
+        parsed = options.parse_args_and_arch(options.get_generation_parser(), [*args, "--results-path", results])
+        generate_cli.main(parsed)
+        return "\n".join(Path(p).read_text() for p in sorted(glob.glob(f"{results}/generate-*.txt")))
 
 
 def assert_same_generation(got, want):
