@@ -172,13 +172,17 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             ffn[side] = int(expert_dim)
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
-        notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
-                     f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs")
+        notes.append(
+            f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
+            f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs"
+        )
     fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.0))
     if 0 < fraction < 1 and not _get(options, "moe_batch_major_routing", False):
-        notes.append(f"--moe-eval-capacity-token-fraction {fraction:g} without --moe-batch-major-routing: NllbMoe "
-                     f"queues tokens sentence by sentence, this set time step by time step; where slots are dropped, "
-                     f"other slots are")
+        notes.append(
+            f"--moe-eval-capacity-token-fraction {fraction:g} without --moe-batch-major-routing: NllbMoe "
+            f"queues tokens sentence by sentence, this set time step by time step; where slots are dropped, "
+            f"other slots are"
+        )
     config = {
         "model_type": MODEL_TYPE,
         "architectures": ["NllbMoeForConditionalGeneration"],
@@ -193,15 +197,24 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "dropout": float(_get(options, "dropout", 0.1)),
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
-        "num_experts": int(_get(options, "moe_expert_count")), "expert_capacity": None,
-        "router_bias": False, "router_dtype": "float32", "router_ignore_padding_tokens": False,
+        "num_experts": int(_get(options, "moe_expert_count")),
+        "expert_capacity": None,
+        "router_bias": False,
+        "router_dtype": "float32",
+        "router_ignore_padding_tokens": False,
         # the nllb branch's routing options (imported sets carry them): NllbMoe has the same ones
         "second_expert_policy": str(_get(options, "moe_second_expert_policy", "all")),
         "normalize_router_prob_before_dropping": not _get(options, "moe_normalize_gate_after_dropping", False),
         "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_eval_capacity_token_fraction": fraction if fraction > 0 else 1.0, "moe_token_dropout": eom,
-        "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS, "decoder_start_token_id": EOS,
-        "is_encoder_decoder": True, "tie_word_embeddings": True, "use_cache": True,
+        "moe_eval_capacity_token_fraction": fraction if fraction > 0 else 1.0,
+        "moe_token_dropout": eom,
+        "pad_token_id": PAD,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "decoder_start_token_id": EOS,
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
     }
     for side in SIDES:
         config[f"{side}_layers"] = int(_get(options, f"{side}_layers"))
@@ -230,8 +243,10 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
     config = {**HF_DEFAULTS, **config}
     policy = config.get("second_expert_policy", "all")
     if policy not in SECOND_EXPERT_POLICIES:
-        raise CheckpointSetError(f"{path} has second_expert_policy {policy!r}, which NllbMoe does not define (all, "
-                                 f"sampling, random) (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} has second_expert_policy {policy!r}, which NllbMoe does not define (all, "
+            f"sampling, random) (nothing was written)"
+        )
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
     _need(
         config,
@@ -251,14 +266,26 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
     )
     fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
     if fraction <= 0:
-        raise CheckpointSetError(f"{path}: moe_eval_capacity_token_fraction is {fraction:g}, so NllbMoe evaluates with "
-                                 f"its fixed expert_capacity (or the first batch's 2*ceil(S/E), kept), which this "
-                                 f"project does not represent; set a fraction > 0 (1.0: dropless) in config.json to "
-                                 f"import anyway (nothing was written)")
-    for name, wanted in (("pad_token_id", PAD), ("bos_token_id", BOS), ("eos_token_id", EOS),
-                         ("decoder_start_token_id", EOS)):
-        _need(config, path, name, wanted, "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding "
-              "from </s>", "convert the vocabulary to fairseq's dictionary order first")
+        raise CheckpointSetError(
+            f"{path}: moe_eval_capacity_token_fraction is {fraction:g}, so NllbMoe evaluates with "
+            f"its fixed expert_capacity (or the first batch's 2*ceil(S/E), kept), which this "
+            f"project does not represent; set a fraction > 0 (1.0: dropless) in config.json to "
+            f"import anyway (nothing was written)"
+        )
+    for name, wanted in (
+        ("pad_token_id", PAD),
+        ("bos_token_id", BOS),
+        ("eos_token_id", EOS),
+        ("decoder_start_token_id", EOS),
+    ):
+        _need(
+            config,
+            path,
+            name,
+            wanted,
+            "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding from </s>",
+            "convert the vocabulary to fairseq's dictionary order first",
+        )
     activation = config.get("activation_function", "relu")
     if activation not in ACTIVATIONS_BACK:
         raise CheckpointSetError(
@@ -274,13 +301,22 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         )
     notes = []
     if config.get("expert_capacity") is not None:
-        notes.append(f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
-                     f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only")
+        notes.append(
+            f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
+            f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only"
+        )
     before = bool(config.get("normalize_router_prob_before_dropping", False))
     if policy != "all":
-        notes.append(f"second_expert_policy {policy}: the second expert is drawn at random, in evaluation too, as "
-                     f"there" + ("; the random draw meets the gate normalised over the two here (the nllb branch's "
-                                 "rule), the raw probability there" if policy == "random" and before else ""))
+        notes.append(
+            f"second_expert_policy {policy}: the second expert is drawn at random, in evaluation too, as "
+            f"there"
+            + (
+                "; the random draw meets the gate normalised over the two here (the nllb branch's "
+                "rule), the raw probability there"
+                if policy == "random" and before
+                else ""
+            )
+        )
     if config.get("router_ignore_padding_tokens", False):
         notes.append(
             "router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
@@ -315,11 +351,19 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         dropout=float(config.get("dropout", 0.1)),
         attention_dropout=float(config.get("attention_dropout", 0.1)),
         activation_dropout=float(config.get("activation_dropout", 0.1)),
-        moe_expert_count=int(config["num_experts"]), moe_top_k=2, moe_normalize_gate=True, moe_router="top",
-        moe_capacity_factor=1.0, moe_eval_capacity_factor=0.0, moe_gating_use_fp32=True,
-        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)), moe_eom=eom,
-        moe_eval_capacity_token_fraction=fraction, moe_second_expert_policy=policy,
-        moe_normalize_gate_after_dropping=not before, moe_batch_major_routing=True,
+        moe_expert_count=int(config["num_experts"]),
+        moe_top_k=2,
+        moe_normalize_gate=True,
+        moe_router="top",
+        moe_capacity_factor=1.0,
+        moe_eval_capacity_factor=0.0,
+        moe_gating_use_fp32=True,
+        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)),
+        moe_eom=eom,
+        moe_eval_capacity_token_fraction=fraction,
+        moe_second_expert_policy=policy,
+        moe_normalize_gate_after_dropping=not before,
+        moe_batch_major_routing=True,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
     for side in SIDES:

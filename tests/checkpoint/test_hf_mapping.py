@@ -125,13 +125,26 @@ def options(**changes):
 
 def test_config_json_carries_every_option_nllb_moe_has_and_import_reads_them_back():
     config, notes = hf_config(options(), "ck.pt", vocab=30, dtype="float32")
-    assert (config["d_model"], config["encoder_layers"], config["decoder_attention_heads"], config["encoder_ffn_dim"],
-            config["decoder_ffn_dim"], config["num_experts"], config["encoder_sparse_step"],
-            config["decoder_sparse_step"]) == (16, 3, 4, 40, 24, 8, 1, 2)
-    assert (config["moe_token_dropout"], config["activation_function"], config["scale_embedding"],
-            config["max_position_embeddings"], config["vocab_size"], config["batch_prioritized_routing"],
-            config["moe_eval_capacity_token_fraction"], config["expert_capacity"]) == (0.1, "gelu", False, 512, 30,
-                                                                                        True, 1.0, None)
+    assert (
+        config["d_model"],
+        config["encoder_layers"],
+        config["decoder_attention_heads"],
+        config["encoder_ffn_dim"],
+        config["decoder_ffn_dim"],
+        config["num_experts"],
+        config["encoder_sparse_step"],
+        config["decoder_sparse_step"],
+    ) == (16, 3, 4, 40, 24, 8, 1, 2)
+    assert (
+        config["moe_token_dropout"],
+        config["activation_function"],
+        config["scale_embedding"],
+        config["max_position_embeddings"],
+        config["vocab_size"],
+        config["batch_prioritized_routing"],
+        config["moe_eval_capacity_token_fraction"],
+        config["expert_capacity"],
+    ) == (0.1, "gelu", False, 512, 30, True, 1.0, None)
     assert len(notes) == 1  # EOM trains differently there (batch priority ranks by the top-1 probability in both)
     back, _ = imported_options(json.loads(json.dumps(config)), "config.json")
     for name in (

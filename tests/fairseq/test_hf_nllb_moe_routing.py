@@ -202,8 +202,11 @@ def test_import_hf_maps_the_routing_options_and_drops_as_hf(tmp_path, task):
     assert checkpoint_tool(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported.pt")]) == 0
     model = checkpoint_utils.load_model_ensemble([str(tmp_path / "imported.pt")], task=task)[0][0].eval()
     args = model.args if hasattr(model, "args") else model.cfg
-    assert (args.moe_eval_capacity_token_fraction, args.moe_normalize_gate_after_dropping,
-            args.moe_batch_major_routing) == (FRACTION, True, True)
+    assert (
+        args.moe_eval_capacity_token_fraction,
+        args.moe_normalize_gate_after_dropping,
+        args.moe_batch_major_routing,
+    ) == (FRACTION, True, True)
     src, tgt = batch(*SEVERAL)
     torch.testing.assert_close(logits(model, src, tgt), hf_logits(hf, src, tgt), **TOLERANCE)
 
@@ -217,7 +220,10 @@ def test_export_hf_of_an_imported_branch_set_carries_its_routing_options_to_hf(t
     model, hf, _ = both(tmp_path, task)
     assert checkpoint_tool(["export-hf", str(tmp_path / "imported.pt"), str(tmp_path / "hf_out")]) == 0
     exported = NllbMoeForConditionalGeneration.from_pretrained(tmp_path / "hf_out").eval()
-    assert (exported.config.moe_eval_capacity_token_fraction, exported.config.normalize_router_prob_before_dropping,
-            exported.config.second_expert_policy) == (FRACTION, False, "all")
+    assert (
+        exported.config.moe_eval_capacity_token_fraction,
+        exported.config.normalize_router_prob_before_dropping,
+        exported.config.second_expert_policy,
+    ) == (FRACTION, False, "all")
     src, tgt = batch(*SEVERAL)
     torch.testing.assert_close(hf_logits(exported, src, tgt), hf_logits(hf, src, tgt), **TOLERANCE)
