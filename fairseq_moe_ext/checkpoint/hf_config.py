@@ -17,6 +17,7 @@ from typing import Dict, List, Tuple
 
 from ..moe.placement import side_moe_freq
 from .errors import CheckpointSetError
+from .branch_options import SECOND_EXPERT_POLICIES
 
 # fmt: off
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
@@ -175,10 +176,12 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
             f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs"
         )
-    if _get(options, "moe_batch_prioritized_routing", False):
+    fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.0))
+    if 0 < fraction < 1 and not _get(options, "moe_batch_major_routing", False):
         notes.append(
-            "--moe-batch-prioritized-routing -> batch_prioritized_routing: NllbMoe orders by the largest "
-            "router probability, here by the renormalised top-1 gate (the same wherever nothing is dropped)"
+            f"--moe-eval-capacity-token-fraction {fraction:g} without --moe-batch-major-routing: NllbMoe "
+            f"queues tokens sentence by sentence, this set time step by time step; where slots are dropped, "
+            f"other slots are"
         )
     config = {
         "model_type": MODEL_TYPE,
@@ -199,10 +202,11 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "router_bias": False,
         "router_dtype": "float32",
         "router_ignore_padding_tokens": False,
-        "second_expert_policy": "all",
-        "normalize_router_prob_before_dropping": True,
+        # the nllb branch's routing options (imported sets carry them): NllbMoe has the same ones
+        "second_expert_policy": str(_get(options, "moe_second_expert_policy", "all")),
+        "normalize_router_prob_before_dropping": not _get(options, "moe_normalize_gate_after_dropping", False),
         "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_eval_capacity_token_fraction": 1.0,
+        "moe_eval_capacity_token_fraction": fraction if fraction > 0 else 1.0,
         "moe_token_dropout": eom,
         "pad_token_id": PAD,
         "bos_token_id": BOS,
@@ -238,14 +242,11 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         )
     config = {**HF_DEFAULTS, **config}
     policy = config.get("second_expert_policy", "all")
-    _need(
-        config,
-        path,
-        "second_expert_policy",
-        "all",
-        f"the second expert chosen by {policy!r}, at random",
-        "here the second expert is always the best of the others: set it to 'all' in config.json to import anyway",
-    )
+    if policy not in SECOND_EXPERT_POLICIES:
+        raise CheckpointSetError(
+            f"{path} has second_expert_policy {policy!r}, which NllbMoe does not define (all, "
+            f"sampling, random) (nothing was written)"
+        )
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
     _need(
         config,
@@ -264,11 +265,12 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway",
     )
     fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
-    if fraction < 1.0:
+    if fraction <= 0:
         raise CheckpointSetError(
-            f"{path}: moe_eval_capacity_token_fraction is {fraction:g} (an evaluation capacity "
-            f"of ceil({fraction:g}*S) slots), which this project cannot represent yet; set it to "
-            f"1.0 (dropless evaluation) in config.json to import anyway (nothing was written)"
+            f"{path}: moe_eval_capacity_token_fraction is {fraction:g}, so NllbMoe evaluates with "
+            f"its fixed expert_capacity (or the first batch's 2*ceil(S/E), kept), which this "
+            f"project does not represent; set a fraction > 0 (1.0: dropless) in config.json to "
+            f"import anyway (nothing was written)"
         )
     for name, wanted in (
         ("pad_token_id", PAD),
@@ -303,10 +305,17 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
             f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
             f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only"
         )
-    if not config.get("normalize_router_prob_before_dropping", False):
+    before = bool(config.get("normalize_router_prob_before_dropping", False))
+    if policy != "all":
         notes.append(
-            "normalize_router_prob_before_dropping false: gates renormalised after capacity dropping there, "
-            "before here; identical in evaluation, where nothing is dropped (fraction 1.0)"
+            f"second_expert_policy {policy}: the second expert is drawn at random, in evaluation too, as "
+            f"there"
+            + (
+                "; the random draw meets the gate normalised over the two here (the nllb branch's "
+                "rule), the raw probability there"
+                if policy == "random" and before
+                else ""
+            )
         )
     if config.get("router_ignore_padding_tokens", False):
         notes.append(
@@ -351,6 +360,10 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         moe_gating_use_fp32=True,
         moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)),
         moe_eom=eom,
+        moe_eval_capacity_token_fraction=fraction,
+        moe_second_expert_policy=policy,
+        moe_normalize_gate_after_dropping=not before,
+        moe_batch_major_routing=True,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
     for side in SIDES:

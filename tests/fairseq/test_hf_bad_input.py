@@ -198,11 +198,11 @@ def _existing_output(d):
 BAD_IMPORTS = [
     # (id, tool, damage to the copied HF dir, what is passed instead of it (or None), the one line says)
     ("not-nllb-moe", "import-hf", _config(model_type="t5"), None, "has model_type 't5': import-hf reads"),
-    ("second-expert-sampling", "import-hf", _config(second_expert_policy="sampling"), None,
-     "second_expert_policy is 'sampling' (the second expert chosen by 'sampling', at random)"),
+    ("unknown-second-expert-policy", "import-hf", _config(second_expert_policy="third"), None,
+     "has second_expert_policy 'third', which NllbMoe does not define (all, sampling, random)"),
     ("router-bias", "import-hf", _config(router_bias=True), None, "router_bias is True (a bias on the router)"),
-    ("eval-capacity-fraction", "import-hf", _config(moe_eval_capacity_token_fraction=0.5), None,
-     "moe_eval_capacity_token_fraction is 0.5"),
+    ("eval-capacity-fraction-0", "import-hf", _config(moe_eval_capacity_token_fraction=0.0), None,
+     "moe_eval_capacity_token_fraction is 0, so NllbMoe evaluates with its fixed expert_capacity"),
     ("untied-output-projection", "import-hf", _config(tie_word_embeddings=False), None,
      "tie_word_embeddings is False (a separate output projection)"),
     ("another-vocabulary-order", "import-hf", _config(pad_token_id=0), None,

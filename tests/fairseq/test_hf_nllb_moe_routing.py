@@ -189,3 +189,41 @@ def test_second_expert_policies_draw_what_hf_draws_from_the_same_seed_in_evaluat
         torch.testing.assert_close(logits(model, src, tgt, seed), hf_logits(hf, src, tgt, seed), **TOLERANCE)
     # the draws happen in evaluation too, as in the branch: another seed, other second experts
     assert differ(logits(model, src, tgt, 0), logits(model, src, tgt, 1))
+
+
+def test_import_hf_maps_the_routing_options_and_drops_as_hf(tmp_path, task):
+    # NllbMoe's own checkpoint (save_pretrained) with a fraction below 1, gates normalised after dropping and the
+    # random policy: import-hf maps each to its option here, and the imported set computes HF's logits.
+    from fairseq import checkpoint_utils
+    from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+
+    hf = hf_model(moe_eval_capacity_token_fraction=FRACTION, normalize_router_prob_before_dropping=False)
+    hf.save_pretrained(tmp_path / "hf")
+    assert checkpoint_tool(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported.pt")]) == 0
+    model = checkpoint_utils.load_model_ensemble([str(tmp_path / "imported.pt")], task=task)[0][0].eval()
+    args = model.args if hasattr(model, "args") else model.cfg
+    assert (
+        args.moe_eval_capacity_token_fraction,
+        args.moe_normalize_gate_after_dropping,
+        args.moe_batch_major_routing,
+    ) == (FRACTION, True, True)
+    src, tgt = batch(*SEVERAL)
+    torch.testing.assert_close(logits(model, src, tgt), hf_logits(hf, src, tgt), **TOLERANCE)
+
+
+def test_export_hf_of_an_imported_branch_set_carries_its_routing_options_to_hf(tmp_path, task):
+    # nllb layout (fraction 0.25, gates normalised after dropping) -> import-fairseq-moe -> export-hf -> HF loads
+    # it and drops what the original drops
+    from transformers import NllbMoeForConditionalGeneration
+    from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+
+    model, hf, _ = both(tmp_path, task)
+    assert checkpoint_tool(["export-hf", str(tmp_path / "imported.pt"), str(tmp_path / "hf_out")]) == 0
+    exported = NllbMoeForConditionalGeneration.from_pretrained(tmp_path / "hf_out").eval()
+    assert (
+        exported.config.moe_eval_capacity_token_fraction,
+        exported.config.normalize_router_prob_before_dropping,
+        exported.config.second_expert_policy,
+    ) == (FRACTION, False, "all")
+    src, tgt = batch(*SEVERAL)
+    torch.testing.assert_close(hf_logits(exported, src, tgt), hf_logits(hf, src, tgt), **TOLERANCE)
