@@ -19,13 +19,13 @@ VALUED = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embe
           "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
           "max_target_positions", "activation_fn", "moe_expert_count", "moe_freq", "encoder_moe_freq",
           "decoder_moe_freq", "moe_top_k", "moe_expert_ffn_dim", "moe_capacity_factor", "moe_eval_capacity_factor",
-          "moe_eom")
+          "moe_eom", "moe_eval_capacity_token_fraction", "moe_second_expert_policy")
 # fmt: on
 # fmt: off
 SWITCHES = ("encoder_normalize_before", "decoder_normalize_before", "share_all_embeddings",
             "share_decoder_input_output_embed", "encoder_learned_pos", "decoder_learned_pos", "layernorm_embedding",
             "no_scale_embedding", "no_token_positional_embeddings", "moe_normalize_gate", "moe_gating_use_fp32",
-            "moe_batch_prioritized_routing")
+            "moe_batch_prioritized_routing", "moe_normalize_gate_after_dropping", "moe_batch_major_routing")
 # fmt: on
 
 
