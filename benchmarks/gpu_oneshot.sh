@@ -58,6 +58,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
     export PYTHONPATH="$ROOT/benchmarks/device/device_site:$ROOT/tests/support/lean_imports:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     export DEVICE_SITE_MISSING=${DEVICE_SITE_MISSING:-pytest} DEVICE_SITE_LOG="$ONESHOT_WORK/logs/refused-imports.txt"
     export CUDA_VISIBLE_DEVICES=
+    # One intra-op thread per check: the dry run's tensors are toys, and on a CPU shared with other work
+    # a second thread mostly spins (the checks' results do not depend on it).
+    export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
     say "SKIP wheels: (dry run) the cp312 set is not installed here; imports are narrowed to the GPU machine's packages and benchmarks/device/wheels.txt"
 elif compgen -G "$WHEELS/*.whl" >/dev/null; then
     started=$SECONDS
