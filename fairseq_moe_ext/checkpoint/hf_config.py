@@ -18,16 +18,21 @@ from typing import Dict, List, Tuple
 from ..moe.placement import side_moe_freq
 from .errors import CheckpointSetError
 
+# fmt: off
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
                "tanh": "tanh", "linear": "linear", "swish": "silu"}
+# fmt: on
+# fmt: off
 ACTIVATIONS_BACK = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_accurate", "gelu_pytorch_tanh": "gelu_accurate",
                     "tanh": "tanh", "linear": "linear", "silu": "swish", "swish": "swish"}
+# fmt: on
 # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3; the decoder starts from </s>, as NLLB's does.
 BOS, PAD, EOS = 0, 1, 2
 SIDES = ("encoder", "decoder")
 # transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
 MODEL_TYPE = "nllb-moe"
 # NllbMoeConfig's defaults (transformers 4.57.1): save_pretrained leaves out what equals them.
+# fmt: off
 HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder_layerdrop=0.05,
                    activation_function="relu", dropout=0.1, attention_dropout=0.1, activation_dropout=0.0,
                    decoder_start_token_id=2, scale_embedding=True, router_bias=False, router_dtype="float32",
@@ -35,6 +40,7 @@ HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder
                    second_expert_policy="all", normalize_router_prob_before_dropping=False,
                    batch_prioritized_routing=False, moe_eval_capacity_token_fraction=1.0, moe_token_dropout=0.2,
                    pad_token_id=1, bos_token_id=0, eos_token_id=2, tie_word_embeddings=True)
+# fmt: on
 
 
 def _get(options, name, default=None):
@@ -47,6 +53,7 @@ def _refuse(path, option, value, why, fix):
 
 
 # (option, default, is it refused?, why NllbMoe cannot express it, fix)
+# fmt: off
 NOT_EXPRESSIBLE = (
     ("moe_top_k", 2, lambda v: int(v) != 2, "NllbMoe routes every token to exactly 2 experts", "export a top-2 model"),
     ("moe_router", "top", lambda v: str(v) != "top", "NllbMoe's router is a plain linear + softmax ('top')",
@@ -96,76 +103,114 @@ NOT_EXPRESSIBLE = (
     ("decoder_layers_to_keep", None, lambda v: v is not None, "NllbMoe keeps every layer",
      "export a model without --decoder-layers-to-keep"),
 )
+# fmt: on
 
 
 # Options that act in training only: --training-as-nllb exports a set trained with them, with a NOTE.
 TRAINING_ONLY = ("moe_capacity_factor", "moe_gate_noise")
 
 
-def hf_config(options, path: str, vocab: int, dtype: str,
-              training_as_nllb: bool = False) -> Tuple[Dict, List[str]]:
+def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool = False) -> Tuple[Dict, List[str]]:
     """(``config.json`` as a dict, NOTE lines) for a translation set's model ``options``; with
     ``training_as_nllb`` the training-only options NllbMoe lacks are noted instead of refused."""
     arch = str(_get(options, "arch", _get(options, "_name", "")))
     if "lm" in arch.split("_") or _get(options, "encoder_layers") is None:
-        raise CheckpointSetError(f"{path} is a {arch!r} language model: export-hf writes translation models "
-                                 f"(NllbMoeForConditionalGeneration), which have an encoder (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} is a {arch!r} language model: export-hf writes translation models "
+            f"(NllbMoeForConditionalGeneration), which have an encoder (nothing was written)"
+        )
     notes = []
     for name, default, refused, why, fix in NOT_EXPRESSIBLE:
         value = _get(options, name, default)
         if refused(value) and training_as_nllb and name in TRAINING_ONLY:
-            notes.append(f"--{name.replace('_', '-')} {value}: {why}; exported for NllbMoe's training "
-                         f"(--training-as-nllb), which changes nothing in evaluation")
+            notes.append(
+                f"--{name.replace('_', '-')} {value}: {why}; exported for NllbMoe's training "
+                f"(--training-as-nllb), which changes nothing in evaluation"
+            )
         elif refused(value):
             _refuse(path, "--" + name.replace("_", "-"), value, why, fix)
     d_model = int(_get(options, "encoder_embed_dim"))
     for name in ("decoder_embed_dim", "decoder_input_dim", "decoder_output_dim"):
         if int(_get(options, name, d_model)) != d_model:
-            _refuse(path, "--" + name.replace("_", "-"), _get(options, name),
-                    f"NllbMoe has one width d_model (--encoder-embed-dim {d_model}) everywhere",
-                    "export a model whose widths are all equal")
+            _refuse(
+                path,
+                "--" + name.replace("_", "-"),
+                _get(options, name),
+                f"NllbMoe has one width d_model (--encoder-embed-dim {d_model}) everywhere",
+                "export a model whose widths are all equal",
+            )
     activation = str(_get(options, "activation_fn", "relu"))
     if activation not in ACTIVATIONS:
-        _refuse(path, "--activation-fn", activation, "NllbMoe has no such activation",
-                f"export a model with one of {', '.join(ACTIVATIONS)}")
+        _refuse(
+            path,
+            "--activation-fn",
+            activation,
+            "NllbMoe has no such activation",
+            f"export a model with one of {', '.join(ACTIVATIONS)}",
+        )
     freq = int(_get(options, "moe_freq", 2))
     steps = {side: side_moe_freq(freq, _get(options, f"{side}_moe_freq")) for side in SIDES}
     ffn = {side: int(_get(options, f"{side}_ffn_embed_dim")) for side in SIDES}
     expert_dim = _get(options, "moe_expert_ffn_dim")
     for side in SIDES:
-        dense = [i for i in range(int(_get(options, f"{side}_layers")))
-                 if not (steps[side] > 0 and (i + 1) % steps[side] == 0)]
+        dense = [
+            i
+            for i in range(int(_get(options, f"{side}_layers")))
+            if not (steps[side] > 0 and (i + 1) % steps[side] == 0)
+        ]
         if expert_dim is not None and int(expert_dim) != ffn[side]:
             if dense:
-                _refuse(path, "--moe-expert-ffn-dim", expert_dim,
-                        f"NllbMoe's experts and dense blocks share one {side}_ffn_dim, and {side} layer {dense[0]} "
-                        f"is dense with --{side}-ffn-embed-dim {ffn[side]}", "export a model whose expert and dense "
-                        "hidden sizes are equal")
+                _refuse(
+                    path,
+                    "--moe-expert-ffn-dim",
+                    expert_dim,
+                    f"NllbMoe's experts and dense blocks share one {side}_ffn_dim, and {side} layer {dense[0]} "
+                    f"is dense with --{side}-ffn-embed-dim {ffn[side]}",
+                    "export a model whose expert and dense hidden sizes are equal",
+                )
             ffn[side] = int(expert_dim)
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
-        notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
-                     f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs")
+        notes.append(
+            f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
+            f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs"
+        )
     if _get(options, "moe_batch_prioritized_routing", False):
-        notes.append("--moe-batch-prioritized-routing -> batch_prioritized_routing: NllbMoe orders by the largest "
-                     "router probability, here by the renormalised top-1 gate (the same wherever nothing is dropped)")
+        notes.append(
+            "--moe-batch-prioritized-routing -> batch_prioritized_routing: NllbMoe orders by the largest "
+            "router probability, here by the renormalised top-1 gate (the same wherever nothing is dropped)"
+        )
     config = {
-        "model_type": MODEL_TYPE, "architectures": ["NllbMoeForConditionalGeneration"], "torch_dtype": dtype,
-        "vocab_size": vocab, "d_model": d_model,
-        "max_position_embeddings": max(int(_get(options, "max_source_positions", 1024)),
-                                       int(_get(options, "max_target_positions", 1024))),
+        "model_type": MODEL_TYPE,
+        "architectures": ["NllbMoeForConditionalGeneration"],
+        "torch_dtype": dtype,
+        "vocab_size": vocab,
+        "d_model": d_model,
+        "max_position_embeddings": max(
+            int(_get(options, "max_source_positions", 1024)), int(_get(options, "max_target_positions", 1024))
+        ),
         "scale_embedding": not _get(options, "no_scale_embedding", False),
         "activation_function": ACTIVATIONS[activation],
         "dropout": float(_get(options, "dropout", 0.1)),
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
-        "num_experts": int(_get(options, "moe_expert_count")), "expert_capacity": None,
-        "router_bias": False, "router_dtype": "float32", "router_ignore_padding_tokens": False,
-        "second_expert_policy": "all", "normalize_router_prob_before_dropping": True,
+        "num_experts": int(_get(options, "moe_expert_count")),
+        "expert_capacity": None,
+        "router_bias": False,
+        "router_dtype": "float32",
+        "router_ignore_padding_tokens": False,
+        "second_expert_policy": "all",
+        "normalize_router_prob_before_dropping": True,
         "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_eval_capacity_token_fraction": 1.0, "moe_token_dropout": eom,
-        "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS, "decoder_start_token_id": EOS,
-        "is_encoder_decoder": True, "tie_word_embeddings": True, "use_cache": True,
+        "moe_eval_capacity_token_fraction": 1.0,
+        "moe_token_dropout": eom,
+        "pad_token_id": PAD,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "decoder_start_token_id": EOS,
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
     }
     for side in SIDES:
         config[f"{side}_layers"] = int(_get(options, f"{side}_layers"))
@@ -179,72 +224,133 @@ def hf_config(options, path: str, vocab: int, dtype: str,
 def _need(config, path, name, wanted, why, fix):
     value = config.get(name)
     if value != wanted:
-        raise CheckpointSetError(f"{path}: {name} is {value!r} ({why}), which this project cannot represent; {fix} "
-                                 f"(nothing was written)")
+        raise CheckpointSetError(
+            f"{path}: {name} is {value!r} ({why}), which this project cannot represent; {fix} (nothing was written)"
+        )
 
 
 def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[str]]:
     """(``moe_transformer`` model options, NOTE lines) for an NllbMoe ``config.json``."""
     if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
-        raise CheckpointSetError(f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
-                                 f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
+            f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
+        )
     config = {**HF_DEFAULTS, **config}
     policy = config.get("second_expert_policy", "all")
-    _need(config, path, "second_expert_policy", "all", f"the second expert chosen by {policy!r}, at random",
-          "here the second expert is always the best of the others: set it to 'all' in config.json to import anyway")
+    _need(
+        config,
+        path,
+        "second_expert_policy",
+        "all",
+        f"the second expert chosen by {policy!r}, at random",
+        "here the second expert is always the best of the others: set it to 'all' in config.json to import anyway",
+    )
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
-    _need(config, path, "tie_word_embeddings", True, "a separate output projection",
-          "here the output projection is the shared embedding table")
-    _need(config, path, "router_dtype", "float32", "routing in lower precision",
-          "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway")
+    _need(
+        config,
+        path,
+        "tie_word_embeddings",
+        True,
+        "a separate output projection",
+        "here the output projection is the shared embedding table",
+    )
+    _need(
+        config,
+        path,
+        "router_dtype",
+        "float32",
+        "routing in lower precision",
+        "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway",
+    )
     fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
     if fraction < 1.0:
-        raise CheckpointSetError(f"{path}: moe_eval_capacity_token_fraction is {fraction:g} (an evaluation capacity "
-                                 f"of ceil({fraction:g}*S) slots), which this project cannot represent yet; set it to "
-                                 f"1.0 (dropless evaluation) in config.json to import anyway (nothing was written)")
-    for name, wanted in (("pad_token_id", PAD), ("bos_token_id", BOS), ("eos_token_id", EOS),
-                         ("decoder_start_token_id", EOS)):
-        _need(config, path, name, wanted, "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding "
-              "from </s>", "convert the vocabulary to fairseq's dictionary order first")
+        raise CheckpointSetError(
+            f"{path}: moe_eval_capacity_token_fraction is {fraction:g} (an evaluation capacity "
+            f"of ceil({fraction:g}*S) slots), which this project cannot represent yet; set it to "
+            f"1.0 (dropless evaluation) in config.json to import anyway (nothing was written)"
+        )
+    for name, wanted in (
+        ("pad_token_id", PAD),
+        ("bos_token_id", BOS),
+        ("eos_token_id", EOS),
+        ("decoder_start_token_id", EOS),
+    ):
+        _need(
+            config,
+            path,
+            name,
+            wanted,
+            "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding from </s>",
+            "convert the vocabulary to fairseq's dictionary order first",
+        )
     activation = config.get("activation_function", "relu")
     if activation not in ACTIVATIONS_BACK:
-        raise CheckpointSetError(f"{path}: activation_function is {activation!r}, which fairseq's --activation-fn "
-                                 f"has no counterpart of (nothing was written)")
+        raise CheckpointSetError(
+            f"{path}: activation_function is {activation!r}, which fairseq's --activation-fn "
+            f"has no counterpart of (nothing was written)"
+        )
     steps = {side: int(config.get(f"{side}_sparse_step", 4)) for side in SIDES}
     if not any(steps[side] > 0 and steps[side] <= int(config[f"{side}_layers"]) for side in SIDES):
-        raise CheckpointSetError(f"{path} has no sparse layer (encoder/decoder_sparse_step {steps['encoder']}/"
-                                 f"{steps['decoder']}): a dense model, which moe_transformer does not hold; use "
-                                 f"fairseq's transformer (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} has no sparse layer (encoder/decoder_sparse_step {steps['encoder']}/"
+            f"{steps['decoder']}): a dense model, which moe_transformer does not hold; use "
+            f"fairseq's transformer (nothing was written)"
+        )
     notes = []
     if config.get("expert_capacity") is not None:
-        notes.append(f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
-                     f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only")
+        notes.append(
+            f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
+            f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only"
+        )
     if not config.get("normalize_router_prob_before_dropping", False):
-        notes.append("normalize_router_prob_before_dropping false: gates renormalised after capacity dropping there, "
-                     "before here; identical in evaluation, where nothing is dropped (fraction 1.0)")
+        notes.append(
+            "normalize_router_prob_before_dropping false: gates renormalised after capacity dropping there, "
+            "before here; identical in evaluation, where nothing is dropped (fraction 1.0)"
+        )
     if config.get("router_ignore_padding_tokens", False):
-        notes.append("router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
-                     "the same where nothing is dropped)")
+        notes.append(
+            "router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
+            "the same where nothing is dropped)"
+        )
     eom = float(config.get("moe_token_dropout", 0.0))
     if eom:
-        notes.append(f"moe_token_dropout {eom:g} -> --moe-eom {eom:g}: the same in evaluation; in training whole "
-                     f"expert outputs are masked here, element-wise dropout there")
+        notes.append(
+            f"moe_token_dropout {eom:g} -> --moe-eom {eom:g}: the same in evaluation; in training whole "
+            f"expert outputs are masked here, element-wise dropout there"
+        )
     options = argparse.Namespace(
-        arch="moe_transformer", _name="moe_transformer", task="translation", criterion="cross_entropy",
-        share_all_embeddings=True, share_decoder_input_output_embed=True,
-        encoder_normalize_before=True, decoder_normalize_before=True,
-        encoder_learned_pos=False, decoder_learned_pos=False, layernorm_embedding=False,
-        encoder_embed_dim=int(config["d_model"]), decoder_embed_dim=int(config["d_model"]),
-        decoder_input_dim=int(config["d_model"]), decoder_output_dim=int(config["d_model"]),
+        arch="moe_transformer",
+        _name="moe_transformer",
+        task="translation",
+        criterion="cross_entropy",
+        share_all_embeddings=True,
+        share_decoder_input_output_embed=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        encoder_learned_pos=False,
+        decoder_learned_pos=False,
+        layernorm_embedding=False,
+        encoder_embed_dim=int(config["d_model"]),
+        decoder_embed_dim=int(config["d_model"]),
+        decoder_input_dim=int(config["d_model"]),
+        decoder_output_dim=int(config["d_model"]),
         max_source_positions=int(config.get("max_position_embeddings", 1024)),
         max_target_positions=int(config.get("max_position_embeddings", 1024)),
         no_scale_embedding=not config.get("scale_embedding", True),
-        activation_fn=ACTIVATIONS_BACK[activation], dropout=float(config.get("dropout", 0.1)),
+        activation_fn=ACTIVATIONS_BACK[activation],
+        dropout=float(config.get("dropout", 0.1)),
         attention_dropout=float(config.get("attention_dropout", 0.1)),
         activation_dropout=float(config.get("activation_dropout", 0.1)),
-        moe_expert_count=int(config["num_experts"]), moe_top_k=2, moe_normalize_gate=True, moe_router="top",
-        moe_capacity_factor=1.0, moe_eval_capacity_factor=0.0, moe_gating_use_fp32=True,
-        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)), moe_eom=eom,
+        moe_expert_count=int(config["num_experts"]),
+        moe_top_k=2,
+        moe_normalize_gate=True,
+        moe_router="top",
+        moe_capacity_factor=1.0,
+        moe_eval_capacity_factor=0.0,
+        moe_gating_use_fp32=True,
+        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)),
+        moe_eom=eom,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
     for side in SIDES:
