@@ -116,9 +116,13 @@ def main():
             emit("SKIP", name, f"(cuda) {no_cuda}")
             continue
         if deadline - time.time() < least * TIME_SCALE:
-            emit("SKIP", name, f"(deadline) {max(deadline - time.time(), 0):.0f}s left of "
-                 f"{float(os.environ.get('ONESHOT_DEADLINE_S', '510')) * TIME_SCALE:.0f}s, it needs at least "
-                 f"{least * TIME_SCALE:.0f}s")
+            emit(
+                "SKIP",
+                name,
+                f"(deadline) {max(deadline - time.time(), 0):.0f}s left of "
+                f"{float(os.environ.get('ONESHOT_DEADLINE_S', '510')) * TIME_SCALE:.0f}s, it needs at least "
+                f"{least * TIME_SCALE:.0f}s",
+            )
             continue
         run_step(name, script, budget, deadline)
         if name == "env" and not DRY_RUN:

@@ -48,10 +48,24 @@ def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_
     """P defaults to gcd(4, 2) = 2: ranks 0 and 2 hold expert 0, ranks 1 and 3 expert 1, after 12 updates
     of fairseq-train. (Checkpoint sets of replicated experts are not this test's subject: --no-save.)"""
     probe = tmp_path / "probe"
-    output = torchrun(4, SUPPORT / "fairseq_rank_probe.py", [
-        probe, *moe_args(data, tmp_path / "ck", 12, "--moe-expert-count", "2", "--ddp-backend", "legacy_ddp",
-                         "--no-save", "--disable-validation"),
-    ])
+    output = torchrun(
+        4,
+        SUPPORT / "fairseq_rank_probe.py",
+        [
+            probe,
+            *moe_args(
+                data,
+                tmp_path / "ck",
+                12,
+                "--moe-expert-count",
+                "2",
+                "--ddp-backend",
+                "legacy_ddp",
+                "--no-save",
+                "--disable-validation",
+            ),
+        ],
+    )
     ranks = load_rank_probes(probe, 4)
     experts = set(ranks[0]["expert_keys"])
     assert experts and all(ranks[0]["model"][key].shape[0] == 1 for key in experts), "one expert per worker"
