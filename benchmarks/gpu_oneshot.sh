@@ -12,6 +12,8 @@
 # --no-index --no-deps --target. Without CUDA (and not a dry run) only the environment step runs.
 # ONESHOT_DRY_RUN=1: the same checks on CPU with tiny sizes, under this machine's Python narrowed to
 # the GPU machine's packages (benchmarks/device/device_site); CUDA-only parts say SKIP (cuda).
+# ONESHOT_TIME_SCALE=F (dry run only, default 1): every limit and the deadline times F, for a CPU shared
+# with other work (tests/recipes/test_gpu_scripts.py sets it from the load average).
 # ONESHOT_ONLY=env,layer,... runs some checks; ONESHOT_WORK keeps the scratch folder.
 set -uo pipefail
 
@@ -40,7 +42,7 @@ else
     PYTHON=${PYTHON:-python3}
 fi
 if tree=$(git rev-parse --short HEAD 2>/dev/null); then git diff --quiet HEAD 2>/dev/null || tree+="+changes"; else tree="?"; fi
-say "INFO oneshot: $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname 2>/dev/null || echo '?'), deadline ${ONESHOT_DEADLINE_S:-510}s, dry run $DRY_RUN, tree $tree"
+say "INFO oneshot: $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname 2>/dev/null || echo '?'), deadline ${ONESHOT_DEADLINE_S:-510}s, dry run $DRY_RUN${ONESHOT_TIME_SCALE:+ (time scale $ONESHOT_TIME_SCALE)}, tree $tree"
 
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     say "FAIL environment: no '$PYTHON' on PATH (PATH=$PATH): nothing else can run; set PYTHON=/path/to/python3"
@@ -56,6 +58,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
     export PYTHONPATH="$ROOT/benchmarks/device/device_site:$ROOT/tests/support/lean_imports:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     export DEVICE_SITE_MISSING=${DEVICE_SITE_MISSING:-pytest} DEVICE_SITE_LOG="$ONESHOT_WORK/logs/refused-imports.txt"
     export CUDA_VISIBLE_DEVICES=
+    # One intra-op thread per check: the dry run's tensors are toys, and on a CPU shared with other work
+    # a second thread mostly spins (the checks' results do not depend on it).
+    export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
     say "SKIP wheels: (dry run) the cp312 set is not installed here; imports are narrowed to the GPU machine's packages and benchmarks/device/wheels.txt"
 elif compgen -G "$WHEELS/*.whl" >/dev/null; then
     started=$SECONDS

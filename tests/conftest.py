@@ -15,9 +15,10 @@ import torch
 
 # Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
-# Two cores: one intra-op thread per xdist worker, two when the suite runs in one process.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+# One intra-op thread for in-process tests, in one process (MOE_TEST_WORKERS=0) as on each of the two
+# xdist workers: their tensors are tiny, and a second thread on a loaded machine burns CPU spinning, so
+# a test timed alone would read dearer than in the suite. MOE_TEST_TORCH_THREADS=N for another count.
+torch.set_num_threads(int(os.environ.get("MOE_TEST_TORCH_THREADS") or 1))
 
 
 @pytest.fixture(autouse=True)

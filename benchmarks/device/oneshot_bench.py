@@ -80,7 +80,7 @@ def section(name, shape, dev, dtype, top, with_expert_floor):
 def main():
     dev = device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch.set_num_threads(2 if DRY_RUN else torch.get_num_threads())
+    torch.set_num_threads(1 if DRY_RUN else torch.get_num_threads())  # dry run: toy sizes, see gpu_oneshot.sh
     top = run_guarded("bench_ceiling", ceiling, dev, dtype)
     if top is None:
         return

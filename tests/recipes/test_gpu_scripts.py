@@ -15,6 +15,13 @@ from paths import REPO_ROOT as ROOT
 ONESHOT = ROOT / "benchmarks" / "gpu_oneshot.sh"
 
 
+def load_scale():
+    """How many times slower than on a quiet machine the dry run may take here: the load average per core
+    (this suite's other worker, other jobs), at least 1 and at most 4. The one-shot stretches its limits by
+    it (ONESHOT_TIME_SCALE), so a loaded machine is not taken for a hang, and a hang still meets a limit."""
+    return max(1.0, min(4.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
 def oneshot(tmp_path, timeout=600, **env):
     out = tmp_path / "out"
     values = dict(
@@ -33,7 +40,8 @@ def status_of(summary):
 
 @pytest.mark.slow
 def test_the_cpu_dry_run_passes_every_check_a_cpu_can_run_and_skips_only_what_needs_cuda(tmp_path):
-    done, summary, out = oneshot(tmp_path, ONESHOT_DRY_RUN="1")
+    scale = load_scale()
+    done, summary, out = oneshot(tmp_path, timeout=600 * scale, ONESHOT_DRY_RUN="1", ONESHOT_TIME_SCALE=f"{scale:.2f}")
     assert done.returncode == 0, "\n".join(summary) + done.stdout[-3000:] + done.stderr[-3000:]
     status = status_of(summary)
     assert [s for s in summary if s.startswith("FAIL")] == []
