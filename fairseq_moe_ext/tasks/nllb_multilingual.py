@@ -15,6 +15,8 @@ from fairseq.data.multilingual.multilingual_data_manager import MultilingualData
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
 
+from ..checkpoint.config_value import config_value
+
 # The nllb branch's DATA_SOURCE_PREFIX_TAGS, in its order (a dict: insertion order is the order added).
 DATA_SOURCE_PREFIX_TAGS = ("<MINED_DATA>", "<MMT_BT_DATA>", "<SMT_BT_DATA>")
 
@@ -37,7 +39,7 @@ class NllbTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
     @classmethod
     def setup_task(cls, args, **kwargs):
         langs, dicts, training = MultilingualDatasetManager.prepare(cls.load_dictionary, args, **kwargs)
-        if getattr(args, "add_data_source_prefix_tags", False):
+        if config_value(args, "add_data_source_prefix_tags", False):
             # After prepare: it has appended the language tokens (and <mask> where the style asks for it).
             for dictionary in {id(d): d for d in dicts.values()}.values():
                 for tag in DATA_SOURCE_PREFIX_TAGS:
