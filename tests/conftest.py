@@ -95,5 +95,6 @@ LONGEST_FIRST = (
     "test_multiworker_training_cli.py::test_eval_lm_scores",
     "test_fully_sharded_cli.py",
     "test_multiworker_cli.py",
+    "test_multiworker_sets_cli.py",
 )
 # fmt: on

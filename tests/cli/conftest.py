@@ -1,11 +1,17 @@
 """Fixtures of the command-line tests: the shared corpus under the name these tests use, and the
 bad-input catalogue's runs (tests/cli/test_bad_input*.py), started two at a time in the background."""
 
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from bad_input_runner import Inputs, Started, fingerprint, train_checkpoints
+from fairseq_helpers import torchrun
+from multiworker_cli_runs import generate, moe_args
+from paths import SUPPORT
+
+TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +61,32 @@ def started(request, pool, bad_input_data, tmp_path_factory):
         args, watched = case.make(trained.result() if case.needs_checkpoints else bad_input_data, work)
         runs[case.id] = Started(pool.submit(case.tool, args), watched, {d: fingerprint(d) for d in watched})
     return runs
+
+
+# ---------------------------------------------------------------- one 2-worker run, shared
+# Session-scoped and used by two modules (test_multiworker_cli.py, test_multiworker_sets_cli.py), which
+# share the xdist_group "two_worker_run": one worker trains it once for both.
+
+
+@pytest.fixture(scope="session")
+def two_worker_run(data, tmp_path_factory):
+    """A 2-worker run saved at update 4 (mid-epoch) and the same run uninterrupted to update 8. The
+    uninterrupted one also saves a set every 2 updates and keeps the newest three (sets at 4, 6 and
+    8): one run serves the resume, the pruning and the save-schedule tests."""
+    root = tmp_path_factory.mktemp("sets")
+    uninterrupted = torchrun(
+        2,
+        TRAIN_EVERY_DIGIT,
+        moe_args(data, root / "full", 8, "--save-interval-updates", "2", "--keep-interval-updates", "3"),
+    )
+    torchrun(2, TRAIN_EVERY_DIGIT, moe_args(data, root / "ck", 4))
+    snapshot = root / "at4"
+    shutil.copytree(root / "ck", snapshot)
+    return {"root": root, "save_dir": root / "ck", "at4": snapshot, "uninterrupted": uninterrupted}
+
+
+@pytest.fixture(scope="session")
+def at4_generation(two_worker_run, data):
+    """One-process fairseq-generate from the set saved at update 4: (hypotheses, output), the
+    reference of every test that compares a generation with it (generated once)."""
+    return generate(data, two_worker_run["at4"] / "checkpoint_last.pt")
