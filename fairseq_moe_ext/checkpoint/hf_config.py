@@ -183,6 +183,19 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             f"queues tokens sentence by sentence, this set time step by time step; where slots are dropped, "
             f"other slots are"
         )
+    if str(_get(options, "moe_second_expert_policy", "all")) == "random" and not _get(
+        options, "moe_normalize_gate_after_dropping", False
+    ):
+        # NllbMoe (4.57.1) then overwrites the second gate with the raw probability it drew against, so
+        # its output differs from the nllb branch's (and this project's) normalised second gate.
+        _refuse(
+            path,
+            "--moe-second-expert-policy",
+            "random",
+            "with gates normalised before dropping NllbMoe weights the second expert by its raw probability, "
+            "not by the normalised gate this model uses",
+            "export a model with --moe-normalize-gate-after-dropping, or another policy",
+        )
     config = {
         "model_type": MODEL_TYPE,
         "architectures": ["NllbMoeForConditionalGeneration"],
@@ -306,6 +319,13 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
             f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only"
         )
     before = bool(config.get("normalize_router_prob_before_dropping", False))
+    if policy == "random" and before:
+        raise CheckpointSetError(
+            f"{path} has second_expert_policy random with normalize_router_prob_before_dropping true: NllbMoe then "
+            f"weights the second expert by its raw probability, which the nllb branch's gate (and this project's) "
+            f"does not; set normalize_router_prob_before_dropping false, or another policy, in config.json to "
+            f"import anyway (nothing was written)"
+        )
     if policy != "all":
         notes.append(
             f"second_expert_policy {policy}: the second expert is drawn at random, in evaluation too, as "

@@ -85,6 +85,8 @@ BAD_EXPORTS = [
     # (id, flags to build with, change to its saved options (or None), damage to the output dir (or None), the one
     # line says)
     ("top-k-1", flags(moe_top_k=1), None, None, "--moe-top-k 1: NllbMoe routes every token to exactly 2 experts"),
+    ("random-policy-normalised-before", flags(moe_second_expert_policy="random"), None, None,
+     "--moe-second-expert-policy random: with gates normalised before dropping NllbMoe weights the second expert"),
     ("shared-experts", flags(moe_shared_expert_count=1), None, None, "--moe-shared-expert-count 1: NllbMoe has no"),
     ("balance-bias", flags(moe_balance="bias"), None, None, "--moe-balance bias: NllbMoe has no balance bias"),
     ("cosine-router", flags(moe_router="cosine"), None, None, "--moe-router cosine: NllbMoe's router is a plain"),
@@ -201,6 +203,9 @@ BAD_IMPORTS = [
     ("unknown-second-expert-policy", "import-hf", _config(second_expert_policy="third"), None,
      "has second_expert_policy 'third', which NllbMoe does not define (all, sampling, random)"),
     ("router-bias", "import-hf", _config(router_bias=True), None, "router_bias is True (a bias on the router)"),
+    ("random-policy-normalised-before", "import-hf",
+     _config(second_expert_policy="random", normalize_router_prob_before_dropping=True), None,
+     "second_expert_policy random with normalize_router_prob_before_dropping true: NllbMoe then weights"),
     ("eval-capacity-fraction-0", "import-hf", _config(moe_eval_capacity_token_fraction=0.0), None,
      "moe_eval_capacity_token_fraction is 0, so NllbMoe evaluates with its fixed expert_capacity"),
     ("untied-output-projection", "import-hf", _config(tie_word_embeddings=False), None,
