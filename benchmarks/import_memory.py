@@ -13,7 +13,6 @@ one file, so its peak is the whole model by construction; with W = 16 each outpu
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -55,11 +54,18 @@ def measure_one(prefix: str, output: str, workers: int) -> None:
     """In a fresh process: print the peak RSS growth (MiB) of one import."""
     from fairseq_moe_ext.checkpoint.branch_import import import_branch_set
 
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # Not ru_maxrss: it survives fork + exec, so this child would report the parent's peak (the parent
+    # wrote the set). Reset this process's high-water mark (Linux: 5 > clear_refs) and read VmHWM.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
     import_branch_set(prefix, output, workers, report=lambda line: None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"{(peak - before) / MB:.1f}")
+    print(f"{(_status_kib('VmHWM') - before) / 1024:.1f}")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def main() -> None:
