@@ -1,12 +1,10 @@
 """A set's model options as Hugging Face's ``NllbMoeConfig`` (``config.json``), and back.
 
-NllbMoe's sparse block is the nllb branch's: a top-2 softmax router in fp32 (the second expert the
-best of the others under ``second_expert_policy "all"``), the two gates renormalised to sum to 1,
-each expert ``fc1 -> activation -> fc2``, Expert Output Masking as ``moe_token_dropout`` (evaluation
-multiplies expert outputs by 1 - p, as ``--moe-eom`` does), and an evaluation capacity of
-``ceil(moe_eval_capacity_token_fraction * S)`` slots, which drops nothing at 1.0: our dropless
-evaluation (``--moe-eval-capacity-factor 0``). Around it, a pre-norm transformer with sinusoidal
-positions and one embedding table shared by both sides and the output projection.
+NllbMoe's sparse block is the nllb branch's: a top-2 softmax router in fp32, the two gates renormalised to
+sum to 1, each expert ``fc1 -> activation -> fc2``, Expert Output Masking as ``moe_token_dropout``
+(evaluation multiplies expert outputs by 1 - p, as ``--moe-eom`` does); its second-expert policy,
+normalisation order and evaluation capacity are mapped by ``hf_routing.py``. Around it, a pre-norm
+transformer with sinusoidal positions and one embedding table shared by both sides and the output projection.
 
 What NllbMoe cannot express is refused in one line naming the option and the fix; what differs in
 training only comes back as NOTE lines. Torch-free: plain dicts and Namespaces.
@@ -17,6 +15,7 @@ from typing import Dict, List, Tuple
 
 from ..moe.placement import side_moe_freq
 from .errors import CheckpointSetError
+from .hf_routing import exported_routing, imported_routing
 
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
                "tanh": "tanh", "linear": "linear", "swish": "silu"}
@@ -55,13 +54,8 @@ NOT_EXPRESSIBLE = (
      "export a model without --moe-shared-expert-count"),
     ("moe_balance", "none", lambda v: str(v) != "none", "NllbMoe has no balance bias on its router",
      "export a model trained without --moe-balance bias"),
-    ("moe_normalize_gate", False, lambda v: not v, "NllbMoe always renormalises the two gates to sum to 1",
-     "export a model trained with --moe-normalize-gate"),
     ("moe_gating_no_fp32", False, bool, "NllbMoe's router_dtype float32 is what is exported",
      "export a model trained with fp32 routing (without --moe-gating-no-fp32)"),
-    ("moe_eval_capacity_factor", 0.0, lambda v: float(v) != 0.0,
-     "NllbMoe's evaluation capacity is ceil(fraction * S) slots, which no fraction makes 2*int(cf*ceil(S/E)) for "
-     "every S", "only dropless evaluation (--moe-eval-capacity-factor 0, fraction 1.0) is exported"),
     ("moe_capacity_factor", 0.0, lambda v: float(v) != 1.0,
      "NllbMoe trains with 2*ceil(S/E) slots per expert (expert_capacity unset), which is --moe-capacity-factor 1",
      "pass --training-as-nllb to export it for NllbMoe's training capacity (evaluation is unchanged)"),
@@ -142,6 +136,8 @@ def hf_config(options, path: str, vocab: int, dtype: str,
                         f"is dense with --{side}-ffn-embed-dim {ffn[side]}", "export a model whose expert and dense "
                         "hidden sizes are equal")
             ffn[side] = int(expert_dim)
+    routing, routing_notes = exported_routing(options, path)  # policy, normalisation order, eval capacity
+    notes += routing_notes
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
         notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
@@ -161,9 +157,8 @@ def hf_config(options, path: str, vocab: int, dtype: str,
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
         "num_experts": int(_get(options, "moe_expert_count")), "expert_capacity": None,
         "router_bias": False, "router_dtype": "float32", "router_ignore_padding_tokens": False,
-        "second_expert_policy": "all", "normalize_router_prob_before_dropping": True,
         "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_eval_capacity_token_fraction": 1.0, "moe_token_dropout": eom,
+        "moe_token_dropout": eom, **routing,
         "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS, "decoder_start_token_id": EOS,
         "is_encoder_decoder": True, "tie_word_embeddings": True, "use_cache": True,
     }
@@ -189,19 +184,12 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         raise CheckpointSetError(f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
                                  f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)")
     config = {**HF_DEFAULTS, **config}
-    policy = config.get("second_expert_policy", "all")
-    _need(config, path, "second_expert_policy", "all", f"the second expert chosen by {policy!r}, at random",
-          "here the second expert is always the best of the others: set it to 'all' in config.json to import anyway")
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
     _need(config, path, "tie_word_embeddings", True, "a separate output projection",
           "here the output projection is the shared embedding table")
     _need(config, path, "router_dtype", "float32", "routing in lower precision",
           "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway")
-    fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
-    if fraction < 1.0:
-        raise CheckpointSetError(f"{path}: moe_eval_capacity_token_fraction is {fraction:g} (an evaluation capacity "
-                                 f"of ceil({fraction:g}*S) slots), which this project cannot represent yet; set it to "
-                                 f"1.0 (dropless evaluation) in config.json to import anyway (nothing was written)")
+    routing, notes = imported_routing(config, path)  # policy, normalisation order, eval capacity, batch-major
     for name, wanted in (("pad_token_id", PAD), ("bos_token_id", BOS), ("eos_token_id", EOS),
                          ("decoder_start_token_id", EOS)):
         _need(config, path, name, wanted, "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding "
@@ -215,13 +203,9 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         raise CheckpointSetError(f"{path} has no sparse layer (encoder/decoder_sparse_step {steps['encoder']}/"
                                  f"{steps['decoder']}): a dense model, which moe_transformer does not hold; use "
                                  f"fairseq's transformer (nothing was written)")
-    notes = []
     if config.get("expert_capacity") is not None:
         notes.append(f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
                      f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only")
-    if not config.get("normalize_router_prob_before_dropping", False):
-        notes.append("normalize_router_prob_before_dropping false: gates renormalised after capacity dropping there, "
-                     "before here; identical in evaluation, where nothing is dropped (fraction 1.0)")
     if config.get("router_ignore_padding_tokens", False):
         notes.append("router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
                      "the same where nothing is dropped)")
@@ -242,8 +226,8 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         activation_fn=ACTIVATIONS_BACK[activation], dropout=float(config.get("dropout", 0.1)),
         attention_dropout=float(config.get("attention_dropout", 0.1)),
         activation_dropout=float(config.get("activation_dropout", 0.1)),
-        moe_expert_count=int(config["num_experts"]), moe_top_k=2, moe_normalize_gate=True, moe_router="top",
-        moe_capacity_factor=1.0, moe_eval_capacity_factor=0.0, moe_gating_use_fp32=True,
+        moe_expert_count=int(config["num_experts"]), moe_top_k=2, moe_router="top",
+        moe_capacity_factor=1.0, moe_gating_use_fp32=True, **routing,
         moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)), moe_eom=eom,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
