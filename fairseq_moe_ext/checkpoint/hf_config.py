@@ -142,9 +142,6 @@ def hf_config(options, path: str, vocab: int, dtype: str,
     if eom:
         notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
                      f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs")
-    if _get(options, "moe_batch_prioritized_routing", False):
-        notes.append("--moe-batch-prioritized-routing -> batch_prioritized_routing: NllbMoe orders by the largest "
-                     "router probability, here by the renormalised top-1 gate (the same wherever nothing is dropped)")
     config = {
         "model_type": MODEL_TYPE, "architectures": ["NllbMoeForConditionalGeneration"], "torch_dtype": dtype,
         "vocab_size": vocab, "d_model": d_model,

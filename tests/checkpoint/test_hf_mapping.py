@@ -99,7 +99,7 @@ def test_config_json_carries_every_option_nllb_moe_has_and_import_reads_them_bac
             config["max_position_embeddings"], config["vocab_size"], config["batch_prioritized_routing"],
             config["moe_eval_capacity_token_fraction"], config["expert_capacity"]) == (0.1, "gelu", False, 512, 30,
                                                                                         True, 1.0, None)
-    assert len(notes) == 2  # EOM trains differently there; batch priority orders by another score
+    assert len(notes) == 1  # EOM trains differently there (batch priority ranks by the top-1 probability in both)
     back, _ = imported_options(json.loads(json.dumps(config)), "config.json")
     for name in ("encoder_layers", "decoder_layers", "encoder_ffn_embed_dim", "decoder_attention_heads",
                  "moe_expert_count", "encoder_moe_freq", "moe_eom", "activation_fn", "dropout", "attention_dropout",
