@@ -29,6 +29,7 @@ import torch.nn as nn
 FAIRSCALE_DIR = os.path.join(sys.prefix, "benchmark-deps")
 
 
+# fmt: off
 @dataclass
 class Shape:
     d_model: int
@@ -36,6 +37,7 @@ class Shape:
     experts: int
     k: int
     tokens: int
+# fmt: on
 
 
 class Contender:
@@ -99,8 +101,8 @@ class ExpertGemmFloor(Contender):
     def build(self):
         s = self.shape
         module = nn.Module()
-        module.w1 = nn.Parameter(torch.randn(s.experts, s.hidden, s.d_model) / s.d_model ** 0.5)
-        module.w2 = nn.Parameter(torch.randn(s.experts, s.d_model, s.hidden) / s.hidden ** 0.5)
+        module.w1 = nn.Parameter(torch.randn(s.experts, s.hidden, s.d_model) / s.d_model**0.5)
+        module.w2 = nn.Parameter(torch.randn(s.experts, s.d_model, s.hidden) / s.hidden**0.5)
         module.b1 = nn.Parameter(torch.zeros(s.experts, s.hidden))
         module.b2 = nn.Parameter(torch.zeros(s.experts, s.d_model))
         return module
@@ -257,6 +259,11 @@ def fits_fairscale(shape: Shape):
 
 
 def build_contender(name: str, shape: Shape, device, dtype, **kw) -> Contender:
-    kinds = {"floor": Floor, "expert floor": ExpertGemmFloor, "dense": DenseSameActiveParams, "moe": OurMoE,
-             "fairscale": FairscaleMoE}
+    kinds = {
+        "floor": Floor,
+        "expert floor": ExpertGemmFloor,
+        "dense": DenseSameActiveParams,
+        "moe": OurMoE,
+        "fairscale": FairscaleMoE,
+    }
     return kinds[name](shape, device, dtype, **kw)

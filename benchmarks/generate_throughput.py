@@ -67,30 +67,88 @@ def write_corpus(raw: Path, test_lines: int, seed: int = 0) -> Path:
 def torchrun(workers, program, args):
     if workers == 1:
         return [program, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", workers, "--master_port",
-            free_port(), program, *args, "--distributed-world-size", workers]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        workers,
+        "--master_port",
+        free_port(),
+        program,
+        *args,
+        "--distributed-world-size",
+        workers,
+    ]
 
 
 def train(args, data, save_dir, moe, work):
-    common = [data, "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0", "--label-smoothing",
-              "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", args.max_tokens, "--max-update",
-              args.train_updates, "--disable-validation", "--no-epoch-checkpoints", "--save-dir", save_dir,
-              "--ddp-backend", "legacy_ddp", *model_args(args, moe)]
+    common = [
+        data,
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--seed",
+        "1",
+        "--num-workers",
+        "0",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--max-tokens",
+        args.max_tokens,
+        "--max-update",
+        args.train_updates,
+        "--disable-validation",
+        "--no-epoch-checkpoints",
+        "--save-dir",
+        save_dir,
+        "--ddp-backend",
+        "legacy_ddp",
+        *model_args(args, moe),
+    ]
     run(torchrun(2, BIN / "fairseq-train", common), env_for(1), args.timeout, work / f"train-{save_dir.name}.log")
 
 
 def sentences_per_second(args, data, save_dir, workers, log: Path) -> float:
-    command = torchrun(workers, BIN / "fairseq-generate", [
-        data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt", "--cpu", "--gen-subset", "valid",
-        "--beam", "5", "--batch-size", args.batch_size, "--num-workers", "0",
-        # Every hypothesis exactly --length tokens: both models do the same number of decoder steps,
-        # whatever each learned in its few updates.
-        "--min-len", args.length, "--max-len-a", "0", "--max-len-b", args.length])
+    command = torchrun(
+        workers,
+        BIN / "fairseq-generate",
+        [
+            data,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save_dir / "checkpoint_last.pt",
+            "--cpu",
+            "--gen-subset",
+            "valid",
+            "--beam",
+            "5",
+            "--batch-size",
+            args.batch_size,
+            "--num-workers",
+            "0",
+            # Every hypothesis exactly --length tokens: both models do the same number of decoder steps,
+            # whatever each learned in its few updates.
+            "--min-len",
+            args.length,
+            "--max-len-a",
+            "0",
+            "--max-len-b",
+            args.length,
+        ],
+    )
     output = run(command, env_for(max(1, args.threads // workers)), args.timeout, log)
     found = [(int(n.replace(",", "")), float(t)) for n, t in TRANSLATED.findall(output)]
     if len(found) != workers or sum(n for n, _ in found) != args.sentences:
-        sys.exit(f"generate_throughput.py: expected {workers} workers translating {args.sentences} sentences, "
-                 f"found {found} (see {log})")
+        sys.exit(
+            f"generate_throughput.py: expected {workers} workers translating {args.sentences} sentences, "
+            f"found {found} (see {log})"
+        )
     return sum(n for n, _ in found) / max(t for _, t in found)
 
 
@@ -98,8 +156,10 @@ def main(argv=None):
     args = parse_args(argv)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="generate_throughput_"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"# fairseq-generate sentences/s (beam 5), {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}")
+    print(
+        f"# fairseq-generate sentences/s (beam 5), {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
+        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}"
+    )
     print(
         f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE every "
         f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "

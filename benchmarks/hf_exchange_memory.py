@@ -25,15 +25,29 @@ MB = 1 << 20
 def write_synthetic_set(name: str, ranks: int, layers: int, dim: int, hidden: int, vocab: int = 8000) -> None:
     from fairseq_moe_ext.checkpoint import moe_metadata, save_set
 
-    options = argparse.Namespace(arch="moe_transformer", encoder_layers=layers // 2, decoder_layers=layers // 2,
-                                 encoder_embed_dim=dim, decoder_embed_dim=dim, encoder_ffn_embed_dim=hidden,
-                                 decoder_ffn_embed_dim=hidden, encoder_attention_heads=4, decoder_attention_heads=4,
-                                 share_all_embeddings=True, encoder_normalize_before=True,
-                                 decoder_normalize_before=True, moe_expert_count=ranks, moe_freq=1,
-                                 moe_normalize_gate=True, moe_capacity_factor=1.0, moe_eval_capacity_factor=0.0)
+    options = argparse.Namespace(
+        arch="moe_transformer",
+        encoder_layers=layers // 2,
+        decoder_layers=layers // 2,
+        encoder_embed_dim=dim,
+        decoder_embed_dim=dim,
+        encoder_ffn_embed_dim=hidden,
+        decoder_ffn_embed_dim=hidden,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        share_all_embeddings=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        moe_expert_count=ranks,
+        moe_freq=1,
+        moe_normalize_gate=True,
+        moe_capacity_factor=1.0,
+        moe_eval_capacity_factor=0.0,
+    )
     model = {"encoder.embed_tokens.weight": torch.randn(vocab, dim)}
     model["decoder.embed_tokens.weight"] = model["decoder.output_projection.weight"] = model[
-        "encoder.embed_tokens.weight"]
+        "encoder.embed_tokens.weight"
+    ]
     expert_keys = []
     for side in ("encoder", "decoder"):
         model[f"{side}.layer_norm.weight"], model[f"{side}.layer_norm.bias"] = torch.randn(dim), torch.randn(dim)
@@ -45,16 +59,27 @@ def write_synthetic_set(name: str, ranks: int, layers: int, dim: int, hidden: in
                     model[f"{layer}.{part}.{proj}_proj.bias"] = torch.randn(dim)
                 model[f"{layer}.{part}_layer_norm.weight"] = torch.randn(dim)
                 model[f"{layer}.{part}_layer_norm.bias"] = torch.randn(dim)
-            model[f"{layer}.final_layer_norm.weight"], model[f"{layer}.final_layer_norm.bias"] = (torch.randn(dim),
-                                                                                                  torch.randn(dim))
+            model[f"{layer}.final_layer_norm.weight"], model[f"{layer}.final_layer_norm.bias"] = (
+                torch.randn(dim),
+                torch.randn(dim),
+            )
             model[f"{layer}.fc1.router.wg.weight"] = torch.randn(ranks, dim)
-            stacked = {"batched_fc1_w": (hidden, dim), "batched_fc1_b": (hidden,), "batched_fc2_w": (dim, hidden),
-                       "batched_fc2_b": (dim,)}
+            stacked = {
+                "batched_fc1_w": (hidden, dim),
+                "batched_fc1_b": (hidden,),
+                "batched_fc2_w": (dim, hidden),
+                "batched_fc2_b": (dim,),
+            }
             for tensor, shape in stacked.items():
                 model[f"{layer}.fc1.experts.{tensor}"] = torch.randn(ranks, *shape)
                 expert_keys.append(f"{layer}.fc1.experts.{tensor}")
-    full = {"args": options, "model": model, "extra_state": {}, "optimizer_history": [{"num_updates": 0}],
-            "moe": moe_metadata([], expert_keys, 1, 0, 0, experts_per_worker=ranks)}
+    full = {
+        "args": options,
+        "model": model,
+        "extra_state": {},
+        "optimizer_history": [{"num_updates": 0}],
+        "moe": moe_metadata([], expert_keys, 1, 0, 0, experts_per_worker=ranks),
+    }
     save_set(full, name, ranks)
 
 
@@ -85,8 +110,9 @@ def measure(step: str, source: str, output: str, value: int) -> None:
 
 
 def fresh(*args) -> float:
-    run = subprocess.run([sys.executable, __file__, "--measure", *map(str, args)], capture_output=True, text=True,
-                         check=True)
+    run = subprocess.run(
+        [sys.executable, __file__, "--measure", *map(str, args)], capture_output=True, text=True, check=True
+    )
     return float(run.stdout.strip().splitlines()[-1])
 
 
@@ -110,8 +136,10 @@ def main() -> None:
         files = sorted(os.path.join(root, "set", f) for f in os.listdir(os.path.join(root, "set")) if f.endswith(".pt"))
         sizes = [os.path.getsize(f) / MB for f in files]
         whole, first, rank = sum(sizes), sizes[0], sizes[-1]
-        print(f"set: {args.ranks} rank files, rank 0 {first:.1f} MiB (shared + experts), others {rank:.1f} MiB, "
-              f"{whole:.1f} MiB in all")
+        print(
+            f"set: {args.ranks} rank files, rank 0 {first:.1f} MiB (shared + experts), others {rank:.1f} MiB, "
+            f"{whole:.1f} MiB in all"
+        )
         print(f"{'step':>12} {'peak MiB':>9} {'bound MiB':>10} {'peak/bound':>10} {'peak/whole':>10}")
         shard = args.shard_mb * 10**6
         peak = fresh("export", name + ".pt", os.path.join(root, "hf"), shard)
@@ -122,8 +150,10 @@ def main() -> None:
             os.mkdir(out)
             peak = fresh("import", os.path.join(root, "hf"), os.path.join(out, "ck.pt"), workers)
             bound = first - rank + rank * args.ranks / workers  # rank 0's output file: shared + E/W experts
-            print(f"{'import W=' + str(workers):>12} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} "
-                  f"{peak / whole:>10.2f}")
+            print(
+                f"{'import W=' + str(workers):>12} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} "
+                f"{peak / whole:>10.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,17 @@ MB = 1 << 20
 
 
 def write_synthetic_set(prefix: str, ranks: int, layers: int, dim: int, hidden: int, vocab: int = 8000) -> None:
-    options = argparse.Namespace(arch="transformer", moe_expert_count=ranks, moe_freq=1, encoder_layers=layers // 2,
-                                 decoder_layers=layers // 2, encoder_ffn_embed_dim=hidden, decoder_ffn_embed_dim=hidden,
-                                 moe_second_expert_policy="all", moe_eval_capacity_token_fraction=1.0)
+    options = argparse.Namespace(
+        arch="transformer",
+        moe_expert_count=ranks,
+        moe_freq=1,
+        encoder_layers=layers // 2,
+        decoder_layers=layers // 2,
+        encoder_ffn_embed_dim=hidden,
+        decoder_ffn_embed_dim=hidden,
+        moe_second_expert_policy="all",
+        moe_eval_capacity_token_fraction=1.0,
+    )
     moe_layers = [f"{side}.layers.{i}" for side in ("encoder", "decoder") for i in range(layers // 2)]
     shared = {f"{layer}.moe_layer.gate.wg.weight": torch.randn(ranks, dim) for layer in moe_layers}
     shared["encoder.embed_tokens.weight"] = torch.randn(vocab, dim)
@@ -76,8 +84,12 @@ def main() -> None:
         for workers in (1, 4, 16):
             out = os.path.join(root, f"out{workers}")
             os.mkdir(out)
-            run = subprocess.run([sys.executable, __file__, "--measure", prefix, os.path.join(out, "imported.pt"),
-                                  str(workers)], capture_output=True, text=True, check=True)
+            run = subprocess.run(
+                [sys.executable, __file__, "--measure", prefix, os.path.join(out, "imported.pt"), str(workers)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             peak = float(run.stdout.strip().splitlines()[-1])
             # shared + one source rank file + one output file's experts (+ the shared part it also holds)
             bound = shared + rank + max(1, args.ranks // workers) * rank

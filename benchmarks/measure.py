@@ -113,7 +113,10 @@ def peak_step_memory(step: Callable[[], None], device) -> int:
 def memory_in_subprocess(script: str, args: List[str], timeout: float = 600) -> Dict:
     """Run ``script args --memory-probe`` in a fresh interpreter; it prints one JSON line last."""
     done = subprocess.run(
-        [sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         timeout=timeout,
     )
     last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""

@@ -29,7 +29,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from contenders import Shape, build_contender, fits_fairscale, import_fairscale  # noqa: E402
 from measure import (  # noqa: E402
-    machine_summary, median, memory_in_subprocess, peak_step_memory, spread, time_interleaved,
+    machine_summary,
+    median,
+    memory_in_subprocess,
+    peak_step_memory,
+    spread,
+    time_interleaved,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,14 +55,23 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
     p.add_argument("--token-sweep", type=int, nargs="*", help="token counts (default 1k..16k)")
     p.add_argument("--expert-sweep", type=int, nargs="*", help="expert counts (default 4..64)")
-    p.add_argument("--many-experts", type=int, default=64,
-                   help="expert count of the many-experts section (default 64; 0 skips it)")
+    p.add_argument(
+        "--many-experts", type=int, default=64, help="expert count of the many-experts section (default 64; 0 skips it)"
+    )
     p.add_argument("--skew", type=float, default=4.0, help="busiest expert's load over its fair share")
-    p.add_argument("--capacity-factors", type=float, nargs="*", default=[1.0, 1.25],
-                   help="capacity factors timed in the capacity section (default 1.0 1.25)")
-    p.add_argument("--expert-matmul", default="auto",
-                   help="comma-separated expert matmul kernels to time as separate MoE rows: "
-                        "auto, loop, grouped_mm (default auto)")
+    p.add_argument(
+        "--capacity-factors",
+        type=float,
+        nargs="*",
+        default=[1.0, 1.25],
+        help="capacity factors timed in the capacity section (default 1.0 1.25)",
+    )
+    p.add_argument(
+        "--expert-matmul",
+        default="auto",
+        help="comma-separated expert matmul kernels to time as separate MoE rows: "
+        "auto, loop, grouped_mm (default auto)",
+    )
     p.add_argument("--no-sweep", action="store_true", help="only the default shapes")
     p.add_argument("--no-headline", action="store_true", help="skip the default-shapes section")
     p.add_argument("--no-memory", action="store_true", help="skip the peak memory section")
@@ -78,8 +92,10 @@ def parse_args(argv=None):
 def check_device(args):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"moe_layer.py: --device {args.device} asked for, but torch {torch.__version__} sees no "
-                 f"CUDA device (torch.cuda.is_available() is False); run on a GPU machine or use --device cpu")
+        sys.exit(
+            f"moe_layer.py: --device {args.device} asked for, but torch {torch.__version__} sees no "
+            f"CUDA device (torch.cuda.is_available() is False); run on a GPU machine or use --device cpu"
+        )
     if device.type not in ("cpu", "cuda"):
         sys.exit(f"moe_layer.py: unsupported --device {args.device}: use cpu or cuda")
     return device
@@ -121,8 +137,10 @@ def headline(args, device, dtype, report):
         print(f"expert matmul under 'auto' on this device and dtype: {chosen}")
     result = race(contenders, args, device)
     floor = result["floor"][0]
-    print(f"\n## Default shapes: d_model {shape.d_model}, H {shape.hidden}, E {shape.experts}, "
-          f"k {shape.k}, {shape.tokens} tokens, {args.dtype}")
+    print(
+        f"\n## Default shapes: d_model {shape.d_model}, H {shape.hidden}, E {shape.experts}, "
+        f"k {shape.k}, {shape.tokens} tokens, {args.dtype}"
+    )
     print("floor = one dense FFN (d -> H -> d) on the k*N token copies; dense = d -> k*H -> d on N tokens")
     print(f"{'contender':<24}{'median ms':>11}{'spread':>9}{'x floor':>9}{'TFLOP/s':>9}")
     for name, (t, s) in result.items():
@@ -132,8 +150,11 @@ def headline(args, device, dtype, report):
     else:
         moe_name = contenders[1].name
         print(f"fairscale MOELayer / our MoE: {result['fairscale'][0] / result[moe_name][0]:.2f}x")
-    report["headline"] = {"shape": vars(shape), "seconds": {n: v[0] for n, v in result.items()},
-                          "fairscale_skipped": skipped}
+    report["headline"] = {
+        "shape": vars(shape),
+        "seconds": {n: v[0] for n, v in result.items()},
+        "fairscale_skipped": skipped,
+    }
     del contenders
 
 
@@ -144,8 +165,10 @@ def fairscale_skip_reason(args, shape):
     if reason is None:
         error = import_fairscale()
         if error:
-            reason = (f"cannot import fairscale ({error}); install it for the benchmark only with "
-                      f"`pip install --no-deps --target {sys.prefix}/benchmark-deps fairscale`")
+            reason = (
+                f"cannot import fairscale ({error}); install it for the benchmark only with "
+                f"`pip install --no-deps --target {sys.prefix}/benchmark-deps fairscale`"
+            )
     return reason
 
 
@@ -155,7 +178,9 @@ def token_sweep(args, device, dtype, report):
     rows = []
     for n in args.token_sweep:
         shape = shape_of(args, tokens=n)
-        contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(shape, device, dtype, args.matmuls[:1])
+        contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(
+            shape, device, dtype, args.matmuls[:1]
+        )
         result = race(contenders, args, device)
         moe_t, floor_t = result[contenders[1].name][0], result["floor"][0]
         rows.append({"tokens": n, "moe": moe_t, "floor": floor_t})
@@ -163,8 +188,10 @@ def token_sweep(args, device, dtype, report):
         del contenders
     first, last = rows[0], rows[-1]
     growth = (last["moe"] / first["moe"]) / (last["tokens"] / first["tokens"])
-    print(f"per-token cost at {last['tokens']} over {first['tokens']} tokens: {growth:.2f} "
-          f"(1.00 = linear; the floor's own: {(last['floor'] / first['floor']) / (last['tokens'] / first['tokens']):.2f})")
+    print(
+        f"per-token cost at {last['tokens']} over {first['tokens']} tokens: {growth:.2f} "
+        f"(1.00 = linear; the floor's own: {(last['floor'] / first['floor']) / (last['tokens'] / first['tokens']):.2f})"
+    )
     report["token_sweep"] = rows
 
 
@@ -177,7 +204,9 @@ def expert_sweep(args, device, dtype, report):
             print(f"{e:>8}  skipped: k={args.top_k} > E")
             continue
         shape = shape_of(args, experts=e)
-        contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(shape, device, dtype, args.matmuls[:1])
+        contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(
+            shape, device, dtype, args.matmuls[:1]
+        )
         result = race(contenders, args, device)
         moe_t, floor_t = result[contenders[1].name][0], result["floor"][0]
         rows.append({"experts": e, "moe": moe_t, "floor": floor_t})
@@ -191,13 +220,17 @@ def many_experts_section(args, device, dtype, report):
     timed alone on the rows the router gives each expert, and against the dense FFN."""
     shape = shape_of(args, experts=args.many_experts)
     moe = moe_contenders(shape, device, dtype, args.matmuls)
-    contenders = [build_contender("floor", shape, device, dtype),
-                  build_contender("expert floor", shape, device, dtype, counts=moe[0].expert_rows())]
+    contenders = [
+        build_contender("floor", shape, device, dtype),
+        build_contender("expert floor", shape, device, dtype, counts=moe[0].expert_rows()),
+    ]
     contenders += moe + [build_contender("dense", shape, device, dtype)]
     result = race(contenders, args, device)
     floor, expert_floor, dense = result["floor"][0], result["expert floor"][0], result["dense"][0]
-    print(f"\n## Many experts: E {shape.experts}, {shape.tokens} tokens (expert floor = the {shape.experts} "
-          f"experts' GEMM pairs alone, forward and backward, on the rows the router gives each)")
+    print(
+        f"\n## Many experts: E {shape.experts}, {shape.tokens} tokens (expert floor = the {shape.experts} "
+        f"experts' GEMM pairs alone, forward and backward, on the rows the router gives each)"
+    )
     print(f"{'contender':<24}{'median ms':>11}{'spread':>9}{'x floor':>9}{'x expert floor':>16}{'x dense':>9}")
     for name, (t, s) in result.items():
         print(f"{name:<24}{t * 1e3:>11.1f}{s * 100:>8.1f}%{t / floor:>9.3f}{t / expert_floor:>16.3f}{t / dense:>9.3f}")
@@ -222,20 +255,28 @@ def skew_section(args, device, dtype, report):
 
 def capacity_section(args, device, dtype, report):
     shape = shape_of(args)
-    contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(shape, device, dtype, args.matmuls[:1])
-    contenders += [moe_contenders(shape, device, dtype, args.matmuls[:1], capacity_factor=cf)[0]
-                   for cf in args.capacity_factors if cf]
+    contenders = [build_contender("floor", shape, device, dtype)] + moe_contenders(
+        shape, device, dtype, args.matmuls[:1]
+    )
+    contenders += [
+        moe_contenders(shape, device, dtype, args.matmuls[:1], capacity_factor=cf)[0]
+        for cf in args.capacity_factors
+        if cf
+    ]
     if args.capacity_factors and args.capacity_factors[0]:  # many drops: the busiest expert's overflow
-        contenders += moe_contenders(shape, device, dtype, args.matmuls[:1], capacity_factor=args.capacity_factors[0],
-                                     skew=args.skew)
+        contenders += moe_contenders(
+            shape, device, dtype, args.matmuls[:1], capacity_factor=args.capacity_factors[0], skew=args.skew
+        )
     skipped = fairscale_skip_reason(args, shape)
     if skipped is None:
         contenders.append(build_contender("fairscale", shape, device, dtype))
     dropped = {c.name: c.dropped_fraction() for c in contenders if hasattr(c, "dropped_fraction")}
     result = race(contenders, args, device)
     floor = result["floor"][0]
-    print(f"\n## Capacity path ({args.tokens} tokens; dropped slots do no expert work, so a row may"
-          f" cost less than the floor)")
+    print(
+        f"\n## Capacity path ({args.tokens} tokens; dropped slots do no expert work, so a row may"
+        f" cost less than the floor)"
+    )
     print(f"{'contender':<24}{'dropped':>9}{'median ms':>11}{'x floor':>9}")
     for name, (t, _) in result.items():
         share = f"{dropped[name] * 100:.1f}%" if name in dropped else "-"
@@ -245,10 +286,15 @@ def capacity_section(args, device, dtype, report):
     else:
         same_capacity = [c.name for c in contenders if getattr(c, "capacity_factor", None) == 1.0]
         if same_capacity:
-            print(f"fairscale MOELayer / our MoE at the same capacity (cf=1, 2N/E slots): "
-                  f"{result['fairscale'][0] / result[same_capacity[0]][0]:.2f}x")
-    report["capacity"] = {"dropped": dropped, "seconds": {n: v[0] for n, v in result.items()},
-                          "fairscale_skipped": skipped}
+            print(
+                f"fairscale MOELayer / our MoE at the same capacity (cf=1, 2N/E slots): "
+                f"{result['fairscale'][0] / result[same_capacity[0]][0]:.2f}x"
+            )
+    report["capacity"] = {
+        "dropped": dropped,
+        "seconds": {n: v[0] for n, v in result.items()},
+        "fairscale_skipped": skipped,
+    }
     del contenders
 
 
@@ -257,13 +303,32 @@ def memory_section(args, device, report):
     if fairscale_skip_reason(args, shape_of(args)) is None:
         names.append("fairscale")
     names.append(f"moe:{args.matmuls[0]}:skew")
-    print(f"\n## Peak memory of one forward+backward step (growth over the built model and inputs; "
-          f"{'GPU allocated' if device.type == 'cuda' else 'resident set, fresh process per row'})")
+    print(
+        f"\n## Peak memory of one forward+backward step (growth over the built model and inputs; "
+        f"{'GPU allocated' if device.type == 'cuda' else 'resident set, fresh process per row'})"
+    )
     print(f"{'contender':<24}{'peak MiB':>10}{'x floor':>9}")
     script = os.path.abspath(__file__)
-    common = ["--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads),
-              "--d-model", str(args.d_model), "--hidden", str(args.hidden), "--experts", str(args.experts),
-              "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--skew", str(args.skew)]
+    common = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--d-model",
+        str(args.d_model),
+        "--hidden",
+        str(args.hidden),
+        "--experts",
+        str(args.experts),
+        "--top-k",
+        str(args.top_k),
+        "--tokens",
+        str(args.tokens),
+        "--skew",
+        str(args.skew),
+    ]
     rows = {}
     for name in names:
         probe = memory_in_subprocess(script, common + ["--memory-probe", name])
@@ -315,7 +380,9 @@ def main(argv=None):
         capacity_section(args, device, dtype, report)
     if not args.no_memory:
         memory_section(args, device, report)
-    print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (above {os.cpu_count()} means other work shared the cores)")
+    print(
+        f"\nload average at the end: {os.getloadavg()[0]:.2f} (above {os.cpu_count()} means other work shared the cores)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -43,9 +43,10 @@ def write_set(directory: str, world: int, mb_per_file: float) -> str:
     state = {
         "model": model,
         "optimizer_history": [{"num_updates": 10}],
-        "last_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(1000, 256)},
-                                           1: {"exp_avg": torch.randn(experts, rows, 256)}},
-                                 "param_groups": [{"params": [0, 1]}]},
+        "last_optimizer_state": {
+            "state": {0: {"exp_avg": torch.zeros(1000, 256)}, 1: {"exp_avg": torch.randn(experts, rows, 256)}},
+            "param_groups": [{"params": [0, 1]}],
+        },
         "extra_state": {"epoch": 1},
         "moe": moe_ckpt.moe_metadata(names, [EXPERT_KEY], 1, 0, 10, experts_per_worker=experts),
     }
@@ -83,8 +84,10 @@ def main() -> int:
         manifest = write_set(directory, world, args.mb_per_file)
         set_bytes = sum(f["bytes"] for f in moe_ckpt.read_manifest(manifest)["files"])
         print(f"set: {world} rank files, {set_bytes / 2**20:.1f} MiB in all")
-        print(f"{'rank':>4} {'before MiB':>11} {'after MiB':>10} {'bytes ratio':>11} {'before s':>9} {'after s':>8} "
-              f"{'time ratio':>10}")
+        print(
+            f"{'rank':>4} {'before MiB':>11} {'after MiB':>10} {'bytes ratio':>11} {'before s':>9} {'after s':>8} "
+            f"{'time ratio':>10}"
+        )
         for rank in range(world):
             runs = {"before": [], "after": []}
             for _ in range(args.repeats):  # interleaved, medians: the machine is noisy
@@ -93,8 +96,10 @@ def main() -> int:
             old, new = (sorted(runs[n], key=lambda r: r[0])[len(runs[n]) // 2] for n in ("before", "after"))
             for key in old[2]["model"]:
                 assert torch.equal(old[2]["model"][key], new[2]["model"][key]), key  # the same share either way
-            print(f"{rank:>4} {old[1] / 2**20:>11.1f} {new[1] / 2**20:>10.1f} {new[1] / old[1]:>11.2f} "
-                  f"{old[0]:>9.3f} {new[0]:>8.3f} {new[0] / old[0]:>10.2f}")
+            print(
+                f"{rank:>4} {old[1] / 2**20:>11.1f} {new[1] / 2**20:>10.1f} {new[1] / old[1]:>11.2f} "
+                f"{old[0]:>9.3f} {new[0]:>8.3f} {new[0] / old[0]:>10.2f}"
+            )
     return 0
 
 

@@ -50,13 +50,20 @@ def parse_args(argv=None):
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--sentences", type=int, default=4000, help="training sentence pairs to generate")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default 1 2)")
-    p.add_argument("--backends", nargs="+", default=["legacy_ddp"], choices=["legacy_ddp", "fully_sharded"],
-                   help="--ddp-backend of the multi-worker MoE runs (default legacy_ddp); the dense runs use "
-                        "legacy_ddp")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["legacy_ddp"],
+        choices=["legacy_ddp", "fully_sharded"],
+        help="--ddp-backend of the multi-worker MoE runs (default legacy_ddp); the dense runs use legacy_ddp",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE runs this many times")
-    p.add_argument("--baseline-user-dir", help="also time the MoE model with the plugin of another checkout "
-                   "(e.g. ../other-checkout/fairseq_moe_ext), alternating with the others: before/after in one run")
+    p.add_argument(
+        "--baseline-user-dir",
+        help="also time the MoE model with the plugin of another checkout "
+        "(e.g. ../other-checkout/fairseq_moe_ext), alternating with the others: before/after in one run",
+    )
     p.add_argument("--timeout", type=float, default=300, help="seconds per fairseq-train run")
     p.add_argument("--keep", help="keep data and logs in this folder instead of a temporary one")
     return p.parse_args(argv)
@@ -74,13 +81,21 @@ def write_corpus(raw: Path, train_lines: int, seed: int = 0) -> Path:
 
 
 # Runs the command and prints the largest resident set (KiB) of it or any descendant it waited for.
-PEAK_RSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
-            "print(f'peak rss kib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}'); sys.exit(code)")
+PEAK_RSS = (
+    "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+    "print(f'peak rss kib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}'); sys.exit(code)"
+)
 
 
 def run(command, env, timeout, log: Path) -> str:
-    done = subprocess.run([sys.executable, "-c", PEAK_RSS, *[str(c) for c in command]], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *[str(c) for c in command]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     log.write_text(done.stdout)
     if done.returncode != 0:
         sys.exit(f"train_wps.py: exit {done.returncode}: {' '.join(map(str, command))}\n{tail(done.stdout)}")
@@ -93,43 +108,115 @@ def peak_rss_mib(output: str) -> float:
 
 def env_for(threads_per_worker: int):
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads_per_worker), MKL_NUM_THREADS=str(threads_per_worker),
-               PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS=str(threads_per_worker), MKL_NUM_THREADS=str(threads_per_worker), PYTHONUNBUFFERED="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
 
 def preprocess(raw: Path, dest: Path, work: Path):
-    run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
-         f"--trainpref={raw / 'train'}", f"--validpref={raw / 'valid'}", f"--destdir={dest}", "--workers=1"],
-        env_for(1), 300, work / "preprocess.log")
+    run(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.preprocess",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            f"--trainpref={raw / 'train'}",
+            f"--validpref={raw / 'valid'}",
+            f"--destdir={dest}",
+            "--workers=1",
+        ],
+        env_for(1),
+        300,
+        work / "preprocess.log",
+    )
     return dest
 
 
 def model_args(args, moe: bool):
     dims = []
     for side in ("encoder", "decoder"):
-        dims += [f"--{side}-embed-dim", args.embed_dim, f"--{side}-ffn-embed-dim", args.ffn_dim,
-                 f"--{side}-layers", args.layers, f"--{side}-attention-heads", 4]
+        dims += [
+            f"--{side}-embed-dim",
+            args.embed_dim,
+            f"--{side}-ffn-embed-dim",
+            args.ffn_dim,
+            f"--{side}-layers",
+            args.layers,
+            f"--{side}-attention-heads",
+            4,
+        ]
     if not moe:
         return ["--arch", "transformer", *dims, "--criterion", "label_smoothed_cross_entropy"]
-    return ["--arch", "moe_transformer", *dims, "--criterion", "moe_label_smoothed_cross_entropy",
-            "--moe-expert-count", args.experts, "--moe-top-k", args.top_k, "--moe-freq", args.moe_freq,
-            "--moe-expert-ffn-dim", args.ffn_dim // args.top_k]
+    return [
+        "--arch",
+        "moe_transformer",
+        *dims,
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--moe-expert-count",
+        args.experts,
+        "--moe-top-k",
+        args.top_k,
+        "--moe-freq",
+        args.moe_freq,
+        "--moe-expert-ffn-dim",
+        args.ffn_dim // args.top_k,
+    ]
 
 
-def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR,
-                  backend="legacy_ddp"):
-    common = [data, "--user-dir", user_dir, "--cpu", "--seed", "1", "--num-workers", "0",
-              "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--dropout", "0.1",
-              "--max-tokens", args.max_tokens, "--max-update", args.max_update, "--disable-validation",
-              "--no-save", "--save-dir", save_dir, "--log-format", "json",
-              "--log-interval", args.log_interval, *model_args(args, moe)]
+def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR, backend="legacy_ddp"):
+    common = [
+        data,
+        "--user-dir",
+        user_dir,
+        "--cpu",
+        "--seed",
+        "1",
+        "--num-workers",
+        "0",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--dropout",
+        "0.1",
+        "--max-tokens",
+        args.max_tokens,
+        "--max-update",
+        args.max_update,
+        "--disable-validation",
+        "--no-save",
+        "--save-dir",
+        save_dir,
+        "--log-format",
+        "json",
+        "--log-interval",
+        args.log_interval,
+        *model_args(args, moe),
+    ]
     train = BIN / "fairseq-train"
     if workers == 1:
         return [train, *common]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", workers, "--master_port",
-            free_port(), train, *common, "--distributed-world-size", workers, "--ddp-backend", backend]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        workers,
+        "--master_port",
+        free_port(),
+        train,
+        *common,
+        "--distributed-world-size",
+        workers,
+        "--ddp-backend",
+        backend,
+    ]
 
 
 def free_port() -> int:
@@ -153,26 +240,36 @@ def main(argv=None):
         sys.exit(f"train_wps.py: --ffn-dim {args.ffn_dim} must be divisible by --top-k {args.top_k}")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="train_wps_"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"# fairseq-train wps, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, logs in {work}")
-    print(f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE in every "
-          f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
-          f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run")
+    print(
+        f"# fairseq-train wps, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
+        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, logs in {work}"
+    )
+    print(
+        f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE in every "
+        f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
+        f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run"
+    )
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
     results, memory = {}, {}
     for workers in args.workers:
         env = env_for(max(1, args.threads // workers))
         for rep in range(args.repeats):
             arms = [("dense", False, USER_DIR, "legacy_ddp")]
-            arms += [("moe" if b == "legacy_ddp" else f"moe {b}", True, USER_DIR, b)
-                     for b in (args.backends if workers > 1 else ["legacy_ddp"])]
+            arms += [
+                ("moe" if b == "legacy_ddp" else f"moe {b}", True, USER_DIR, b)
+                for b in (args.backends if workers > 1 else ["legacy_ddp"])
+            ]
             if args.baseline_user_dir:
                 arms.append(("baseline", True, args.baseline_user_dir, "legacy_ddp"))
             for arm, moe, user_dir, backend in arms:  # alternating, so drifts in machine load hit all alike
                 name = f"{arm.replace(' ', '-')}-{workers}w-{rep}"
-                output = run(train_command(args, data, work / name, moe, workers, user_dir, backend), env,
-                             args.timeout, work / f"{name}.log")
+                output = run(
+                    train_command(args, data, work / name, moe, workers, user_dir, backend),
+                    env,
+                    args.timeout,
+                    work / f"{name}.log",
+                )
                 results.setdefault((workers, arm), []).append(measured_wps(output))
                 memory.setdefault((workers, arm), []).append(peak_rss_mib(output))
     print(f"\n{'workers':>8}  {'run':<18}{'wps':>8}{'/ dense':>9}{'peak MiB per worker':>21}")

@@ -101,8 +101,11 @@ class _InstallOnceFairseqLoads(importlib.abc.MetaPathFinder, importlib.abc.Loade
 def _half_imported(include_fairseq: bool) -> bool:
     # importlib marks a module's spec ``_initializing`` while its body runs (CPython since 3.4).
     tops = ("fairseq", __name__) if include_fairseq else (__name__,)
-    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
-               for name, module in list(sys.modules.items()) if name.split(".")[0] in tops)
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] in tops
+    )
 
 
 if "fairseq" in sys.modules:

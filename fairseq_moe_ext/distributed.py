@@ -302,4 +302,3 @@ def unsupported_backend_error(backend: str) -> ValueError:
         f"--ddp-backend {backend} is not supported with MoE models (it would shard or average expert "
         f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp / fully_sharded)"
     )
-

@@ -43,27 +43,37 @@ def refused_options(args) -> list:
     flag = lambda name: getattr(args, name, None)  # noqa: E731
     refused = []
     if flag("cpu_offload"):
-        refused.append("--cpu-offload is fairscale's and is not supported with --ddp-backend fully_sharded (torch "
-                       "FSDP2): drop --cpu-offload, or shard over more workers to save memory")
+        refused.append(
+            "--cpu-offload is fairscale's and is not supported with --ddp-backend fully_sharded (torch "
+            "FSDP2): drop --cpu-offload, or shard over more workers to save memory"
+        )
     if flag("use_sharded_state"):
-        refused.append("--use-sharded-state writes fairscale's per-shard files; --ddp-backend fully_sharded (torch "
-                       "FSDP2) saves an ordinary checkpoint set: drop --use-sharded-state")
+        refused.append(
+            "--use-sharded-state writes fairscale's per-shard files; --ddp-backend fully_sharded (torch "
+            "FSDP2) saves an ordinary checkpoint set: drop --use-sharded-state"
+        )
     if flag("store_ema"):
-        refused.append("--store-ema keeps a whole copy of the model on every worker, which --ddp-backend "
-                       "fully_sharded shards: drop --store-ema or use --ddp-backend legacy_ddp")
+        refused.append(
+            "--store-ema keeps a whole copy of the model on every worker, which --ddp-backend "
+            "fully_sharded shards: drop --store-ema or use --ddp-backend legacy_ddp"
+        )
     for precision in ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16"):
         if flag(precision):
-            refused.append(f"--{precision.replace('_', '-')} is not mapped onto torch FSDP2's mixed precision yet: "
-                           f"train --ddp-backend fully_sharded in fp32 (drop --{precision.replace('_', '-')}) or use "
-                           f"--ddp-backend legacy_ddp")
+            refused.append(
+                f"--{precision.replace('_', '-')} is not mapped onto torch FSDP2's mixed precision yet: "
+                f"train --ddp-backend fully_sharded in fp32 (drop --{precision.replace('_', '-')}) or use "
+                f"--ddp-backend legacy_ddp"
+            )
             break
     return refused
 
 
 def zero_sharding_error() -> ValueError:
-    return ValueError("--zero-sharding os broadcasts every worker's optimizer shard to the others after each step, "
-                      "which would make every worker's experts identical: use --ddp-backend fully_sharded (shared "
-                      "state sharded, experts kept expert-parallel) and drop --zero-sharding")
+    return ValueError(
+        "--zero-sharding os broadcasts every worker's optimizer shard to the others after each step, "
+        "which would make every worker's experts identical: use --ddp-backend fully_sharded (shared "
+        "state sharded, experts kept expert-parallel) and drop --zero-sharding"
+    )
 
 
 def is_sharded(tensor) -> bool:
@@ -103,11 +113,17 @@ def check_units_keep_moe_layers_whole(model: torch.nn.Module, units: Iterable[to
                     raise ValueError(
                         f"the fully_sharded wrapping puts part of the MoE layer {name} in a unit of its own, "
                         f"which would split the layer across FSDP units: wrap whole transformer layers "
-                        f"(the default) or the MoE layer itself")
+                        f"(the default) or the MoE layer itself"
+                    )
 
 
-def shard_model(model: torch.nn.Module, group=None, units: Optional[List[torch.nn.Module]] = None,
-                mp_policy=None, reshard_after_forward: bool = True) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module,
+    group=None,
+    units: Optional[List[torch.nn.Module]] = None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
     """Apply FSDP2 in place: one unit per layer (``wrap_units``) and the root, over ``group`` (the
     data-parallel group; the world if None), with every expert parameter left out. Returns ``model``
     (now an FSDPModule)."""
@@ -115,8 +131,10 @@ def shard_model(model: torch.nn.Module, group=None, units: Optional[List[torch.n
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
     except ImportError:
-        raise ImportError(f"--ddp-backend fully_sharded needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), "
-                          f"found torch {torch.__version__}: upgrade torch or use --ddp-backend legacy_ddp") from None
+        raise ImportError(
+            f"--ddp-backend fully_sharded needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), "
+            f"found torch {torch.__version__}: upgrade torch or use --ddp-backend legacy_ddp"
+        ) from None
     group = group if group is not None else dist.group.WORLD
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     mesh = DeviceMesh.from_group(group, device.type)
@@ -207,7 +225,8 @@ def sharded_optimizer_state(optimizer_state: Dict, params: List[torch.Tensor]) -
         param = params[index] if isinstance(index, int) and index < len(params) else None
         state[index] = {
             name: sharded_like(param, value)
-            if is_sharded(param) and torch.is_tensor(value) and value.shape == param.shape else value
+            if is_sharded(param) and torch.is_tensor(value) and value.shape == param.shape
+            else value
             for name, value in slots.items()
         }
     return {**optimizer_state, "state": state}
@@ -216,8 +235,9 @@ def sharded_optimizer_state(optimizer_state: Dict, params: List[torch.Tensor]) -
 def held_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
     """Bytes this worker holds, by kind: shared parameters, their gradients, their optimizer state,
     and the same for experts (local slices of sharded tensors, as allocated)."""
-    counts = dict.fromkeys(["shared_params", "shared_grads", "shared_optimizer",
-                            "expert_params", "expert_grads", "expert_optimizer"], 0)
+    counts = dict.fromkeys(
+        ["shared_params", "shared_grads", "shared_optimizer", "expert_params", "expert_grads", "expert_optimizer"], 0
+    )
 
     def size(t):
         t = local_part(t)

@@ -23,11 +23,12 @@ from typing import Optional
 import torch
 
 FP32_MAX = float(torch.finfo(torch.float32).max)
-FP32_SMALLEST = 2.0 ** -149  # the smallest positive fp32 (subnormal); below half of it fp32 holds 0
-INT64_MAX = 2 ** 63 - 1
+FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below half of it fp32 holds 0
+INT64_MAX = 2**63 - 1
 TIMEDELTA_MAX_S = float(timedelta.max.days * 86400)  # whole days: total_seconds() of the max rounds past it
 
 
+# fmt: off
 @dataclass(frozen=True)
 class Range:
     flag: str
@@ -40,11 +41,13 @@ class Range:
     holder: str = ""  # ... and what holds it
     smallest: Optional[float] = None  # a nonzero value below this is 0 in the holder
     optional: bool = False  # None is allowed (the option then follows another one)
+# fmt: on
 
 
 SIZE = "the int64 tensor sizes it becomes"
 FP32_LOSS = "the fp32 loss it multiplies"
 
+# fmt: off
 MODEL_RANGES = {
     "moe_expert_count": Range("--moe-expert-count", True, "a positive integer", "use 1 or more experts", low=1,
                               high=INT64_MAX, holder=SIZE),
@@ -96,7 +99,9 @@ MODEL_RANGES = {
                                     "use 0 (a zero router) or a small standard deviation such as 0.01", low=0,
                                     high=FP32_MAX, holder="the fp32 router weights drawn with it"),
 }
+# fmt: on
 
+# fmt: off
 CRITERION_RANGES = {
     "moe_gate_loss_wt": Range("--moe-gate-loss-wt", False, "a finite number >= 0",
                               "use e.g. 0.01 (the default), or 0 to turn the balance loss off", low=0, high=FP32_MAX,
@@ -105,7 +110,9 @@ CRITERION_RANGES = {
                            "use 0 (the default) or a small weight such as 0.001", low=0, high=FP32_MAX,
                            holder=FP32_LOSS),
 }
+# fmt: on
 
+# fmt: off
 UPCYCLE_TOOL_RANGES = {
     "noise": Range("--noise", False, "a finite number >= 0", "use 0 (exact copies) or a small standard deviation "
                    "such as 0.001", low=0, high=FP32_MAX, holder="the fp32 noise added to the experts"),
@@ -114,6 +121,7 @@ UPCYCLE_TOOL_RANGES = {
     "seed": Range("--seed", True, "an integer >= 0", "use e.g. 1 (the default)", low=0, high=2 ** 64 - 1,
                   holder="torch's random generator"),
 }
+# fmt: on
 
 
 def check_option(spec: Range, value, **fix_fields) -> None:
@@ -136,8 +144,10 @@ def check_option(spec: Range, value, **fix_fields) -> None:
         limit = f"{spec.high:g}" if isinstance(spec.high, float) else str(spec.high)
         raise ValueError(f"{spec.flag} {value!r} is more than {spec.holder} can hold (at most {limit}): {fix}")
     if spec.smallest is not None and 0 < abs(value) < spec.smallest:
-        raise ValueError(f"{spec.flag} {value!r} is less than {spec.holder} can hold, which makes it 0 (the smallest "
-                         f"it holds is {spec.smallest:g}): {fix}")
+        raise ValueError(
+            f"{spec.flag} {value!r} is less than {spec.holder} can hold, which makes it 0 (the smallest "
+            f"it holds is {spec.smallest:g}): {fix}"
+        )
 
 
 def check_options(ranges, read, **fix_fields) -> None:

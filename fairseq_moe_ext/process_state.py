@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
+# fmt: off
 @dataclass(frozen=True)
 class LoadTarget:
     """The worker a checkpoint is being loaded for, while fairseq's Trainer.load_checkpoint runs."""
@@ -33,8 +34,10 @@ class LoadTarget:
     # for an expert-sharded inference load, whose model is built after the load
     model_cfg: Any  # its cfg.model (the flags that decide which parameters it has)
     criterion_cfg: Any = None  # its cfg.criterion (the resume policy logs changed loss weights)
+# fmt: on
 
 
+# fmt: off
 @dataclass
 class PluginState:
     # Writer: the models' build_model (--moe-comm-timeout, via distributed.set_comm_timeout).
@@ -79,6 +82,7 @@ class PluginState:
     # Writer and reader: io_waits.io_wait_group (the gloo group on which workers wait for another
     # worker's checkpoint file work, one per default group).
     io_wait_groups: Dict[Any, Any] = field(default_factory=dict)
+# fmt: on
 
 
 STATE = PluginState()

@@ -14,15 +14,19 @@ import sys
 
 from fairseq_moe_ext.checkpoint.safe_load import safe_load
 
+# fmt: off
 VALUED = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
           "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
           "max_target_positions", "activation_fn", "moe_expert_count", "moe_freq", "encoder_moe_freq",
           "decoder_moe_freq", "moe_top_k", "moe_expert_ffn_dim", "moe_capacity_factor", "moe_eval_capacity_factor",
           "moe_eom")
+# fmt: on
+# fmt: off
 SWITCHES = ("encoder_normalize_before", "decoder_normalize_before", "share_all_embeddings",
             "share_decoder_input_output_embed", "encoder_learned_pos", "decoder_learned_pos", "layernorm_embedding",
             "no_scale_embedding", "no_token_positional_embeddings", "moe_normalize_gate", "moe_gating_use_fp32",
             "moe_batch_prioritized_routing")
+# fmt: on
 
 
 def checkpoint_file(path):

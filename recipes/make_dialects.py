@@ -28,22 +28,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DETS = ["the", "a", "this", "that", "every", "some", "no", "one"]
+# fmt: off
 ADJS = ["red", "small", "old", "quiet", "bright", "heavy", "young", "cold", "green", "tall", "strange", "happy",
         "dark", "warm", "empty", "gentle", "broken", "clever", "tired", "golden", "narrow", "wild", "lonely", "proud"]
+# fmt: on
+# fmt: off
 NOUNS = ["fox", "river", "teacher", "house", "bird", "child", "stone", "boat", "farmer", "tree", "letter",
          "horse", "market", "window", "doctor", "garden", "song", "bridge", "cat", "lamp", "king", "mirror",
          "forest", "sailor", "candle", "wolf", "village", "painter", "road", "basket", "tower", "queen",
          "island", "baker", "cloud", "door", "soldier", "kettle", "mountain", "student", "apple", "ladder",
          "shadow", "priest", "wagon", "flower", "hunter", "bell"]
+# fmt: on
+# fmt: off
 VERBS = ["sees", "finds", "carries", "paints", "follows", "builds", "hears", "loves", "opens", "watches",
          "remembers", "sells", "breaks", "hides", "feeds", "fears", "pulls", "greets", "washes", "leaves",
          "chases", "draws", "keeps", "visits", "forgets", "calls", "burns", "lifts", "praises", "counts"]
+# fmt: on
 PREPS = ["near", "under", "behind", "with", "without", "beside", "above", "inside"]
 TARGET_WORDS = DETS + ADJS + NOUNS + VERBS + PREPS
 ONSETS, VOWELS, CODAS = "b d g k l m n p r s t v z".split(), "a e i o u".split(), ["", "", "", "n", "r"]
 
 
-
+# fmt: off
 @dataclass(frozen=True)
 class Dialect:
     order: str  # constituent order: S(ubject) V(erb) O(bject) P(repositional phrase)
@@ -51,8 +57,10 @@ class Dialect:
     postpositions: bool = False  # "near the tree" -> "the tree near"
     particles: tuple = (None, None)  # function words after the subject and after the object
     mirrored: bool = False  # the finished sentence read backwards
+# fmt: on
 
 
+# fmt: off
 DIALECTS = {
     "lowland": Dialect("SVOP"),
     "harbor": Dialect("SPOV", "det noun adj", postpositions=True, particles=("ga", "wo")),
@@ -63,6 +71,7 @@ DIALECTS = {
     "valley": Dialect("OSVP", particles=(None, "ka")),
     "steppe": Dialect("PSOV", "noun adj det", postpositions=True),
 }
+# fmt: on
 PARTICLES = {p for d in DIALECTS.values() for p in d.particles if p}
 
 
@@ -89,7 +98,7 @@ def dialect_lexicons(rng: random.Random, synonyms: int = 1) -> dict:
     for name in DIALECTS:
         forms = pool[:]
         rng.shuffle(forms)
-        lexicons[name] = {word: tuple(forms[i * synonyms:(i + 1) * synonyms]) for i, word in enumerate(TARGET_WORDS)}
+        lexicons[name] = {word: tuple(forms[i * synonyms : (i + 1) * synonyms]) for i, word in enumerate(TARGET_WORDS)}
     return lexicons
 
 
@@ -150,8 +159,12 @@ def main(argv=None):
     parser.add_argument("--valid", type=int, default=100, help="validation pairs per dialect")
     parser.add_argument("--test", type=int, default=200, help="test pairs per dialect")
     parser.add_argument("--dialects", type=int, default=len(DIALECTS), help=f"how many of the {len(DIALECTS)} dialects")
-    parser.add_argument("--synonyms", type=int, default=1,
-                        help="source forms per target word per dialect (more = harder: more to learn)")
+    parser.add_argument(
+        "--synonyms",
+        type=int,
+        default=1,
+        help="source forms per target word per dialect (more = harder: more to learn)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if not 1 <= args.dialects <= len(DIALECTS):

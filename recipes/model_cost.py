@@ -30,8 +30,10 @@ def model_cost(tensors: dict, expert_keys: set, experts, k) -> dict:
     (each with E slices along dim 0); ``experts``/``k`` are E and top-k (None for a dense model).
     """
     if expert_keys and not (experts and k):
-        raise ValueError(f"{len(expert_keys)} expert tensors but experts={experts!r}, k={k!r}: "
-                         "the checkpoint's model config must name --moe-expert-count and --moe-top-k")
+        raise ValueError(
+            f"{len(expert_keys)} expert tensors but experts={experts!r}, k={k!r}: "
+            "the checkpoint's model config must name --moe-expert-count and --moe-top-k"
+        )
     total = active = 0
     flops = {"encoder": 0, "decoder": 0}
     for key, tensor in tensors.items():

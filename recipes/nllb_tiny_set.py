@@ -25,17 +25,21 @@ import torch
 LANGS = ["eng_Latn", "fra_Latn", "deu_Latn"]
 PREFIX = "checkpoint_2_300000"
 EXPERTS, RANKS, MOE_FREQ, SYMBOLS = 4, 8, 2, 60
+# fmt: off
 SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
          "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
          "--decoder-attention-heads", "2", "--encoder-normalize-before", "--decoder-normalize-before",
          "--share-all-embeddings", "--attention-dropout", "0.1", "--relu-dropout", "0.0", "--dropout", "0.1"]
+# fmt: on
 # The branch's MoE options, as examples/nllb/modeling/sweep/sweep_mmt.py sets them for NLLB-200 MoE.
+# fmt: off
 BRANCH_MOE = dict(moe_expert_count=EXPERTS, moe_freq=MOE_FREQ, encoder_moe_freq=MOE_FREQ, decoder_moe_freq=MOE_FREQ,
                   moe_gating_use_fp32=True, moe_second_expert_policy="all",
                   moe_normalize_gate_prob_before_dropping=False, moe_eval_capacity_token_fraction=1.0,
                   use_moe_pad_mask=True, moe_normalize_expert_grad="sqrt_world_size", moe_eom=0.2,
                   moe_gate_loss_wt=0.01, moe_gate_loss_combine_method="sum", moe_batch_prioritized_routing=False,
                   moe_cmr=False, moe_top1_expert=False, moe_local_drop=0.0, replication_count=RANKS // EXPERTS)
+# fmt: on
 
 
 def write_text(out, rng):
@@ -62,10 +66,26 @@ def dense_model(out):
     for lang in LANGS:  # the multilingual task reads dict.<lang>.txt
         with open(os.path.join(out, "dictionary.txt")) as src, open(os.path.join(out, f"dict.{lang}.txt"), "w") as dst:
             dst.write(src.read())
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        out, "--task", "translation_multi_simple_epoch_nllb", "--arch", "transformer", "--langs", ",".join(LANGS),
-        "--lang-pairs", "eng_Latn-fra_Latn", "--encoder-langtok", "src", "--decoder-langtok",
-        "--add-data-source-prefix-tags", "--cpu", *SHAPE])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            out,
+            "--task",
+            "translation_multi_simple_epoch_nllb",
+            "--arch",
+            "transformer",
+            "--langs",
+            ",".join(LANGS),
+            "--lang-pairs",
+            "eng_Latn-fra_Latn",
+            "--encoder-langtok",
+            "src",
+            "--decoder-langtok",
+            "--add-data-source-prefix-tags",
+            "--cpu",
+            *SHAPE,
+        ],
+    )
     task = tasks.setup_task(args)
     for lang in LANGS:
         os.remove(os.path.join(out, f"dict.{lang}.txt"))
@@ -86,38 +106,75 @@ def main(argv=None):
     shared, experts = {}, {}
     for key, tensor in model.state_dict().items():
         side, stack, layer, name = (key.split(".", 3) + ["", "", ""])[:4]
-        if side in ("encoder", "decoder") and stack == "layers" and (int(layer) + 1) % MOE_FREQ == 0 \
-                and name.split(".")[0] in ("fc1", "fc2"):
+        if (
+            side in ("encoder", "decoder")
+            and stack == "layers"
+            and (int(layer) + 1) % MOE_FREQ == 0
+            and name.split(".")[0] in ("fc1", "fc2")
+        ):
             # E experts in place of the FFN, each its own random draw of that shape and scale
-            experts[(f"{side}.layers.{layer}", name)] = [torch.randn_like(tensor) * tensor.std() for _ in
-                                                         range(EXPERTS)]
+            experts[(f"{side}.layers.{layer}", name)] = [
+                torch.randn_like(tensor) * tensor.std() for _ in range(EXPERTS)
+            ]
             if name == "fc1.weight":
                 shared[f"{side}.layers.{layer}.moe_layer.gate.wg.weight"] = torch.randn(EXPERTS, tensor.shape[1]) * 0.1
         else:
             shared[key] = tensor.clone()
-    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not k.startswith("moe_")},
-                                 **BRANCH_MOE, _name="transformer")
-    task = {"_name": "translation_multi_simple_epoch", "langs": LANGS, "lang_pairs": ["eng_Latn-fra_Latn"],
-            "lang_tok_style": "multilingual", "encoder_langtok": "src", "decoder_langtok": True,
-            "add_data_source_prefix_tags": True}
-    cfg = {"_name": None, "common": {"seed": 2}, "model": options, "task": task,
-           "criterion": {"_name": "moe_label_smoothed_cross_entropy", "label_smoothing": 0.1,
-                         "moe_gate_loss_wt": 0.01, "moe_gate_loss_combine_method": "sum", "moe_cmr_loss_wt": 0.0},
-           "distributed_training": {"distributed_world_size": RANKS}}
-    head = {"cfg": cfg, "args": None, "extra_state": {"train_iterator": {"epoch": 2}},
-            "optimizer_history": [{"criterion_name": "MoELabelSmoothedCrossEntropyCriterion",
-                                   "optimizer_name": "FairseqAdam", "lr_scheduler_state": {"best": 2.5},
-                                   "num_updates": 300000}]}
-    torch.save({"model": shared, "last_optimizer_state": {"state": {}, "param_groups": []}},
-               os.path.join(out, f"{PREFIX}-shared.pt"))
+    options = argparse.Namespace(
+        **{k: v for k, v in vars(args).items() if not k.startswith("moe_")}, **BRANCH_MOE, _name="transformer"
+    )
+    task = {
+        "_name": "translation_multi_simple_epoch",
+        "langs": LANGS,
+        "lang_pairs": ["eng_Latn-fra_Latn"],
+        "lang_tok_style": "multilingual",
+        "encoder_langtok": "src",
+        "decoder_langtok": True,
+        "add_data_source_prefix_tags": True,
+    }
+    cfg = {
+        "_name": None,
+        "common": {"seed": 2},
+        "model": options,
+        "task": task,
+        "criterion": {
+            "_name": "moe_label_smoothed_cross_entropy",
+            "label_smoothing": 0.1,
+            "moe_gate_loss_wt": 0.01,
+            "moe_gate_loss_combine_method": "sum",
+            "moe_cmr_loss_wt": 0.0,
+        },
+        "distributed_training": {"distributed_world_size": RANKS},
+    }
+    head = {
+        "cfg": cfg,
+        "args": None,
+        "extra_state": {"train_iterator": {"epoch": 2}},
+        "optimizer_history": [
+            {
+                "criterion_name": "MoELabelSmoothedCrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "lr_scheduler_state": {"best": 2.5},
+                "num_updates": 300000,
+            }
+        ],
+    }
+    torch.save(
+        {"model": shared, "last_optimizer_state": {"state": {}, "param_groups": []}},
+        os.path.join(out, f"{PREFIX}-shared.pt"),
+    )
     for rank in range(RANKS):
-        model_state = {f"{layer}.moe_layer.experts.0.{name}": tensors[rank % EXPERTS].clone()
-                       for (layer, name), tensors in experts.items()}
+        model_state = {
+            f"{layer}.moe_layer.experts.0.{name}": tensors[rank % EXPERTS].clone()
+            for (layer, name), tensors in experts.items()
+        }
         torch.save({**head, "model": model_state}, os.path.join(out, f"{PREFIX}-rank-{rank}.pt"))
     rows = shared["encoder.embed_tokens.weight"].shape[0]
-    print(f"wrote {out}/{PREFIX}-shared.pt + {RANKS} rank files ({EXPERTS} experts, replicas), dictionary.txt "
-          f"({SYMBOLS} symbols; embedding {rows} rows = 4 + {SYMBOLS} + {len(LANGS)} languages + 3 tags), "
-          f"langs.txt, raw/")
+    print(
+        f"wrote {out}/{PREFIX}-shared.pt + {RANKS} rank files ({EXPERTS} experts, replicas), dictionary.txt "
+        f"({SYMBOLS} symbols; embedding {rows} rows = 4 + {SYMBOLS} + {len(LANGS)} languages + 3 tags), "
+        f"langs.txt, raw/"
+    )
     if parsed.data_bin:
         binarize(out, parsed.data_bin)
     return 0
@@ -129,10 +186,30 @@ def binarize(out, dest):
 
     raw = os.path.join(out, "raw")
     dictionary = os.path.join(out, "dictionary.txt")
-    preprocess.main(options.get_preprocessing_parser().parse_args([
-        "-s", "eng_Latn", "-t", "fra_Latn", "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid",
-        "--testpref", f"{raw}/test", "--srcdict", dictionary, "--tgtdict", dictionary, "--destdir", dest,
-        "--workers", "1"]))
+    preprocess.main(
+        options.get_preprocessing_parser().parse_args(
+            [
+                "-s",
+                "eng_Latn",
+                "-t",
+                "fra_Latn",
+                "--trainpref",
+                f"{raw}/train",
+                "--validpref",
+                f"{raw}/valid",
+                "--testpref",
+                f"{raw}/test",
+                "--srcdict",
+                dictionary,
+                "--tgtdict",
+                dictionary,
+                "--destdir",
+                dest,
+                "--workers",
+                "1",
+            ]
+        )
+    )
     print(f"binarized raw/ into {dest} with dictionary.txt")
 
 

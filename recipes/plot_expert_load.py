@@ -44,8 +44,10 @@ def main(argv=None):
     records = train_records(args.log.read_text(errors="replace"))
     series = load_series(records)
     if not series:
-        raise SystemExit(f"{args.log}: no moe_load_* fields in train_inner records (was it an MoE criterion "
-                         "with --log-format json and without --moe-hide-expert-load?)")
+        raise SystemExit(
+            f"{args.log}: no moe_load_* fields in train_inner records (was it an MoE criterion "
+            "with --log-format json and without --moe-hide-expert-load?)"
+        )
 
     import matplotlib
 
@@ -71,9 +73,11 @@ def main(argv=None):
 
     ax = axes[0][-1]
     updates = [int(r["num_updates"]) for r in records]
-    for key, label, style in (("moe_gate_loss", "balance loss (1 = balanced)", "-"),
-                              ("moe_imbalance", "imbalance (max share x E)", "-"),
-                              ("moe_dropped_frac", "dropped fraction", ":")):
+    for key, label, style in (
+        ("moe_gate_loss", "balance loss (1 = balanced)", "-"),
+        ("moe_imbalance", "imbalance (max share x E)", "-"),
+        ("moe_dropped_frac", "dropped fraction", ":"),
+    ):
         if key in records[0]:
             ax.plot(updates, [float(r[key]) for r in records], style, label=label, linewidth=1.3)
     ax.set_title("balance", fontsize=10)

@@ -72,8 +72,13 @@ def plot(matrices: dict, domains: list, info: dict, png: Path, title: str) -> No
 
     layers = list(matrices)
     experts = matrices[layers[0]].shape[1]
-    fig, axes = plt.subplots(1, len(layers), figsize=(1.8 + 0.62 * experts * len(layers), 0.55 * len(domains) + 1.9),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1,
+        len(layers),
+        figsize=(1.8 + 0.62 * experts * len(layers), 0.55 * len(domains) + 1.9),
+        squeeze=False,
+        sharey=True,
+    )
     for ax, layer in zip(axes[0], layers):
         share = matrices[layer]
         image = ax.imshow(share, cmap="viridis", vmin=0, vmax=max(0.5, float(share.max())), aspect="auto")
@@ -84,8 +89,15 @@ def plot(matrices: dict, domains: list, info: dict, png: Path, title: str) -> No
         for d in range(len(domains)):
             for e in range(experts):
                 value = share[d, e]
-                ax.text(e, d, f"{value:.2f}".lstrip("0"), ha="center", va="center", fontsize=8,
-                        color="black" if value > 0.6 * max(0.5, share.max()) else "white")
+                ax.text(
+                    e,
+                    d,
+                    f"{value:.2f}".lstrip("0"),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="black" if value > 0.6 * max(0.5, share.max()) else "white",
+                )
     fig.colorbar(image, ax=axes[0].tolist(), label="share of the domain's token-slots", shrink=0.9)
     fig.suptitle(title, fontsize=11)
     fig.savefig(png, dpi=110, bbox_inches="tight")
@@ -128,7 +140,7 @@ def main(argv=None):
         current["domain"] = domain
         ids = [i for i, label in enumerate(labels) if label == domain]
         for start in range(0, len(ids), args.batch_size):
-            batch = dataset.collater([dataset[i] for i in ids[start:start + args.batch_size]])
+            batch = dataset.collater([dataset[i] for i in ids[start : start + args.batch_size]])
             model(**batch["net_input"])
     for handle in handles:
         handle.remove()
@@ -143,15 +155,19 @@ def main(argv=None):
     plot(matrices, domains, info, args.png, args.title)
     result = {
         "domains": domains,
-        "layers": {layer: {"share": matrices[layer].round(4).tolist(), "mi_fraction": round(info[layer], 4)}
-                   for layer in layers},
+        "layers": {
+            layer: {"share": matrices[layer].round(4).tolist(), "mi_fraction": round(info[layer], 4)}
+            for layer in layers
+        },
     }
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1) + "\n")
     for layer in layers:
         favourite = {d: int(np.argmax(matrices[layer][i])) for i, d in enumerate(domains)}
-        print(f"{layer}: domain-expert MI {info[layer]:.2f} of H(domain); most used expert per domain: "
-              + ", ".join(f"{d} e{e}" for d, e in favourite.items()))
+        print(
+            f"{layer}: domain-expert MI {info[layer]:.2f} of H(domain); most used expert per domain: "
+            + ", ".join(f"{d} e{e}" for d, e in favourite.items())
+        )
 
 
 if __name__ == "__main__":

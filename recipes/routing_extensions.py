@@ -29,6 +29,7 @@ def describe_features(run: dict) -> str:
 
 def effect_lines(moe: dict, base: dict) -> list:
     """``moe`` (with the extensions) against ``base`` (the same MoE without them)."""
+
     def imbalance(run):
         return run["last"].get("moe_imbalance", "?")
 

@@ -43,15 +43,21 @@ def main(argv=None):
     refs = args.ref.read_text().splitlines()
     hyps = hypotheses(args.generate_output.read_text())
     if len(hyps) != len(refs):
-        sys.exit(f"{args.generate_output}: {len(hyps)} hypotheses for {len(refs)} references "
-                 "(did fairseq-generate finish, on the same --gen-subset?)")
+        sys.exit(
+            f"{args.generate_output}: {len(hyps)} hypotheses for {len(refs)} references "
+            "(did fairseq-generate finish, on the same --gen-subset?)"
+        )
     if args.hyp_out:
         args.hyp_out.write_text("".join(h + "\n" for h in hyps))
 
     metric = sacrebleu.BLEU()
     bleu = metric.corpus_score(hyps, [refs])
-    result = {"bleu": round(bleu.score, 2), "sacrebleu": str(bleu), "signature": str(metric.get_signature()),
-              "sentences": len(refs)}
+    result = {
+        "bleu": round(bleu.score, 2),
+        "sacrebleu": str(bleu),
+        "signature": str(metric.get_signature()),
+        "sentences": len(refs),
+    }
     if args.domains:
         labels = args.domains.read_text().splitlines()
         grouped = defaultdict(lambda: ([], []))

@@ -20,9 +20,7 @@ SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__
 
 
 def stdlib_files(root: Path) -> list:
-    return sorted(
-        p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
+    return sorted(p for p in root.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
 
 
 def bucket(relative: str) -> int:
@@ -35,8 +33,9 @@ def main(argv=None):
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--root", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     parser.add_argument("--percent", type=float, default=100.0, help="use this share of the files (by path hash)")
-    parser.add_argument("--heldout-percent", type=float, default=2.0,
-                        help="share of the used files for each of valid and test")
+    parser.add_argument(
+        "--heldout-percent", type=float, default=2.0, help="share of the used files for each of valid and test"
+    )
     args = parser.parse_args(argv)
 
     used = args.percent * 100

@@ -47,8 +47,12 @@ def checkpoint_cost(checkpoint: Path) -> dict:
     expert_keys = set(state.get("moe", {}).get("expert_keys", []))
     experts = getattr(model_cfg, "moe_expert_count", None) if expert_keys else None
     k = getattr(model_cfg, "moe_top_k", None) if expert_keys else None
-    return dict(model_cost(tensors, expert_keys, experts, k), experts=experts, k=k,
-                features=routing_features(model_cfg, state["model"]))
+    return dict(
+        model_cost(tensors, expert_keys, experts, k),
+        experts=experts,
+        k=k,
+        features=routing_features(model_cfg, state["model"]),
+    )
 
 
 def parameter_counts(checkpoint: Path):
@@ -65,9 +69,14 @@ def describe(name: str, directory: Path) -> dict:
     best = min(valid, key=lambda r: float(r["valid_loss"])) if valid else {}
     last = train[-1] if train else {}
     return {
-        "name": name, "bleu": bleu, **cost, "flops": cost["encoder_flops"] + cost["decoder_flops"],
-        "updates": last.get("num_updates", "?"), "wall": last.get("wall", "?"),
-        "valid_nll": best.get("valid_nll_loss", best.get("valid_loss", "?")), "valid_ppl": best.get("valid_ppl", "?"),
+        "name": name,
+        "bleu": bleu,
+        **cost,
+        "flops": cost["encoder_flops"] + cost["decoder_flops"],
+        "updates": last.get("num_updates", "?"),
+        "wall": last.get("wall", "?"),
+        "valid_nll": best.get("valid_nll_loss", best.get("valid_loss", "?")),
+        "valid_ppl": best.get("valid_ppl", "?"),
         "last": last,
     }
 
@@ -83,20 +92,26 @@ def comparisons(moe: dict, dense_runs: list) -> list:
         elif gain > 0:
             verdict = f"the MoE beats a dense model with {compute:.0%} of its FLOPs per token"
         else:
-            verdict = (f"the MoE does NOT beat a dense model with {compute:.0%} of its FLOPs per token: "
-                       "at equal compute its extra experts bought no BLEU here")
+            verdict = (
+                f"the MoE does NOT beat a dense model with {compute:.0%} of its FLOPs per token: "
+                "at equal compute its extra experts bought no BLEU here"
+            )
         lines.append(f"  {moe['name']} - {dense['name']}: {gain:+.2f} BLEU; {verdict}")
     return lines
 
 
 def upcycled_comparisons(upcycled: dict, dense_updates: int, others: list) -> list:
     """The upcycled MoE against every other run, each at its own total of updates (equal in the main job)."""
-    lines = [f"{upcycled['name']}: {dense_updates} dense updates, then {upcycled['updates']} as an MoE upcycled from "
-             f"that checkpoint (sparse upcycling; every expert started as a copy of the dense FFN)"]
+    lines = [
+        f"{upcycled['name']}: {dense_updates} dense updates, then {upcycled['updates']} as an MoE upcycled from "
+        f"that checkpoint (sparse upcycling; every expert started as a copy of the dense FFN)"
+    ]
     for other in others:
         gain = upcycled["bleu"]["bleu"] - other["bleu"]["bleu"]
-        lines.append(f"  {upcycled['name']} - {other['name']}: {gain:+.2f} BLEU at {upcycled['total_updates']} vs "
-                     f"{other['total_updates']} updates")
+        lines.append(
+            f"  {upcycled['name']} - {other['name']}: {gain:+.2f} BLEU at {upcycled['total_updates']} vs "
+            f"{other['total_updates']} updates"
+        )
     return lines
 
 
@@ -104,8 +119,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", nargs=2, action="append", metavar=("NAME", "DIR"), required=True)
     parser.add_argument("--routing", type=Path, help="routing_by_domain.py's JSON output")
-    parser.add_argument("--upcycled", nargs=2, metavar=("NAME", "DENSE_UPDATES"),
-                        help="run NAME was upcycled from the dense checkpoint of update DENSE_UPDATES")
+    parser.add_argument(
+        "--upcycled",
+        nargs=2,
+        metavar=("NAME", "DENSE_UPDATES"),
+        help="run NAME was upcycled from the dense checkpoint of update DENSE_UPDATES",
+    )
     parser.add_argument("--title", default="main job")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--json-out", type=Path)

@@ -84,6 +84,7 @@ def pytest_collection_modifyitems(config, items):
 # The longest slow tests and module groups (measured on a quiet 2-core machine, longest first): node
 # id fragments. Each is about a minute of one worker; the tests/recipes ones would otherwise be
 # collected, and so started, last.
+# fmt: off
 LONGEST_FIRST = (
     "test_fault_injection.py::test_eleven_seeded_sigkills",
     "test_gpu_scripts.py::test_the_cpu_dry_run",
@@ -94,3 +95,4 @@ LONGEST_FIRST = (
     "test_fully_sharded_cli.py",
     "test_multiworker_cli.py",
 )
+# fmt: on

@@ -7,7 +7,8 @@
 # process); tests that share a module-scoped fixture stay on one worker (tests/conftest.py adds their
 # xdist_group). At the end it prints the wall time and the CPU time (user + sys of pytest and every
 # process it started), so that a figure taken on a loaded machine can still be compared. Without
-# paths (the whole suite, or --fast) it first runs the linter (ruff, settings in pyproject.toml).
+# paths (the whole suite, or --fast) it first runs the formatter check and the linter (ruff, settings in
+# pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/lib/venv.sh
@@ -28,6 +29,7 @@ for arg in "$@"; do
 done
 if [ ${#paths[@]} -eq 0 ]; then
   paths=(tests)
+  ruff format --check --quiet . || { echo "[tests/run.sh] ruff format would change the files above: run \`ruff format .\` (settings: pyproject.toml)" >&2; exit 1; }
   ruff check --quiet . || { echo "[tests/run.sh] ruff check found the problems above (settings: pyproject.toml)" >&2; exit 1; }
 fi
 

@@ -59,8 +59,10 @@ def checks(site: Path):
                 if error.name != "torch":
                     raise
                 need_torch.append(name)
-        yield (f"fairseq's compiled {', '.join(loaded)} loads against numpy {numpy.__version__}"
-               + (f"; {', '.join(need_torch)} imports torch (loaded on the GPU machine only)" if need_torch else ""))
+        yield (
+            f"fairseq's compiled {', '.join(loaded)} loads against numpy {numpy.__version__}"
+            + (f"; {', '.join(need_torch)} imports torch (loaded on the GPU machine only)" if need_torch else "")
+        )
     sources = list(site.rglob("*.py")) + list((ROOT / "benchmarks").rglob("*.py"))
     sources += list((ROOT / "fairseq_moe_ext").rglob("*.py"))
     warnings.simplefilter("ignore", SyntaxWarning)  # old escapes in fairseq: warnings, as on the machine

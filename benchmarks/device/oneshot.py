@@ -18,6 +18,7 @@ from report import DRY_RUN, HERE, LOGS, WORK, emit
 
 # (name, script, the most seconds it may take, the least it needs to start). The first imports the
 # plugin and builds a model under this torch before anything else runs.
+# fmt: off
 STEPS = [
     ("env", "oneshot_env.py", 90, 10),
     ("layer", "oneshot_layer.py", 100, 20),
@@ -26,6 +27,7 @@ STEPS = [
     ("bench", "oneshot_bench.py", 80, 20),
     ("fairseq", "oneshot_fairseq.py", 330, 40),
 ]
+# fmt: on
 TAR_RESERVE = 10  # seconds kept for the tarball after the last check
 
 
@@ -36,8 +38,9 @@ def run_step(name, script, budget, deadline):
     env = dict(os.environ, ONESHOT_DEADLINE=str(time.time() + limit), PYTHONUNBUFFERED="1")
     started = time.time()
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, str(HERE / script)], stdout=out, stderr=subprocess.STDOUT,
-                                   env=env, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / script)], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             status = process.wait(timeout=limit + 5)  # the check watches its own deadline; this is the backstop
         except subprocess.TimeoutExpired:
@@ -53,24 +56,41 @@ def run_step(name, script, budget, deadline):
 
 def cuda_missing():
     """Why this GPU run cannot use CUDA (None when it can)."""
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available(), torch.__version__)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available(), torch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     words = probe.stdout.split()
     if probe.returncode == 0 and words and words[0] == "True":
         return None
-    return (f"torch {words[1] if len(words) > 1 else '?'} sees no CUDA device (env_versions says more); the "
-            f"GPU-sized checks are not run on the CPU")
+    return (
+        f"torch {words[1] if len(words) > 1 else '?'} sees no CUDA device (env_versions says more); the "
+        f"GPU-sized checks are not run on the CPU"
+    )
 
 
 def summarize(figures_lines, out, started):
     records = [json.loads(line) for line in figures_lines if line.strip()]
     counts = {s: sum(r["status"] == s for r in records) for s in ("PASS", "FAIL", "SKIP")}
-    emit("DONE", "oneshot", f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP in "
-         f"{time.time() - started:.0f}s")
-    (out / "figures.json").write_text(json.dumps({
-        "dry_run": DRY_RUN, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "seconds": round(time.time() - started, 1), "counts": counts, "records": records,
-    }, indent=1, default=str))
+    emit(
+        "DONE",
+        "oneshot",
+        f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP in {time.time() - started:.0f}s",
+    )
+    (out / "figures.json").write_text(
+        json.dumps(
+            {
+                "dry_run": DRY_RUN,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+                "seconds": round(time.time() - started, 1),
+                "counts": counts,
+                "records": records,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
         tar.add(LOGS, arcname="logs", filter=lambda info: None if info.name.endswith(".pt") else info)
     return counts["FAIL"]
@@ -92,8 +112,12 @@ def main():
             emit("SKIP", name, f"(cuda) {no_cuda}")
             continue
         if deadline - time.time() < least:
-            emit("SKIP", name, f"(deadline) {max(deadline - time.time(), 0):.0f}s left of "
-                 f"{os.environ.get('ONESHOT_DEADLINE_S', '510')}s, it needs at least {least}s")
+            emit(
+                "SKIP",
+                name,
+                f"(deadline) {max(deadline - time.time(), 0):.0f}s left of "
+                f"{os.environ.get('ONESHOT_DEADLINE_S', '510')}s, it needs at least {least}s",
+            )
             continue
         run_step(name, script, budget, deadline)
         if name == "env" and not DRY_RUN:

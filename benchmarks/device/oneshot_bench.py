@@ -28,8 +28,12 @@ def ceiling(dev, dtype):
     b = torch.randn(n, n, device=dev, dtype=dtype)
     times = time_interleaved({"gemm": lambda: torch.mm(a, b)}, reps=sized(10, 3), warmup=3, device=dev)["gemm"]
     tflops = 2 * n**3 / median(times) / 1e12
-    emit("PASS", "bench_ceiling", f"dense {str(dtype)[6:]} {n}^3 matrix product: {tflops:.3g} TFLOP/s (median of "
-         f"{len(times)})", tflops=tflops)
+    emit(
+        "PASS",
+        "bench_ceiling",
+        f"dense {str(dtype)[6:]} {n}^3 matrix product: {tflops:.3g} TFLOP/s (median of {len(times)})",
+        tflops=tflops,
+    )
     return tflops
 
 

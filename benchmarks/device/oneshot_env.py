@@ -28,18 +28,30 @@ def torch_line():
         props = torch.cuda.get_device_properties(0)
         nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else "?"
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-        parts += [f"CUDA {torch.version.cuda}", f"cuDNN {torch.backends.cudnn.version()}", f"NCCL {nccl}",
-                  f"{torch.cuda.device_count()} x {props.name}", f"sm{props.major}{props.minor}",
-                  f"{props.total_memory / 2**30:.1f} GiB", f"{props.multi_processor_count} SMs"]
+        parts += [
+            f"CUDA {torch.version.cuda}",
+            f"cuDNN {torch.backends.cudnn.version()}",
+            f"NCCL {nccl}",
+            f"{torch.cuda.device_count()} x {props.name}",
+            f"sm{props.major}{props.minor}",
+            f"{props.total_memory / 2**30:.1f} GiB",
+            f"{props.multi_processor_count} SMs",
+        ]
         ok = True
     else:
         parts.append("no CUDA device" + (" (dry run: CUDA hidden)" if DRY_RUN else ""))
         ok = DRY_RUN
-    figures = {"python": platform.python_version(), "torch": torch.__version__,
-               "cuda": torch.version.cuda, "cuda_devices": torch.cuda.device_count() if not DRY_RUN else 0}
+    figures = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_devices": torch.cuda.device_count() if not DRY_RUN else 0,
+    }
     if not ok:
-        parts.append(f"torch.cuda.is_available() is False (torch built for CUDA {torch.version.cuda}): "
-                     "every CUDA check says SKIP (cuda)")
+        parts.append(
+            f"torch.cuda.is_available() is False (torch built for CUDA {torch.version.cuda}): "
+            "every CUDA check says SKIP (cuda)"
+        )
     verdict("env_versions", ok, ", ".join(parts), **figures)
 
 
@@ -50,9 +62,18 @@ def nvidia_smi_line():
         full = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
         (LOGS / "nvidia-smi.txt").write_text(full.stdout + full.stderr)
         query = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,temperature.gpu",
-             "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        verdict("env_nvidia_smi", query.returncode == 0, query.stdout.strip().replace("\n", " | ") or query.stderr.strip())
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,temperature.gpu",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        verdict(
+            "env_nvidia_smi", query.returncode == 0, query.stdout.strip().replace("\n", " | ") or query.stderr.strip()
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         emit("FAIL", "env_nvidia_smi", f"{type(error).__name__}: {error}")
 
@@ -61,17 +82,31 @@ def imports_line():
     from importlib.metadata import PackageNotFoundError, version
 
     found, missing = [], []
-    for name, dist in (("fairseq", "ve-fairseq"), ("hydra", "hydra-core"), ("omegaconf", "omegaconf"),
-                       ("bitarray", "bitarray"), ("antlr4", "antlr4-python3-runtime"), ("sacrebleu", "sacrebleu"),
-                       ("sentencepiece", "sentencepiece"), ("numpy", "numpy")):
+    for name, dist in (
+        ("fairseq", "ve-fairseq"),
+        ("hydra", "hydra-core"),
+        ("omegaconf", "omegaconf"),
+        ("bitarray", "bitarray"),
+        ("antlr4", "antlr4-python3-runtime"),
+        ("sacrebleu", "sacrebleu"),
+        ("sentencepiece", "sentencepiece"),
+        ("numpy", "numpy"),
+    ):
         try:
             module = importlib.import_module(name)
         except Exception as error:  # noqa: BLE001 - reported
             missing.append(f"{name} ({type(error).__name__}: {error})")
             continue
         where = os.path.dirname(getattr(module, "__file__", "") or "?")
-        site = ("carried" if where.startswith(str(WORK / "site")) else "machine" if "-packages" in where
-                else "tree" if where.startswith(str(ROOT)) else where)
+        site = (
+            "carried"
+            if where.startswith(str(WORK / "site"))
+            else "machine"
+            if "-packages" in where
+            else "tree"
+            if where.startswith(str(ROOT))
+            else where
+        )
         try:
             found.append(f"{name} {version(dist)} ({site})")
         except PackageNotFoundError:
@@ -86,13 +121,21 @@ def plugin_wheel_line():
         return emit("SKIP", "env_plugin_wheel", "no carried fairseq_moe_ext wheel installed (the tree's plugin runs)")
 
     def digests(folder):
-        return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+        return {
+            p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
 
     tree, wheel = digests(ROOT / "fairseq_moe_ext"), digests(installed)
     differ = sorted(n for n in tree.keys() | wheel.keys() if tree.get(n) != wheel.get(n))
-    verdict("env_plugin_wheel", not differ, "the carried wheel equals the tree" if not differ else
-            f"{len(differ)} files differ from the tree (rerun prepare_wheels.sh): {', '.join(differ[:5])}")
+    verdict(
+        "env_plugin_wheel",
+        not differ,
+        "the carried wheel equals the tree"
+        if not differ
+        else f"{len(differ)} files differ from the tree (rerun prepare_wheels.sh): {', '.join(differ[:5])}",
+    )
 
 
 def private_api_line():
@@ -101,8 +144,12 @@ def private_api_line():
     have = {name: bool(probe()) for name, probe in PRIVATE_APIS.items()}
     missing = [n for n, ok in have.items() if not ok]
     # A missing one has a fallback or a one-line refusal (README, "Torch versions"): INFO, not FAIL.
-    emit("INFO", "env_torch_private_apis", "all present" if not missing else f"missing (fallbacks in use): {missing}",
-         apis=have)
+    emit(
+        "INFO",
+        "env_torch_private_apis",
+        "all present" if not missing else f"missing (fallbacks in use): {missing}",
+        apis=have,
+    )
 
 
 def write_dictionaries(folder: Path, vocab: int = 40) -> Path:
@@ -124,10 +171,32 @@ def build_translation_model(data: Path, on_cpu: bool, *flags: str):
 
     import fairseq_moe_ext
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(data), "--user-dir", fairseq_moe_ext.PACKAGE_DIR, "--task", "translation", "--source-lang", "src",
-        "--target-lang", "tgt", "--arch", "moe_transformer_tiny", "--criterion", "moe_label_smoothed_cross_entropy",
-        "--label-smoothing", "0.1", "--seed", "1", "--dropout", "0", *(["--cpu"] if on_cpu else []), *flags])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            str(data),
+            "--user-dir",
+            fairseq_moe_ext.PACKAGE_DIR,
+            "--task",
+            "translation",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--arch",
+            "moe_transformer_tiny",
+            "--criterion",
+            "moe_label_smoothed_cross_entropy",
+            "--label-smoothing",
+            "0.1",
+            "--seed",
+            "1",
+            "--dropout",
+            "0",
+            *(["--cpu"] if on_cpu else []),
+            *flags,
+        ],
+    )
     cfg = convert_namespace_to_omegaconf(args)
     utils.set_torch_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
@@ -171,6 +240,7 @@ def plugin_and_model(on_cpu: bool):
     import fairseq_cli.generate  # noqa: F401
     import fairseq_cli.preprocess  # noqa: F401
     import fairseq_cli.train  # noqa: F401
+
     imported = time.time() - started
     dev = torch.device("cpu") if on_cpu else device()
     task, model, criterion = build_translation_model(write_dictionaries(WORK / "dicts"), dev.type == "cpu")
@@ -180,10 +250,14 @@ def plugin_and_model(on_cpu: bool):
     if dev.type == "cuda":
         steps["bf16 autocast"] = model_step(model, criterion, sample, torch.bfloat16)
     ok = all(finite and loss == loss and abs(loss) != float("inf") for loss, finite, _ in steps.values())
-    said = "; ".join(f"{k} loss {loss:.4f}, {n} gradients {'finite' if finite else 'NOT finite'}"
-                     for k, (loss, finite, n) in steps.items())
-    return ok, (f"fairseq + plugin imported in {imported:.1f}s; moe_transformer_tiny ({sum(p.numel() for p in model.parameters())} "
-                f"parameters) built by fairseq's parser and task on {dev}; one step: {said}")
+    said = "; ".join(
+        f"{k} loss {loss:.4f}, {n} gradients {'finite' if finite else 'NOT finite'}"
+        for k, (loss, finite, n) in steps.items()
+    )
+    return ok, (
+        f"fairseq + plugin imported in {imported:.1f}s; moe_transformer_tiny ({sum(p.numel() for p in model.parameters())} "
+        f"parameters) built by fairseq's parser and task on {dev}; one step: {said}"
+    )
 
 
 def main():

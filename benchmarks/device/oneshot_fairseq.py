@@ -30,9 +30,11 @@ RUNS = WORK / "runs"
 UPDATES = sized(300, 12)
 BOUNDS = {"fp16": 0.03, "amp": 0.03, "bf16": 0.05}
 FALL = sized(0.7, 0.95)  # the last train loss at most this times the first (the dry run trains 12 updates)
+# fmt: off
 COMBINED = ["--bf16", "--moe-capacity-factor", "1.25", "--moe-batch-prioritized-routing",
             "--moe-shared-expert-count", "1", "--moe-balance", "bias", "--moe-bias-update-rate", "1e-3",
             "--checkpoint-activations"]
+# fmt: on
 
 
 def corpus():
@@ -40,8 +42,10 @@ def corpus():
     try:
         import pytest  # noqa: F401  (fairseq_helpers reports a failed preprocess through pytest.fail)
     except ImportError:
+
         def fail(message, pytrace=True):
             raise SystemExit(message)
+
         sys.modules["pytest"] = types.SimpleNamespace(fail=fail, mark=types.SimpleNamespace())
     import fairseq_helpers
 
@@ -60,18 +64,55 @@ def env():
 def train_flags(data, save_dir, *extra, seed=1):
     import fairseq_moe_ext
 
-    return [str(data), "--user-dir", fairseq_moe_ext.PACKAGE_DIR, "--arch", "moe_transformer_tiny",
-            "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "30",
-            "--clip-norm", "1.0", "--max-tokens", str(sized(2000, 400)), "--max-update", str(UPDATES),
-            "--seed", str(seed), "--num-workers", "0", "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-            "--log-format", "json", "--log-interval", str(sized(20, 4)), *(["--cpu"] if DRY_RUN else []), *extra]
+    return [
+        str(data),
+        "--user-dir",
+        fairseq_moe_ext.PACKAGE_DIR,
+        "--arch",
+        "moe_transformer_tiny",
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "3e-3",
+        "--lr-scheduler",
+        "inverse_sqrt",
+        "--warmup-updates",
+        "30",
+        "--clip-norm",
+        "1.0",
+        "--max-tokens",
+        str(sized(2000, 400)),
+        "--max-update",
+        str(UPDATES),
+        "--seed",
+        str(seed),
+        "--num-workers",
+        "0",
+        "--save-dir",
+        str(save_dir),
+        "--no-epoch-checkpoints",
+        "--log-format",
+        "json",
+        "--log-interval",
+        str(sized(20, 4)),
+        *(["--cpu"] if DRY_RUN else []),
+        *extra,
+    ]
 
 
 def start(name, command):
     log = open(LOGS / "fairseq" / f"{name}.log", "w")
-    return name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=str(WORK),
-                                  start_new_session=True), log
+    return (
+        name,
+        subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=str(WORK), start_new_session=True
+        ),
+        log,
+    )
 
 
 def wait_all(started, margin=20):
@@ -117,20 +158,40 @@ def failed_run(name, result):
 
 
 def precision_runs(data):
-    plan = {"fp32": [], "fp32_seed2": [], "bf16": ["--bf16"], "fp16": ["--fp16"], "amp": ["--amp"],
-            "combined_bf16": COMBINED, "deterministic_1": ["--bf16", "--moe-deterministic"],
-            "deterministic_2": ["--bf16", "--moe-deterministic"]}
+    plan = {
+        "fp32": [],
+        "fp32_seed2": [],
+        "bf16": ["--bf16"],
+        "fp16": ["--fp16"],
+        "amp": ["--amp"],
+        "combined_bf16": COMBINED,
+        "deterministic_1": ["--bf16", "--moe-deterministic"],
+        "deterministic_2": ["--bf16", "--moe-deterministic"],
+    }
     if DRY_RUN:
         for name in ("fp16", "amp", "fp32_seed2"):
             plan.pop(name)
-    started = [start(name, [sys.executable, "-m", "fairseq_cli.train",
-                            *train_flags(data, RUNS / name, *flags, seed=2 if name == "fp32_seed2" else 1)])
-               for name, flags in plan.items()]
+    started = [
+        start(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "fairseq_cli.train",
+                *train_flags(data, RUNS / name, *flags, seed=2 if name == "fp32_seed2" else 1),
+            ],
+        )
+        for name, flags in plan.items()
+    ]
     began = time.time()
     status = wait_all(started)
     results = {name: outcome(name, status[name]) for name in plan}
-    emit("INFO", "fairseq_runs", f"{len(plan)} runs of {UPDATES} updates side by side on "
-         f"{'the CPU' if DRY_RUN else 'one GPU'} in {time.time() - began:.0f}s")
+    emit(
+        "INFO",
+        "fairseq_runs",
+        f"{len(plan)} runs of {UPDATES} updates side by side on "
+        f"{'the CPU' if DRY_RUN else 'one GPU'} in {time.time() - began:.0f}s",
+    )
     return results
 
 
@@ -138,12 +199,22 @@ def judge_precisions(results):
     if "fp32" not in results or failed_run("fairseq_fp32", results["fp32"]):
         return
     train32, valid32 = results["fp32"][0][-1], results["fp32"][1]
-    emit("PASS", "fairseq_fp32", f"baseline: last train loss {train32:.3f} (first {results['fp32'][0][0]:.3f}), "
-         f"valid {valid32:.3f} after {UPDATES} updates", train=train32, valid=valid32)
+    emit(
+        "PASS",
+        "fairseq_fp32",
+        f"baseline: last train loss {train32:.3f} (first {results['fp32'][0][0]:.3f}), "
+        f"valid {valid32:.3f} after {UPDATES} updates",
+        train=train32,
+        valid=valid32,
+    )
     if "fp32_seed2" in results and not failed_run("fairseq_fp32_seed2", results["fp32_seed2"]):
         t, v = results["fp32_seed2"][0][-1], results["fp32_seed2"][1]
-        emit("INFO", "fairseq_fp32_seed2", f"run-to-run yardstick, another seed: train {t:.3f} "
-             f"({abs(t - train32) / train32:.1%} from fp32), valid {v:.3f} ({abs(v - valid32) / valid32:.1%})")
+        emit(
+            "INFO",
+            "fairseq_fp32_seed2",
+            f"run-to-run yardstick, another seed: train {t:.3f} "
+            f"({abs(t - train32) / train32:.1%} from fp32), valid {v:.3f} ({abs(v - valid32) / valid32:.1%})",
+        )
     for precision, bound in BOUNDS.items():
         name = f"fairseq_{precision}"
         if precision not in results:
@@ -154,18 +225,27 @@ def judge_precisions(results):
         train, valid, skipped, _, _ = results[precision]
         d_train, d_valid = abs(train[-1] - train32) / train32, abs(valid - valid32) / valid32
         storm = max(3, 0.05 * UPDATES)
-        verdict(name, d_train <= bound and d_valid <= bound and skipped <= storm,
-                f"train {train[-1]:.3f} ({d_train:.1%} from fp32), valid {valid:.3f} ({d_valid:.1%}), bound {bound:.0%}; "
-                f"{skipped} skipped steps (at most {storm:.0f})", train=train[-1], valid=valid, skipped=skipped)
+        verdict(
+            name,
+            d_train <= bound and d_valid <= bound and skipped <= storm,
+            f"train {train[-1]:.3f} ({d_train:.1%} from fp32), valid {valid:.3f} ({d_valid:.1%}), bound {bound:.0%}; "
+            f"{skipped} skipped steps (at most {storm:.0f})",
+            train=train[-1],
+            valid=valid,
+            skipped=skipped,
+        )
 
 
 def judge_combined(results):
     if failed_run("fairseq_combined_bf16", results["combined_bf16"]):
         return
     train, valid, skipped, _, _ = results["combined_bf16"]
-    verdict("fairseq_combined_bf16", train[-1] <= FALL * train[0],
-            f"bf16 + capacity 1.25 + batch-prioritised + 1 shared expert + bias balancing + activation checkpointing: "
-            f"train {train[0]:.3f} -> {train[-1]:.3f} (must fall {1 - FALL:.0%}), valid {valid:.3f}, {skipped} skipped")
+    verdict(
+        "fairseq_combined_bf16",
+        train[-1] <= FALL * train[0],
+        f"bf16 + capacity 1.25 + batch-prioritised + 1 shared expert + bias balancing + activation checkpointing: "
+        f"train {train[0]:.3f} -> {train[-1]:.3f} (must fall {1 - FALL:.0%}), valid {valid:.3f}, {skipped} skipped",
+    )
 
 
 def same_checkpoints(first, second):
@@ -184,8 +264,12 @@ def judge_deterministic(results):
     if any(failed_run(f"fairseq_{n}", results[n]) for n in ("deterministic_1", "deterministic_2")):
         return
     count, differ = same_checkpoints(RUNS / "deterministic_1", RUNS / "deterministic_2")
-    verdict("fairseq_deterministic", not differ, f"two --moe-deterministic --bf16 runs: {count - len(differ)}/{count} "
-            f"tensors of checkpoint_last.pt bit-identical{'; first differing: ' + differ[0] if differ else ''}")
+    verdict(
+        "fairseq_deterministic",
+        not differ,
+        f"two --moe-deterministic --bf16 runs: {count - len(differ)}/{count} "
+        f"tensors of checkpoint_last.pt bit-identical{'; first differing: ' + differ[0] if differ else ''}",
+    )
 
 
 def free_port():
@@ -207,23 +291,52 @@ def two_ranks(data):
         name = f"two_ranks_{backend.replace(':', '_').replace(',', '+')}"
         if out_of_time(f"fairseq_{name}", 40):
             return None
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), "-m", "fairseq_cli.train",
-                   *train_flags(data, RUNS / name, "--distributed-world-size", "2", "--ddp-backend", "legacy_ddp",
-                                "--bf16", *([] if DRY_RUN else ["--distributed-backend", backend]))]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "fairseq_cli.train",
+            *train_flags(
+                data,
+                RUNS / name,
+                "--distributed-world-size",
+                "2",
+                "--ddp-backend",
+                "legacy_ddp",
+                "--bf16",
+                *([] if DRY_RUN else ["--distributed-backend", backend]),
+            ),
+        ]
         status = wait_all([start(name, command)])[name]
         result = outcome(name, status)
-        label = ("dry run: 2 gloo ranks on CPU" if DRY_RUN else "2 GPUs over NCCL" if backend == "nccl"
-                 else f"emulation: 2 ranks share one GPU over {backend}")
+        label = (
+            "dry run: 2 gloo ranks on CPU"
+            if DRY_RUN
+            else "2 GPUs over NCCL"
+            if backend == "nccl"
+            else f"emulation: 2 ranks share one GPU over {backend}"
+        )
         if not failed_run(f"fairseq_{name}", result):
             train, valid = result[0], result[1]
             set_file = RUNS / name / "checkpoint_last.set.json"
-            verdict(f"fairseq_{name}", set_file.exists() and train[-1] < FALL * train[0],
-                    f"({label}) bf16 legacy_ddp: train {train[0]:.3f} -> {train[-1]:.3f}, valid {valid:.3f}; "
-                    f"per-rank set saved: {set_file.exists()}")
+            verdict(
+                f"fairseq_{name}",
+                set_file.exists() and train[-1] < FALL * train[0],
+                f"({label}) bf16 legacy_ddp: train {train[0]:.3f} -> {train[-1]:.3f}, valid {valid:.3f}; "
+                f"per-rank set saved: {set_file.exists()}",
+            )
             return RUNS / name
-        emit("INFO", f"fairseq_{name}", f"({label}) did not run through: see logs/fairseq/{name}.log"
-             + ("; trying the next backend" if backend != backends[-1] else ""))
+        emit(
+            "INFO",
+            f"fairseq_{name}",
+            f"({label}) did not run through: see logs/fairseq/{name}.log"
+            + ("; trying the next backend" if backend != backends[-1] else ""),
+        )
     return None
 
 
@@ -233,16 +346,33 @@ def generate(data, save_dir):
         return emit("SKIP", f"fairseq_{name}", "no two-rank set was saved to generate from")
     if out_of_time(f"fairseq_{name}", 15):
         return
-    command = [sys.executable, "-m", "fairseq_cli.generate", str(data), "--user-dir",
-               str(ROOT / "fairseq_moe_ext"), "--path", str(save_dir / "checkpoint_last.pt"), "--beam", "2",
-               "--max-tokens", "2000", "--num-workers", "0", *(["--cpu"] if DRY_RUN else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "fairseq_cli.generate",
+        str(data),
+        "--user-dir",
+        str(ROOT / "fairseq_moe_ext"),
+        "--path",
+        str(save_dir / "checkpoint_last.pt"),
+        "--beam",
+        "2",
+        "--max-tokens",
+        "2000",
+        "--num-workers",
+        "0",
+        *(["--cpu"] if DRY_RUN else []),
+    ]
     status = wait_all([start(name, command)], margin=5)[name]
     text = read_log(name)
     hypotheses = len(re.findall(r"^H-\d+", text, re.MULTILINE))
     bleu = re.search(r"BLEU4? = ([\d.]+)", text)
-    verdict(f"fairseq_{name}", status == 0 and hypotheses > 0,
-            f"one process from the 2-rank set {save_dir.name}: exit {status}, {hypotheses} hypotheses, "
-            f"BLEU {bleu.group(1) if bleu else '?'}")
+    verdict(
+        f"fairseq_{name}",
+        status == 0 and hypotheses > 0,
+        f"one process from the 2-rank set {save_dir.name}: exit {status}, {hypotheses} hypotheses, "
+        f"BLEU {bleu.group(1) if bleu else '?'}",
+    )
 
 
 def main():

@@ -31,8 +31,12 @@ def experts_on(dev, d, h, e, matmul):
     experts = experts.to_empty(device=dev)
     g = torch.Generator(device=dev).manual_seed(1)
     with torch.no_grad():
-        for p, fan_in in ((experts.batched_fc1_w, d), (experts.batched_fc1_b, d),
-                          (experts.batched_fc2_w, h), (experts.batched_fc2_b, h)):
+        for p, fan_in in (
+            (experts.batched_fc1_w, d),
+            (experts.batched_fc1_b, d),
+            (experts.batched_fc2_w, h),
+            (experts.batched_fc2_b, h),
+        ):
             p.copy_((torch.rand(p.shape, generator=g, device=dev) * 2 - 1) / math.sqrt(fan_in))
     return experts
 
@@ -92,10 +96,16 @@ def compare(dev, d, h, e):
                 worst = (key, err_grouped, err_loop)
         idle_zero = all(not grouped[k][idle].any() for k in grouped if k.startswith("batched") and idle)
         repeat = all(torch.equal(grouped[k], again[k]) for k in grouped)
-        verdict(name, ratio_ok and idle_zero and repeat,
-                f"bf16 d={d} H={h}, {rows} rows: worst vs fp32 {worst[0]} grouped {worst[1]:.1e} / loop {worst[2]:.1e} "
-                f"(bound max(2x loop, 2e-2)); {len(idle)} idle experts' gradients exactly 0: {idle_zero}; "
-                f"repeat bit-identical: {repeat}", worst=worst, idle_zero=idle_zero, repeat=repeat)
+        verdict(
+            name,
+            ratio_ok and idle_zero and repeat,
+            f"bf16 d={d} H={h}, {rows} rows: worst vs fp32 {worst[0]} grouped {worst[1]:.1e} / loop {worst[2]:.1e} "
+            f"(bound max(2x loop, 2e-2)); {len(idle)} idle experts' gradients exactly 0: {idle_zero}; "
+            f"repeat bit-identical: {repeat}",
+            worst=worst,
+            idle_zero=idle_zero,
+            repeat=repeat,
+        )
         del want, loop, grouped, again
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -111,8 +121,12 @@ def main():
 
         return emit("SKIP", "grouped_mm", f"torch {t.__version__} has no torch._grouped_mm: the loop runs everywhere")
     if dev.type == "cuda" and torch.cuda.get_device_capability()[0] not in (9, 10):
-        emit("INFO", "grouped_mm", f"sm{''.join(map(str, torch.cuda.get_device_capability()))}: 'auto' keeps the "
-             "loop here; the grouped kernel is checked all the same")
+        emit(
+            "INFO",
+            "grouped_mm",
+            f"sm{''.join(map(str, torch.cuda.get_device_capability()))}: 'auto' keeps the "
+            "loop here; the grouped kernel is checked all the same",
+        )
     d, h = sized((2048, 8192), (64, 128))
     for e in sized((8, 64), (8, 16)):
         run_guarded(f"grouped_mm[E={e}]", compare, dev, d, h, e)

@@ -30,10 +30,17 @@ from fairseq_moe_ext.moe.lockstep import LockStep  # noqa: E402
 D, H, E = 64, 128, 8
 SIZES = [13, 29]  # tokens per rank: uneven
 # Per rank, (stack, tokens) calls in its own order (rank 1 runs more decoder steps than rank 0).
+# fmt: off
 PLANS = [[(0, 5), (1, 5), (1, 4), (1, 1), (0, 2), (1, 2)],
          [(0, 7), (1, 7), (0, 3), (1, 3), (1, 3), (1, 3), (1, 2), (1, 1)]]
-LABEL = ("dry run: 2 gloo ranks on CPU" if DRY_RUN else "2 GPUs over NCCL" if torch.cuda.device_count() >= 2
-         else "emulation: 2 ranks share one GPU over cuda:gloo")
+# fmt: on
+LABEL = (
+    "dry run: 2 gloo ranks on CPU"
+    if DRY_RUN
+    else "2 GPUs over NCCL"
+    if torch.cuda.device_count() >= 2
+    else "emulation: 2 ranks share one GPU over cuda:gloo"
+)
 
 
 def free_port():
@@ -44,7 +51,9 @@ def free_port():
 
 def layer(group, cf=0.0, statistics_group=None, seed=5, d=D, h=H):
     torch.manual_seed(0)  # the router (shared) from a common seed; experts are seeded by global id
-    return MoELayer(MoELayerConfig(d, h, E, capacity_factor=cf), seed=seed, group=group, statistics_group=statistics_group)
+    return MoELayer(
+        MoELayerConfig(d, h, E, capacity_factor=cf), seed=seed, group=group, statistics_group=statistics_group
+    )
 
 
 def batch(n_total, seed=1):
@@ -56,9 +65,14 @@ def objective(moe, x, upstream, weight, mask=None):
     x = x.detach().clone().requires_grad_()
     y, aux = moe.forward_with_aux(x, mask)
     ((y * upstream).sum() + weight * (aux.balance_loss + 0.1 * aux.z_loss)).backward()
-    return {"y": y.detach().cpu(), "x": x.grad.cpu(), "balance": float(aux.balance_loss.detach()), "z": float(aux.z_loss.detach()),
-            "dropped": float(aux.stats["dropped_slots"]),
-            "grads": {n: p.grad.detach().cpu() for n, p in moe.named_parameters() if p.grad is not None}}
+    return {
+        "y": y.detach().cpu(),
+        "x": x.grad.cpu(),
+        "balance": float(aux.balance_loss.detach()),
+        "z": float(aux.z_loss.detach()),
+        "dropped": float(aux.stats["dropped_slots"]),
+        "grads": {n: p.grad.detach().cpu() for n, p in moe.named_parameters() if p.grad is not None},
+    }
 
 
 # ---------------------------------------------------------------- two ranks (workers)
@@ -91,7 +105,11 @@ def worker(rank, world, port, backend, out_dir):
     results["replicas"] = result
     # A rank whose batch is all padding (fairseq's dummy batch).
     moe = layer(dist.group.WORLD, 0.5).to(dev)
-    pad = torch.zeros(SIZES[rank], dtype=torch.bool, device=dev) if rank == 0 else torch.ones(6, dtype=torch.bool, device=dev)
+    pad = (
+        torch.zeros(SIZES[rank], dtype=torch.bool, device=dev)
+        if rank == 0
+        else torch.ones(6, dtype=torch.bool, device=dev)
+    )
     xs = x[rows] if rank == 0 else torch.randn(6, D)
     results["pad_only_rank"] = objective(moe, xs.to(dev), torch.ones(xs.shape).to(dev), 1.0, pad)
     # Lock-step inference, uneven rounds.
@@ -125,14 +143,17 @@ def lockstep_input(rank, call):
 def two_ranks(dev):
     backend = "gloo" if dev.type == "cpu" else "nccl" if torch.cuda.device_count() >= 2 else "cuda:gloo"
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(worker, args=(2, free_port(), backend, out_dir), nprocs=2, join=False,
-                                     start_method="spawn")
+        context = mp.start_processes(
+            worker, args=(2, free_port(), backend, out_dir), nprocs=2, join=False, start_method="spawn"
+        )
         limit = time.time() + max(left() - 15, 10)
         while not context.join(timeout=1):
             if time.time() > limit:
                 for process in context.processes:
                     process.kill()
-                return emit("FAIL", "groups_two_ranks", f"({LABEL}) the workers were still running at the deadline: a hang")
+                return emit(
+                    "FAIL", "groups_two_ranks", f"({LABEL}) the workers were still running at the deadline: a hang"
+                )
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
     compare_two_ranks(ranks, dev)
 
@@ -159,14 +180,21 @@ def compare_two_ranks(ranks, dev):
         dropped = sum(r["dropped"] for r in got)
         ok = all(c[0] for c in checks) and dropped == want["dropped"]
         worst = [c[1] for c in checks if not c[0]] or [max((c[1] for c in checks), key=lambda s: float(s.split()[-1]))]
-        verdict(f"groups_two_ranks[{name}]", ok, f"({LABEL}) vs one process holding every expert, tokens {SIZES}: "
-                f"dropped {dropped:.0f}/{want['dropped']:.0f}; {'worst' if ok else 'off'}: {', '.join(worst)}")
+        verdict(
+            f"groups_two_ranks[{name}]",
+            ok,
+            f"({LABEL}) vs one process holding every expert, tokens {SIZES}: "
+            f"dropped {dropped:.0f}/{want['dropped']:.0f}; {'worst' if ok else 'off'}: {', '.join(worst)}",
+        )
     reference = objective(layer(None, 0.5).to(dev), x[: SIZES[0]].to(dev), torch.ones(SIZES[0], D).to(dev), 1.0)
     pad_rank = ranks[1]["pad_only_rank"]
     ok_y, said = close("rank 0 y", ranks[0]["pad_only_rank"]["y"], reference["y"], 1e-5)
-    verdict("groups_two_ranks[pad_only_rank]", ok_y and not pad_rank["y"].any(),
-            f"({LABEL}) rank 1 all padding: rank 0 equals one process on its tokens ({said}); rank 1's output "
-            f"{'is all zeros' if not pad_rank['y'].any() else 'is NOT zero'}; forward and backward returned")
+    verdict(
+        "groups_two_ranks[pad_only_rank]",
+        ok_y and not pad_rank["y"].any(),
+        f"({LABEL}) rank 1 all padding: rank 0 equals one process on its tokens ({said}); rank 1's output "
+        f"{'is all zeros' if not pad_rank['y'].any() else 'is NOT zero'}; forward and backward returned",
+    )
     stacks = lockstep_stacks(None, dev)
     errors = []
     for rank in range(2):
@@ -174,9 +202,12 @@ def compare_two_ranks(ranks, dev):
             with torch.no_grad():
                 want = run_stack(stacks[stack], lockstep_input(rank, call).to(dev)).cpu()
             errors.append(rel_err(ranks[rank]["lockstep"][call], want))
-    verdict("groups_two_ranks[lockstep_uneven]", max(errors) <= 1e-5,
-            f"({LABEL}) {len(PLANS[0])} and {len(PLANS[1])} MoE calls per rank: every output vs one process "
-            f"within {max(errors):.1e} (bound 1e-5)")
+    verdict(
+        "groups_two_ranks[lockstep_uneven]",
+        max(errors) <= 1e-5,
+        f"({LABEL}) {len(PLANS[0])} and {len(PLANS[1])} MoE calls per rank: every output vs one process "
+        f"within {max(errors):.1e} (bound 1e-5)",
+    )
 
 
 # ---------------------------------------------------------------- one rank over NCCL
@@ -187,8 +218,13 @@ def one_rank_group(dev):
     label = "NCCL" if dev.type == "cuda" else "dry run: gloo on CPU stands in for NCCL"
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=dev if dev.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=dev if dev.type == "cuda" else None,
+    )
     try:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         g = torch.Generator().manual_seed(4)
@@ -199,15 +235,21 @@ def one_rank_group(dev):
             runs = []
             for group in (None, dist.group.WORLD):
                 moe = layer(group, cf, d=256, h=512).to(dev, dtype)
-                runs.append(objective(moe, x.to(dev, dtype), torch.ones(x.shape).to(dev, dtype), 1.0,
-                                      None if m is None else m.to(dev)))
+                runs.append(
+                    objective(
+                        moe, x.to(dev, dtype), torch.ones(x.shape).to(dev, dtype), 1.0, None if m is None else m.to(dev)
+                    )
+                )
             same = [k for k in ("y", "x") if torch.equal(runs[0][k], runs[1][k])]
             same += [n for n in runs[0]["grads"] if torch.equal(runs[0]["grads"][n], runs[1]["grads"][n])]
             total = 2 + len(runs[0]["grads"])
             losses = runs[0]["balance"] == runs[1]["balance"] and runs[0]["z"] == runs[1]["z"]
-            verdict(f"groups_one_rank[{case}]", len(same) == total and losses,
-                    f"({label}) {str(dtype)[6:]} layer with a one-rank group vs group=None: {len(same)}/{total} tensors "
-                    f"bit-identical, losses {'equal' if losses else 'DIFFER'}")
+            verdict(
+                f"groups_one_rank[{case}]",
+                len(same) == total and losses,
+                f"({label}) {str(dtype)[6:]} layer with a one-rank group vs group=None: {len(same)}/{total} tensors "
+                f"bit-identical, losses {'equal' if losses else 'DIFFER'}",
+            )
     finally:
         dist.destroy_process_group()
 

@@ -26,6 +26,7 @@ from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
 from moe_reference import reference_logits, reference_moe  # noqa: E402
 
 ROUTERS = ("top", "cosine", "sigmoid")
+# fmt: off
 MODES = {
     "dropless": {},
     "capacity": {"capacity_factor": 0.5},
@@ -33,18 +34,21 @@ MODES = {
     "batch_prioritized": {"capacity_factor": 0.5, "batch_prioritized": True},
     "shared_bias": {"shared_expert_count": 1, "balance_bias_rate": 1e-3},
 }
+# fmt: on
 REF_BOUNDS = {"y": 2e-5, "grad": 1e-4}
 # (name, how it runs, bound on y, on every gradient, least top-1 agreement, balance/z-loss rel diff);
 # errors are relative Frobenius norms against fp32. Gradients through ReLU's derivative (dx, fc1) carry
 # about 30 (fp16) / 10 (bf16) unit roundoffs where a hidden unit sits near 0 (seen on CPU at d 64-256);
 # pure low precision also feeds the router rounded tokens, so a few top-1 choices flip. Under
 # autocast the router runs in fp32 on the same input: its choices and losses must not move at all.
+# fmt: off
 PRECISION_BOUNDS = [
     ("autocast_fp16", "autocast", torch.float16, 2e-3, 5e-2, 1.0, 1e-6),
     ("autocast_bf16", "autocast", torch.bfloat16, 1.5e-2, 1e-1, 1.0, 1e-6),
     ("pure_fp16", "pure", torch.float16, 1e-2, 5e-2, 0.99, 5e-3),
     ("pure_bf16", "pure", torch.bfloat16, 8e-2, 1.5e-1, 0.98, 2e-2),
 ]
+# fmt: on
 
 
 def build(router, mode, d, h, e, seed):
@@ -73,8 +77,15 @@ def near_tie(layer, x, mask):
             return True
         if router.batch_prioritized:
             first = scores.gather(1, logits.topk(k, dim=-1).indices)
-            first = (first / first.sum(-1, keepdim=True) if router.normalize_gates or router.router_type == "sigmoid"
-                     else first)[:, 0][real].sort().values
+            first = (
+                (
+                    first / first.sum(-1, keepdim=True)
+                    if router.normalize_gates or router.router_type == "sigmoid"
+                    else first
+                )[:, 0][real]
+                .sort()
+                .values
+            )
             return bool((first[1:] - first[:-1]).min() < 1e-4)
     return False
 
@@ -88,8 +99,8 @@ def reference_case(router, mode, dev, sizes):
         mask = None
         if mode == "padding":
             mask = torch.zeros(2, n // 2, dtype=torch.bool)
-            mask[0, -n // 8:] = True
-            mask[1, -n // 5:] = True
+            mask[0, -n // 8 :] = True
+            mask[1, -n // 5 :] = True
         if not near_tie(layer, x, mask):
             break
     upstream = torch.randn(x.shape, generator=g)
@@ -113,10 +124,14 @@ def reference_case(router, mode, dev, sizes):
     worst_grad = max(v for k, v in errors.items() if k != "y")
     ok = errors["y"] <= REF_BOUNDS["y"] and worst_grad <= REF_BOUNDS["grad"]
     worst = max((k for k in errors if k != "y"), key=errors.get)
-    verdict(f"layer_reference[{router},{mode}]", ok,
-            f"fp32 {dev.type} vs fp64 CPU reference: y {errors['y']:.1e} (bound {REF_BOUNDS['y']:.0e}), worst gradient "
-            f"{worst} {worst_grad:.1e} (bound {REF_BOUNDS['grad']:.0e}), {n} tokens, {int(aux.stats['dropped_slots'])} slots "
-            f"dropped, input seed {seed}", errors=errors)
+    verdict(
+        f"layer_reference[{router},{mode}]",
+        ok,
+        f"fp32 {dev.type} vs fp64 CPU reference: y {errors['y']:.1e} (bound {REF_BOUNDS['y']:.0e}), worst gradient "
+        f"{worst} {worst_grad:.1e} (bound {REF_BOUNDS['grad']:.0e}), {n} tokens, {int(aux.stats['dropped_slots'])} slots "
+        f"dropped, input seed {seed}",
+        errors=errors,
+    )
 
 
 def run_variant(layer, x, upstream, how, dtype):
@@ -155,17 +170,22 @@ def precision_matrix(dev):
         loss_diff = max(abs(bal - bal32) / abs(bal32), abs(z - z32) / abs(z32))
         worst = max((k for k in errors if k != "y"), key=errors.get)
         ok = errors["y"] <= y_bound and errors[worst] <= grad_bound and agree >= least_agree and loss_diff <= loss_bound
-        verdict(f"layer_precision[{name}]", ok,
-                f"vs fp32 at d={d} H={h} E={e} {n} tokens: y {errors['y']:.1e} (bound {y_bound:.0e}), worst gradient "
-                f"{worst} {errors[worst]:.1e} (bound {grad_bound:.0e}); top-1 agreement {agree:.4f} (least {least_agree}); "
-                f"balance/z-loss rel diff {loss_diff:.1e} (bound {loss_bound:.0e})",
-                errors=errors, top1_agreement=agree, loss_diff=loss_diff)
+        verdict(
+            f"layer_precision[{name}]",
+            ok,
+            f"vs fp32 at d={d} H={h} E={e} {n} tokens: y {errors['y']:.1e} (bound {y_bound:.0e}), worst gradient "
+            f"{worst} {errors[worst]:.1e} (bound {grad_bound:.0e}); top-1 agreement {agree:.4f} (least {least_agree}); "
+            f"balance/z-loss rel diff {loss_diff:.1e} (bound {loss_bound:.0e})",
+            errors=errors,
+            top1_agreement=agree,
+            loss_diff=loss_diff,
+        )
 
 
 def bitwise_repeat(dev):
     d, h, e, n = sized((1024, 4096, 8, 8192), (64, 128, 8, 256))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    for matmul in (("auto", "loop") if dev.type == "cuda" else ("loop",)):
+    for matmul in ("auto", "loop") if dev.type == "cuda" else ("loop",):
         layer = build("top", "capacity", d, h, e, seed=5)
         layer.experts.matmul = matmul
         layer = layer.to(dev, dtype)
@@ -179,9 +199,12 @@ def bitwise_repeat(dev):
             y.float().pow(2).sum().backward()
             runs.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters() if p.grad is not None])
         same = all(torch.equal(a, b) for a, b in zip(*runs))
-        verdict(f"layer_bitwise_repeat[{dtype_name(dtype)},{matmul}]", same,
-                f"forward+backward twice at d={d} H={h} E={e} {n} tokens, capacity 0.5: "
-                f"{'every tensor bit-identical' if same else 'tensors DIFFER'} ({len(runs[0])} tensors)")
+        verdict(
+            f"layer_bitwise_repeat[{dtype_name(dtype)},{matmul}]",
+            same,
+            f"forward+backward twice at d={d} H={h} E={e} {n} tokens, capacity 0.5: "
+            f"{'every tensor bit-identical' if same else 'tensors DIFFER'} ({len(runs[0])} tensors)",
+        )
 
 
 def dtype_name(dtype):
@@ -192,8 +215,12 @@ def host_syncs(dev):
     if dev.type != "cuda":
         return skip_cuda("layer_host_syncs", "torch's sync debug mode watches CUDA only")
     d, h, e, n = 1024, 4096, 8, 4096
-    cases = {"dropless,auto": ("dropless", "auto"), "dropless,loop": ("dropless", "loop"),
-             "capacity,auto": ("capacity", "auto"), "shared_bias,auto": ("shared_bias", "auto")}
+    cases = {
+        "dropless,auto": ("dropless", "auto"),
+        "dropless,loop": ("dropless", "loop"),
+        "capacity,auto": ("capacity", "auto"),
+        "shared_bias,auto": ("shared_bias", "auto"),
+    }
     for name, (mode, matmul) in cases.items():
         layer = build("top", mode, d, h, e, seed=1)
         layer.experts.matmul = matmul
@@ -214,9 +241,14 @@ def host_syncs(dev):
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             counts.append(sum("synchroniz" in str(w.message) for w in seen))
-        verdict(f"layer_host_syncs[{name}]", counts[0] <= 1 and counts[1] == 0,
-                f"bf16, {n} tokens: {counts[0]} synchronising call(s) in forward (promise: 1), {counts[1]} in backward "
-                f"(promise: 0)", forward=counts[0], backward=counts[1])
+        verdict(
+            f"layer_host_syncs[{name}]",
+            counts[0] <= 1 and counts[1] == 0,
+            f"bf16, {n} tokens: {counts[0]} synchronising call(s) in forward (promise: 1), {counts[1]} in backward "
+            f"(promise: 0)",
+            forward=counts[0],
+            backward=counts[1],
+        )
 
 
 def main():
@@ -229,8 +261,11 @@ def main():
             if out_of_time(f"layer_reference[{router},{mode}]", 3):
                 continue
             run_guarded(f"layer_reference[{router},{mode}]", reference_case, router, mode, dev, sizes)
-    for name, step in (("layer_precision", precision_matrix), ("layer_bitwise_repeat", bitwise_repeat),
-                       ("layer_host_syncs", host_syncs)):
+    for name, step in (
+        ("layer_precision", precision_matrix),
+        ("layer_bitwise_repeat", bitwise_repeat),
+        ("layer_host_syncs", host_syncs),
+    ):
         if not out_of_time(name, 8):
             run_guarded(name, step, dev)
     if DRY_RUN:

@@ -35,11 +35,13 @@ ABI_TAGS = {"cp312", "abi3", "none"}
 GLIBC_LIMIT = (2, 28)  # the newest manylinux the device tool's README downloads for
 LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 # The machine's interpreter, for Requires-Dist markers (python 3.12.3 seen there).
+# fmt: off
 DEVICE_MARKERS = dict(
     default_environment(), python_version="3.12", python_full_version="3.12.3", implementation_name="cpython",
     platform_python_implementation="CPython", sys_platform="linux", platform_system="Linux",
     platform_machine="x86_64", os_name="posix", implementation_version="3.12.3",
 )
+# fmt: on
 
 
 def normalize(name: str) -> str:
@@ -103,8 +105,10 @@ def tag_problem(wheel: Wheel) -> Optional[str]:
                 glibc = (int(match.group(1)), int(match.group(2)))
             if glibc is not None and glibc <= GLIBC_LIMIT:
                 return None
-    return (f"{wheel.path.name}: platform {wheel.platform} is not manylinux x86-64 up to glibc "
-            f"{GLIBC_LIMIT[0]}.{GLIBC_LIMIT[1]}: download it with --platform manylinux_2_28_x86_64")
+    return (
+        f"{wheel.path.name}: platform {wheel.platform} is not manylinux x86-64 up to glibc "
+        f"{GLIBC_LIMIT[0]}.{GLIBC_LIMIT[1]}: download it with --platform manylinux_2_28_x86_64"
+    )
 
 
 def metadata_requirements(wheel: Wheel) -> List[Requirement]:
@@ -136,8 +140,12 @@ def imports_module(wheel: Wheel, module: str) -> bool:
 def travelling_tree_bytes(root: Path = ROOT) -> int:
     """Bytes of the files a device call sends besides the carried paths: tracked files and untracked
     ones git does not ignore."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                            capture_output=True, check=True).stdout.decode()
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return sum((root / name).stat().st_size for name in listed.split("\0") if name and (root / name).is_file())
 
 
@@ -150,16 +158,20 @@ def check_set(wheels: Iterable[Wheel], on_device: Set[str], tree_bytes: int = 0)
     by_name: Dict[str, Wheel] = {}
     for wheel in wheels:
         if wheel.name in by_name:
-            problems.append(f"two versions of {wheel.name}: {by_name[wheel.name].path.name} and {wheel.path.name} "
-                            f"(pip stops the whole install): delete one")
+            problems.append(
+                f"two versions of {wheel.name}: {by_name[wheel.name].path.name} and {wheel.path.name} "
+                f"(pip stops the whole install): delete one"
+            )
         by_name[wheel.name] = wheel
         problem = tag_problem(wheel)
         if problem:
             problems.append(problem)
     total = sum(w.size for w in wheels)
     if total + tree_bytes > TRAVEL_LIMIT:
-        problems.append(f"the wheels ({total / 2**20:.1f} MiB) and the tree ({tree_bytes / 2**20:.1f} MiB) exceed the "
-                        f"{TRAVEL_LIMIT // 2**20} MiB a device call carries: carry fewer wheels")
+        problems.append(
+            f"the wheels ({total / 2**20:.1f} MiB) and the tree ({tree_bytes / 2**20:.1f} MiB) exceed the "
+            f"{TRAVEL_LIMIT // 2**20} MiB a device call carries: carry fewer wheels"
+        )
     for wheel in wheels:
         for requirement in metadata_requirements(wheel):
             name = normalize(requirement.name)
@@ -170,8 +182,10 @@ def check_set(wheels: Iterable[Wheel], on_device: Set[str], tree_bytes: int = 0)
             elif name in on_device:
                 continue
             elif imports_module(wheel, name.replace("-", "_")):
-                problems.append(f"{wheel.name} needs {requirement} and imports it, but neither the set nor the "
-                                f"machine has it: add it to benchmarks/device/wheels.txt")
+                problems.append(
+                    f"{wheel.name} needs {requirement} and imports it, but neither the set nor the "
+                    f"machine has it: add it to benchmarks/device/wheels.txt"
+                )
             else:
                 notes.append(f"{wheel.name} declares {requirement}, which no file of it imports: not carried")
     return problems, notes
@@ -197,13 +211,19 @@ def main(argv=None) -> int:
     parser.add_argument("folder", nargs="?", default=str(ROOT / ".whl"), help="the wheels (default .whl/)")
     parser.add_argument("--device-packages", default=str(DEVICE_PACKAGES))
     parser.add_argument("--no-tree", action="store_true", help="leave the travelling tree out of the size")
-    parser.add_argument("--pins-installed", action="store_true",
-                        help="only check that wheels.txt's versions are the ones this Python has installed")
+    parser.add_argument(
+        "--pins-installed",
+        action="store_true",
+        help="only check that wheels.txt's versions are the ones this Python has installed",
+    )
     args = parser.parse_args(argv)
     if args.pins_installed:
         off = pins_not_installed(carried_pins())
-        print("  the pins of wheels.txt are the versions installed here (what the tests run with)" if not off else
-              f"wheelset: pinned versions differ from this Python's: {'; '.join(off)}: update wheels.txt")
+        print(
+            "  the pins of wheels.txt are the versions installed here (what the tests run with)"
+            if not off
+            else f"wheelset: pinned versions differ from this Python's: {'; '.join(off)}: update wheels.txt"
+        )
         return 1 if off else 0
     wheels = [parse_wheel(p) for p in sorted(Path(args.folder).glob("*.whl"))]
     tree = 0 if args.no_tree else travelling_tree_bytes()
@@ -211,8 +231,10 @@ def main(argv=None) -> int:
     for wheel in sorted(wheels, key=lambda w: w.name):
         print(f"{wheel.size / 2**20:8.2f} MiB  {wheel.path.name}")
     total = sum(w.size for w in wheels)
-    print(f"{total / 2**20:8.2f} MiB  in {len(wheels)} wheels; with the tree that travels "
-          f"({tree / 2**20:.2f} MiB): {(total + tree) / 2**20:.2f} MiB of {TRAVEL_LIMIT // 2**20} MiB")
+    print(
+        f"{total / 2**20:8.2f} MiB  in {len(wheels)} wheels; with the tree that travels "
+        f"({tree / 2**20:.2f} MiB): {(total + tree) / 2**20:.2f} MiB of {TRAVEL_LIMIT // 2**20} MiB"
+    )
     for note in notes:
         print(f"note: {note}")
     for problem in problems:

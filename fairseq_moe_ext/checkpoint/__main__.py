@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_moe_ext.checkpoint",
         description="Merge, reshard and inspect fairseq-moe-ext checkpoints (sets of per-rank files or single files), "
-                    "and upcycle dense fairseq checkpoints into MoE ones.",
+        "and upcycle dense fairseq checkpoints into MoE ones.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("merge", help="write one ordinary single-file checkpoint holding every expert")
@@ -41,9 +41,13 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("output", help="output name, e.g. new_dir/checkpoint_best.pt")
     p.add_argument("--world-size", type=int, required=True, help="the workers that will resume from the set (W)")
-    p.add_argument("--expert-parallel-size", type=int, default=None,
-                   help="P: the set's rank files (expert shards); W / P workers hold replicas of each (default: the "
-                        "largest P dividing both W and the expert count, as fairseq-train's default)")
+    p.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=None,
+        help="P: the set's rank files (expert shards); W / P workers hold replicas of each (default: the "
+        "largest P dividing both W and the expert count, as fairseq-train's default)",
+    )
     p = sub.add_parser("inspect", help="describe a set or file and check its consistency")
     p.add_argument("checkpoint")
     add_upcycle_parser(sub)
@@ -57,30 +61,48 @@ def main(argv=None) -> int:
         "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
     )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
-    p.add_argument("--dictionary", default=None,
-                   help="the dict.txt you will generate with: checked against the embedding's rows, with --langs")
-    p.add_argument("--langs", default=None,
-                   help="the model's languages, in order (a comma list or a file); default: what the set records")
-    p = sub.add_parser("export-hf", help="write a translation set as a Hugging Face NLLB-MoE checkpoint directory "
-                       "(config.json, safetensors shards and their index)")
+    p.add_argument(
+        "--dictionary",
+        default=None,
+        help="the dict.txt you will generate with: checked against the embedding's rows, with --langs",
+    )
+    p.add_argument(
+        "--langs",
+        default=None,
+        help="the model's languages, in order (a comma list or a file); default: what the set records",
+    )
+    p = sub.add_parser(
+        "export-hf",
+        help="write a translation set as a Hugging Face NLLB-MoE checkpoint directory "
+        "(config.json, safetensors shards and their index)",
+    )
     p.add_argument("checkpoint", help="the set, e.g. save_dir/checkpoint_best.pt (rank suffix not needed)")
     p.add_argument("output_dir", help="a new (or empty) directory for config.json and the shards")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
-    p.add_argument("--training-as-nllb", action="store_true",
-                   help="export a set trained with options that act in training only and NllbMoe lacks (a capacity "
-                   "factor other than 1, gate noise): NllbMoe's own training settings are written, with a NOTE; "
-                   "evaluation is unchanged")
-    p = sub.add_parser("import-hf", help="import a Hugging Face NLLB-MoE checkpoint directory as this project's "
-                       "checkpoint")
+    p.add_argument(
+        "--training-as-nllb",
+        action="store_true",
+        help="export a set trained with options that act in training only and NllbMoe lacks (a capacity "
+        "factor other than 1, gate noise): NllbMoe's own training settings are written, with a NOTE; "
+        "evaluation is unchanged",
+    )
+    p = sub.add_parser(
+        "import-hf", help="import a Hugging Face NLLB-MoE checkpoint directory as this project's checkpoint"
+    )
     p.add_argument("hf_dir", help="the directory holding config.json and the safetensors file(s)")
-    p.add_argument("output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if "
-                   "--world-size > 1)")
+    p.add_argument(
+        "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
+    )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
     args = parser.parse_args(argv)
     try:
         if args.command == "export-hf":
-            export_hf(args.checkpoint, args.output_dir, shard_size(args.max_shard_size),
-                      training_as_nllb=args.training_as_nllb)
+            export_hf(
+                args.checkpoint,
+                args.output_dir,
+                shard_size(args.max_shard_size),
+                training_as_nllb=args.training_as_nllb,
+            )
             return 0
         if args.command == "import-hf":
             _refuse_overwrite(args.output)
@@ -88,8 +110,7 @@ def main(argv=None) -> int:
             return 0
         if args.command == "import-fairseq-moe":
             _refuse_overwrite(args.output)
-            import_branch_set(args.prefix, args.output, args.world_size, dictionary=args.dictionary,
-                              langs=args.langs)
+            import_branch_set(args.prefix, args.output, args.world_size, dictionary=args.dictionary, langs=args.langs)
             return 0
         if args.command == "inspect":
             lines = inspect_checkpoint(args.checkpoint)

@@ -31,8 +31,10 @@ from .names import base_of, manifest_path, rank_file
 from .rank_state import moe_metadata
 from .staging import write_all_or_nothing
 
+# fmt: off
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
                      "fc2.weight": "fc1.experts.batched_fc2_w", "fc2.bias": "fc1.experts.batched_fc2_b"}
+# fmt: on
 OUR_ROUTER = "fc1.router.wg.weight"
 
 
@@ -53,12 +55,16 @@ class _Shards:
             self.keys = sorted(experts)
             missing = sorted(set(self.branch.routers) - {layer for layer, _ in self.keys})
             if missing:
-                raise CheckpointSetError(f"{path} holds no experts of {missing[0]}, which has a router in "
-                                         f"{self.branch.shared_path}: a file from another run (nothing was written)")
+                raise CheckpointSetError(
+                    f"{path} holds no experts of {missing[0]}, which has a router in "
+                    f"{self.branch.shared_path}: a file from another run (nothing was written)"
+                )
         if sorted(experts) != self.keys:
             odd = sorted(set(experts) ^ set(self.keys))[0]
-            raise CheckpointSetError(f"{path} differs from {self.branch.rank_paths[0]} in which expert tensors it "
-                                     f"holds ({'.'.join(odd)}): files from different runs (nothing was written)")
+            raise CheckpointSetError(
+                f"{path} differs from {self.branch.rank_paths[0]} in which expert tensors it "
+                f"holds ({'.'.join(odd)}): files from different runs (nothing was written)"
+            )
         touched = set()
         for key, by_id in experts.items():
             for gid, tensor in by_id.items():
@@ -70,19 +76,22 @@ class _Shards:
                         raise CheckpointSetError(
                             f"{path} and {seen[1]} hold different copies of expert {gid} ({key[0]}.moe_layer.experts."
                             f"*.{key[1]}): replicas must be identical, the run diverged; import a checkpoint saved "
-                            f"before it did (nothing was written)")
+                            f"before it did (nothing was written)"
+                        )
                     continue
                 self.digests[(*key, gid)] = (digest, path)
                 shard = gid // self.per_shard
                 # Copied into the output at once (not kept and stacked later): the source file's memory is
                 # reused for the next one, and the output is never held twice.
                 stacked, filled = self.pending.setdefault(shard, {}).setdefault(
-                    key, (tensor.new_empty((self.per_shard, *tensor.shape)), set()))
+                    key, (tensor.new_empty((self.per_shard, *tensor.shape)), set())
+                )
                 stacked[gid - shard * self.per_shard].copy_(tensor)
                 filled.add(gid)
                 touched.add(shard)
-        return sorted(s for s in touched
-                      if all(len(self.pending[s].get(k, (None, ()))[1]) == self.per_shard for k in self.keys))
+        return sorted(
+            s for s in touched if all(len(self.pending[s].get(k, (None, ()))[1]) == self.per_shard for k in self.keys)
+        )
 
     def _check_shape(self, key, tensor, path):
         first = self.shapes.setdefault(key, (tuple(tensor.shape), path))
@@ -92,7 +101,8 @@ class _Shards:
             raise CheckpointSetError(
                 f"{path}: {key[0]}.moe_layer.experts.*.{key[1]} has shape {list(tensor.shape)}, but "
                 f"{first[1]} has {list(first[0])} and the router expects model dim {router[1]}: files from "
-                f"different runs (nothing was written)")
+                f"different runs (nothing was written)"
+            )
 
     def take(self, shard: int) -> Dict[str, torch.Tensor]:
         """Shard ``shard``'s experts as this project's stacked tensors (released from ``pending``)."""
@@ -121,26 +131,46 @@ def imported_cfg(branch: BranchSet, flags: Dict) -> Tuple[Optional[Dict], Option
     return cfg, None
 
 
+# fmt: off
 CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_size", "sentence_avg",
                   "moe_gate_loss_wt")
+# fmt: on
 
 
-def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[str], None] = print,
-                      dictionary: Optional[str] = None, langs: Optional[str] = None) -> str:
+def import_branch_set(
+    prefix: str,
+    output: str,
+    workers: int,
+    report: Callable[[str], None] = print,
+    dictionary: Optional[str] = None,
+    langs: Optional[str] = None,
+) -> str:
     """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written.
     With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``)."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     branch = BranchSet(prefix)
     if dictionary is not None:
-        branch.notes.extend(check_vocabulary(branch.shared["model"], (branch.head.get("cfg") or {}).get("task")
-                                             or branch.head.get("args"), dictionary, langs, branch.shared_path))
+        branch.notes.extend(
+            check_vocabulary(
+                branch.shared["model"],
+                (branch.head.get("cfg") or {}).get("task") or branch.head.get("args"),
+                dictionary,
+                langs,
+                branch.shared_path,
+            )
+        )
     shards = math.gcd(workers, branch.experts)
-    held = (f"{branch.local} per rank file" if branch.experts >= branch.world
-            else f"{branch.world // branch.experts} replicas each")
-    report(f"found {prefix}: {branch.world} rank files + shared, arch {getattr(branch.options, 'arch', '?')}, "
-           f"{branch.experts} experts ({held}), "
-           f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}")
+    held = (
+        f"{branch.local} per rank file"
+        if branch.experts >= branch.world
+        else f"{branch.world // branch.experts} replicas each"
+    )
+    report(
+        f"found {prefix}: {branch.world} rank files + shared, arch {getattr(branch.options, 'arch', '?')}, "
+        f"{branch.experts} experts ({held}), "
+        f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}"
+    )
     set_id = secrets.token_hex(8)
     base = base_of(output)
     single = workers == 1
@@ -171,9 +201,15 @@ def import_branch_set(prefix: str, output: str, workers: int, report: Callable[[
         report(f"parameters: {parameters}")
         if single:
             return names
-        written = write_manifest(os.path.join(staging_dir, os.path.basename(base)), shards, branch.num_updates, files,
-                                 {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys},
-                                 set_id, workers=workers)
+        written = write_manifest(
+            os.path.join(staging_dir, os.path.basename(base)),
+            shards,
+            branch.num_updates,
+            files,
+            {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys},
+            set_id,
+            workers=workers,
+        )
         return names + [os.path.basename(written)]
 
     what = output if single else f"the {shards}-file set {manifest_path(base)}"
@@ -192,8 +228,9 @@ def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:
         if router:
             model[f"{router['layer']}.{OUR_ROUTER}"] = tensor
         elif ".moe_layer." in key:
-            raise CheckpointSetError(f"{branch.shared_path} holds {key}: an MoE layer part with no counterpart here "
-                                     f"(nothing was written)")
+            raise CheckpointSetError(
+                f"{branch.shared_path} holds {key}: an MoE layer part with no counterpart here (nothing was written)"
+            )
         else:
             model[key] = tensor
     return model
@@ -206,10 +243,23 @@ def _state(branch: BranchSet, head, model, shard, shards, set_id, single) -> Dic
     entry.setdefault("optimizer_name", "none")
     entry.setdefault("lr_scheduler_state", {"best": None})
     expert_keys = sorted(k for k in model if ".fc1.experts." in k)
-    meta = moe_metadata([], expert_keys, world_size=1 if single else shards, rank=shard,
-                        num_updates=branch.num_updates, set_id=None if single else set_id,
-                        experts_per_worker=branch.experts // shards)
+    meta = moe_metadata(
+        [],
+        expert_keys,
+        world_size=1 if single else shards,
+        rank=shard,
+        num_updates=branch.num_updates,
+        set_id=None if single else set_id,
+        experts_per_worker=branch.experts // shards,
+    )
     meta["imported_from"] = branch.prefix
-    return {"args": args, "cfg": cfg, "model": model, "criterion": {}, "optimizer_history": [entry],
-            "task_state": branch.head.get("task_state") or {}, "extra_state": branch.head.get("extra_state") or {},
-            "moe": meta}
+    return {
+        "args": args,
+        "cfg": cfg,
+        "model": model,
+        "criterion": {},
+        "optimizer_history": [entry],
+        "task_state": branch.head.get("task_state") or {},
+        "extra_state": branch.head.get("extra_state") or {},
+        "moe": meta,
+    }

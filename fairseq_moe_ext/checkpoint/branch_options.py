@@ -23,6 +23,7 @@ from typing import Dict, List, Tuple
 from .errors import CheckpointSetError
 
 # Options whose non-default value changes what the model computes in a way this project cannot.
+# fmt: off
 REFUSED = (
     # (option, is it set?, why, fix)
     ("moe_cmr", lambda v: bool(v), "CMR gating (a dense FFN mixed in by a learned gate)", "there is no CMR layer here"),
@@ -35,6 +36,7 @@ REFUSED = (
     ("moe_fom", lambda v: bool(v), "final output masking (inference scales the MoE output by 1 - p)",
      "there is no final output masking here"),
 )
+# fmt: on
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 
 
@@ -56,10 +58,12 @@ def model_options(state: Dict, path: str) -> argparse.Namespace:
 
 # A moe-branch language model (moe_lm) option that stock fairseq's transformer_lm, which
 # ``moe_transformer_lm`` builds, has no counterpart for.
+# fmt: off
 LM_REFUSED = (
     ("use_stable_embedding", "bitsandbytes' StableEmbedding (an embedding with a layer norm of its own)",
      "there is no StableEmbedding here"),
 )
+# fmt: on
 
 
 def is_language_model(options: argparse.Namespace) -> bool:
@@ -77,7 +81,8 @@ def check_language_model(options: argparse.Namespace, path: str) -> None:
         if value:
             raise CheckpointSetError(
                 f"{path} was trained with --{name.replace('_', '-')} ({what}): {why}, so the import would change "
-                f"what the language model computes (nothing was written)")
+                f"what the language model computes (nothing was written)"
+            )
 
 
 def _get(options, name, default=None):
@@ -95,12 +100,16 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
                 f"change what the model computes (nothing was written)"
             )
     arch = str(_get(options, "arch", _get(options, "_name", "")))
-    if "megatron" in arch or "model_parallel" in str(_get(options, "_name", "")) or (
-            "lm" in arch.split("_") and not is_language_model(options)):
+    if (
+        "megatron" in arch
+        or "model_parallel" in str(_get(options, "_name", ""))
+        or ("lm" in arch.split("_") and not is_language_model(options))
+    ):
         raise CheckpointSetError(
             f"{path} is a {arch!r} language model: import-fairseq-moe imports the branch's transformer_lm (moe_lm) and "
             f"translation transformers; other language models (model-parallel, convolutional) have other keys "
-            f"(nothing was written)")
+            f"(nothing was written)"
+        )
     if is_language_model(options):
         check_language_model(options, path)
     policy = str(_get(options, "moe_second_expert_policy", "sampling"))
@@ -114,11 +123,17 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
     # The branch routes B x T (batch-major) tensors, renormalises after dropping unless told otherwise, and
     # draws its second expert as its policy says, in evaluation too: each is an option here, set to match.
     after = not _get(options, "moe_normalize_gate_prob_before_dropping", False)
-    flags = {"moe_expert_count": experts, "moe_top_k": 2, "moe_normalize_gate": True, "moe_capacity_factor": 1.0,
-             "moe_gating_use_fp32": True,
-             "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-             "moe_batch_major_routing": True, "moe_normalize_gate_after_dropping": after,
-             "moe_second_expert_policy": policy}
+    flags = {
+        "moe_expert_count": experts,
+        "moe_top_k": 2,
+        "moe_normalize_gate": True,
+        "moe_capacity_factor": 1.0,
+        "moe_gating_use_fp32": True,
+        "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
+        "moe_batch_major_routing": True,
+        "moe_normalize_gate_after_dropping": after,
+        "moe_second_expert_policy": policy,
+    }
     freq = int(_get(options, "moe_freq", 0))
     for side in layers:
         flags[f"{side}_moe_freq"] = max(int(_get(options, f"{side}_moe_freq", 0)), freq)
@@ -131,21 +146,29 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
         flags["moe_eval_capacity_factor"] = 0.0
     else:
         flags["moe_eval_capacity_factor"] = 1.0
-        notes.append("--moe-eval-capacity-token-fraction <= 0: evaluation used the training capacity 2*ceil(S/E); "
-                     "imported as --moe-eval-capacity-factor 1 (the same count, but S here excludes pad tokens)")
+        notes.append(
+            "--moe-eval-capacity-token-fraction <= 0: evaluation used the training capacity 2*ceil(S/E); "
+            "imported as --moe-eval-capacity-factor 1 (the same count, but S here excludes pad tokens)"
+        )
     if policy != "all":
-        notes.append(f"--moe-second-expert-policy {policy}: the second expert is drawn at random, in evaluation too "
-                     f"(as the branch does): generation differs from run to run unless torch is seeded")
+        notes.append(
+            f"--moe-second-expert-policy {policy}: the second expert is drawn at random, in evaluation too "
+            f"(as the branch does): generation differs from run to run unless torch is seeded"
+        )
     if not _get(options, "moe_gating_use_fp32", False):
         notes.append("the branch routed in the activation dtype (no --moe-gating-use-fp32); routing runs in fp32 here")
     if not _get(options, "use_moe_pad_mask", False):
-        notes.append("the branch routed pad tokens too (no --use-moe-pad-mask), where they took capacity; pad tokens "
-                     "are never routed here: identical outputs for real tokens wherever nothing is dropped")
+        notes.append(
+            "the branch routed pad tokens too (no --use-moe-pad-mask), where they took capacity; pad tokens "
+            "are never routed here: identical outputs for real tokens wherever nothing is dropped"
+        )
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
         flags["moe_eom"] = eom  # Expert Output Masking: the same per-slot mask and 1 - p scaling here
     grad = str(_get(options, "moe_normalize_expert_grad", "world_size"))
-    notes.append(f"training only: the branch's balance loss mean(me*ce)*E^2 (here E*sum(me*ce), the same value), "
-                 f"--moe-normalize-expert-grad {grad} and --moe-local-drop are not reproduced; dropout after the MoE "
-                 f"block is fairseq's --dropout here (the branch applied it inside each expert)")
+    notes.append(
+        f"training only: the branch's balance loss mean(me*ce)*E^2 (here E*sum(me*ce), the same value), "
+        f"--moe-normalize-expert-grad {grad} and --moe-local-drop are not reproduced; dropout after the MoE "
+        f"block is fairseq's --dropout here (the branch applied it inside each expert)"
+    )
     return flags, notes

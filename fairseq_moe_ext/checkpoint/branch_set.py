@@ -21,8 +21,10 @@ from .branch_options import branch_flags, is_language_model, model_options
 from .errors import CheckpointSetError
 from .safe_load import safe_load
 
-BRANCH_EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<local>\d+)\."
-                           r"(?P<tensor>fc1\.weight|fc1\.bias|fc2\.weight|fc2\.bias)$")
+BRANCH_EXPERT = re.compile(
+    r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<local>\d+)\."
+    r"(?P<tensor>fc1\.weight|fc1\.bias|fc2\.weight|fc2\.bias)$"
+)
 BRANCH_ROUTER = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.gate\.wg\.weight$")
 RANK_FILE = re.compile(r"-rank-(\d+)\.pt$")
 
@@ -43,8 +45,11 @@ def branch_files(prefix: str) -> Tuple[str, List[str]]:
             f"consolidate_fsdp_shards first and import its <prefix>_consolidated files (nothing was written)"
         )
     if not found:
-        hint = (" (it holds config.json: a Hugging Face checkpoint; use import-hf)"
-                if os.path.isfile(os.path.join(prefix, "config.json")) else "")
+        hint = (
+            " (it holds config.json: a Hugging Face checkpoint; use import-hf)"
+            if os.path.isfile(os.path.join(prefix, "config.json"))
+            else ""
+        )
         raise CheckpointSetError(
             f"no {prefix}-rank-0.pt: import-fairseq-moe reads <prefix>-shared.pt and <prefix>-rank-N.pt files written "
             f"by the moe/nllb branch{hint}; pass the prefix of those files (nothing was written)"
@@ -84,8 +89,9 @@ class BranchSet:
         first = self._load(self.rank_paths[0])
         self.options = model_options(first, self.rank_paths[0])
         self.head = {k: first.get(k) for k in ("cfg", "args", "optimizer_history", "extra_state", "task_state")}
-        self.routers = {m["layer"]: self.shared["model"][k].shape for k in self.shared["model"]
-                        if (m := BRANCH_ROUTER.match(k))}
+        self.routers = {
+            m["layer"]: self.shared["model"][k].shape for k in self.shared["model"] if (m := BRANCH_ROUTER.match(k))
+        }
         if not self.routers:
             raise CheckpointSetError(
                 f"{self.shared_path} holds no MoE router (<side>.layers.N.moe_layer.gate.wg.weight): not a moe/nllb-"
@@ -107,11 +113,13 @@ class BranchSet:
                 raise CheckpointSetError(
                     f"{prefix}-rank-{world}.pt is missing: the run had {declared_world} workers "
                     f"(distributed_world_size), {world} rank files are here; copy the others beside them (nothing "
-                    f"was written)")
+                    f"was written)"
+                )
             raise CheckpointSetError(
                 f"{prefix}-rank-{declared_world}.pt is an extra rank file from another run: the run had "
                 f"{declared_world} workers (distributed_world_size); move -rank-{declared_world}.pt ... "
-                f"-rank-{world - 1}.pt away (nothing was written)")
+                f"-rank-{world - 1}.pt away (nothing was written)"
+            )
         self.world = world
         self.local = max(1, self.experts // world)
         # A moe_lm set (transformer_lm) is decoder-only: its options hold no encoder to place MoE layers in.
@@ -126,7 +134,8 @@ class BranchSet:
         state = self.load(path)
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise CheckpointSetError(
-                f"{path} holds no model state: not a fairseq checkpoint file (nothing was written)")
+                f"{path} holds no model state: not a fairseq checkpoint file (nothing was written)"
+            )
         return state
 
     def source_of(self, rank: int) -> List[int]:
@@ -163,7 +172,11 @@ class BranchSet:
 def _declared_world(state: Dict) -> Optional[int]:
     cfg = state.get("cfg")
     section = cfg.get("distributed_training") if isinstance(cfg, dict) else None
-    value = (section.get("distributed_world_size") if isinstance(section, dict)
-             else getattr(section, "distributed_world_size", None) if section is not None
-             else getattr(state.get("args"), "distributed_world_size", None))
+    value = (
+        section.get("distributed_world_size")
+        if isinstance(section, dict)
+        else getattr(section, "distributed_world_size", None)
+        if section is not None
+        else getattr(state.get("args"), "distributed_world_size", None)
+    )
     return int(value) if isinstance(value, int) and value > 0 else None

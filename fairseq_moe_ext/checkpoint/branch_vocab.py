@@ -51,8 +51,9 @@ def check_vocabulary(shared_model: Dict, task, dictionary: str, langs: Optional[
     """NOTE lines saying which task flags give the embedding's row count; a one-line error if none does."""
     key = next((k for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight") if k in shared_model), None)
     if key is None:
-        raise CheckpointSetError(f"{path} holds no embed_tokens.weight to check --dictionary against (nothing was "
-                                 f"written)")
+        raise CheckpointSetError(
+            f"{path} holds no embed_tokens.weight to check --dictionary against (nothing was written)"
+        )
     rows = int(shared_model[key].shape[0])
     symbols = dictionary_symbols(dictionary)
     languages = language_list(task, langs)
@@ -61,20 +62,25 @@ def check_vocabulary(shared_model: Dict, task, dictionary: str, langs: Optional[
         raise CheckpointSetError(
             f"{key} has {rows} rows, {dictionary} gives {SPECIALS + symbols} (4 specials + {symbols}) and the set "
             f"records no --langs: pass the language list the model was trained with as --langs LIST_OR_FILE "
-            f"(nothing was written)")
+            f"(nothing was written)"
+        )
     if not multilingual:
         return [f"dictionary: 4 specials + {symbols} symbols = {rows} rows, as {key} has"]
     mask = 1 if str(_task_option(task, "lang_tok_style") or "") == "mbart" else 0
     base = SPECIALS + symbols + len(languages) + mask
     counted = f"4 specials + {symbols} symbols + {len(languages)} language tokens" + (" + <mask>" if mask else "")
     if rows == base:
-        return [f"dictionary: {counted} = {rows} rows, as {key} has: stock --task translation_multi_simple_epoch "
-                f"builds it"]
+        return [
+            f"dictionary: {counted} = {rows} rows, as {key} has: stock --task translation_multi_simple_epoch builds it"
+        ]
     if rows == base + DATA_SOURCE_TAGS:
-        return [f"dictionary: {counted} + 3 data-source tags = {rows} rows, as {key} has: generate and train with "
-                f"{TAGS_TASK} (stock translation_multi_simple_epoch leaves the tags out: the model would not load)"]
+        return [
+            f"dictionary: {counted} + 3 data-source tags = {rows} rows, as {key} has: generate and train with "
+            f"{TAGS_TASK} (stock translation_multi_simple_epoch leaves the tags out: the model would not load)"
+        ]
     raise CheckpointSetError(
         f"{key} has {rows} rows, but {dictionary} with {len(languages)} languages gives {base} ({counted}), or "
         f"{base + DATA_SOURCE_TAGS} with NLLB's 3 data-source tags: not the dictionary or language list this model "
         f"was trained with; pass its dict.txt as --dictionary and its languages, in order, as --langs (nothing was "
-        f"written)")
+        f"written)"
+    )

@@ -27,8 +27,11 @@ def check_is_checkpoint(state, path: str) -> Dict:
     """``state`` if it is a fairseq checkpoint (a dict holding the model's state), else one line."""
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         return state
-    what = (f"a dict without a model state (keys {sorted(map(str, state))[:5]})" if isinstance(state, dict)
-            else f"a {type(state).__module__}.{type(state).__name__}".replace("builtins.", ""))
+    what = (
+        f"a dict without a model state (keys {sorted(map(str, state))[:5]})"
+        if isinstance(state, dict)
+        else f"a {type(state).__module__}.{type(state).__name__}".replace("builtins.", "")
+    )
     raise NotACheckpointError(
         f"{path} is not a fairseq checkpoint: it holds {what}; point --path / --restore-file (or the checkpoint "
         f"tool) at a checkpoint written by fairseq-train"
@@ -44,8 +47,10 @@ def describe_part(meta: Dict, path: Optional[str] = None) -> str:
     """``rank 1 of 2 of checkpoint_last (set 0123..., update 8, experts 2-3)``."""
     base = os.path.basename(split_rank_suffix(path)[0]) if path and split_rank_suffix(path)[1] is not None else None
     held = meta.get("experts_held")
-    parts = [f"set {meta['set_id']}" if meta.get("set_id") else "set id unknown (an older file)",
-             f"update {meta.get('num_updates')}"]
+    parts = [
+        f"set {meta['set_id']}" if meta.get("set_id") else "set id unknown (an older file)",
+        f"update {meta.get('num_updates')}",
+    ]
     if held:
         parts.append(f"experts {held[0]}-{held[-1]}" if len(held) > 1 else f"expert {held[0]}")
     of = f" of {base}" if base else ""

@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def current_manifests(directory: str) -> List[str]:
-    return [p for p in glob.glob(os.path.join(glob.escape(directory), "*" + MANIFEST_SUFFIX))
-            if not base_of(p).endswith(PREVIOUS)]
+    return [
+        p
+        for p in glob.glob(os.path.join(glob.escape(directory), "*" + MANIFEST_SUFFIX))
+        if not base_of(p).endswith(PREVIOUS)
+    ]
 
 
 def sets_to_protect(directory: str) -> List[str]:
@@ -68,8 +71,16 @@ def write_previous_manifest(manifest_file: str, world_size: int) -> None:
         return
     previous_base = base_of(manifest_file) + PREVIOUS
     files = [dict(e, name=os.path.basename(rank_file(previous_base, e["rank"], world_size))) for e in manifest["files"]]
-    write_manifest(previous_base, world_size, manifest["num_updates"], files, manifest["num_experts"],
-                   manifest.get("set_id"), manifest.get("workers"), manifest.get("replicas"))
+    write_manifest(
+        previous_base,
+        world_size,
+        manifest["num_updates"],
+        files,
+        manifest["num_experts"],
+        manifest.get("set_id"),
+        manifest.get("workers"),
+        manifest.get("replicas"),
+    )
 
 
 def _same_world_manifest(manifest_file: str, world_size: int) -> Optional[Dict]:

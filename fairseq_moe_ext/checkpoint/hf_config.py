@@ -17,16 +17,21 @@ from ..moe.placement import side_moe_freq
 from .errors import CheckpointSetError
 from .hf_routing import exported_routing, imported_routing
 
+# fmt: off
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
                "tanh": "tanh", "linear": "linear", "swish": "silu"}
+# fmt: on
+# fmt: off
 ACTIVATIONS_BACK = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_accurate", "gelu_pytorch_tanh": "gelu_accurate",
                     "tanh": "tanh", "linear": "linear", "silu": "swish", "swish": "swish"}
+# fmt: on
 # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3; the decoder starts from </s>, as NLLB's does.
 BOS, PAD, EOS = 0, 1, 2
 SIDES = ("encoder", "decoder")
 # transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
 MODEL_TYPE = "nllb-moe"
 # NllbMoeConfig's defaults (transformers 4.57.1): save_pretrained leaves out what equals them.
+# fmt: off
 HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder_layerdrop=0.05,
                    activation_function="relu", dropout=0.1, attention_dropout=0.1, activation_dropout=0.0,
                    decoder_start_token_id=2, scale_embedding=True, router_bias=False, router_dtype="float32",
@@ -34,6 +39,7 @@ HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder
                    second_expert_policy="all", normalize_router_prob_before_dropping=False,
                    batch_prioritized_routing=False, moe_eval_capacity_token_fraction=1.0, moe_token_dropout=0.2,
                    pad_token_id=1, bos_token_id=0, eos_token_id=2, tie_word_embeddings=True)
+# fmt: on
 
 
 def _get(options, name, default=None):
@@ -46,6 +52,7 @@ def _refuse(path, option, value, why, fix):
 
 
 # (option, default, is it refused?, why NllbMoe cannot express it, fix)
+# fmt: off
 NOT_EXPRESSIBLE = (
     ("moe_top_k", 2, lambda v: int(v) != 2, "NllbMoe routes every token to exactly 2 experts", "export a top-2 model"),
     ("moe_router", "top", lambda v: str(v) != "top", "NllbMoe's router is a plain linear + softmax ('top')",
@@ -90,51 +97,71 @@ NOT_EXPRESSIBLE = (
     ("decoder_layers_to_keep", None, lambda v: v is not None, "NllbMoe keeps every layer",
      "export a model without --decoder-layers-to-keep"),
 )
+# fmt: on
 
 
 # Options that act in training only: --training-as-nllb exports a set trained with them, with a NOTE.
 TRAINING_ONLY = ("moe_capacity_factor", "moe_gate_noise")
 
 
-def hf_config(options, path: str, vocab: int, dtype: str,
-              training_as_nllb: bool = False) -> Tuple[Dict, List[str]]:
+def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool = False) -> Tuple[Dict, List[str]]:
     """(``config.json`` as a dict, NOTE lines) for a translation set's model ``options``; with
     ``training_as_nllb`` the training-only options NllbMoe lacks are noted instead of refused."""
     arch = str(_get(options, "arch", _get(options, "_name", "")))
     if "lm" in arch.split("_") or _get(options, "encoder_layers") is None:
-        raise CheckpointSetError(f"{path} is a {arch!r} language model: export-hf writes translation models "
-                                 f"(NllbMoeForConditionalGeneration), which have an encoder (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} is a {arch!r} language model: export-hf writes translation models "
+            f"(NllbMoeForConditionalGeneration), which have an encoder (nothing was written)"
+        )
     notes = []
     for name, default, refused, why, fix in NOT_EXPRESSIBLE:
         value = _get(options, name, default)
         if refused(value) and training_as_nllb and name in TRAINING_ONLY:
-            notes.append(f"--{name.replace('_', '-')} {value}: {why}; exported for NllbMoe's training "
-                         f"(--training-as-nllb), which changes nothing in evaluation")
+            notes.append(
+                f"--{name.replace('_', '-')} {value}: {why}; exported for NllbMoe's training "
+                f"(--training-as-nllb), which changes nothing in evaluation"
+            )
         elif refused(value):
             _refuse(path, "--" + name.replace("_", "-"), value, why, fix)
     d_model = int(_get(options, "encoder_embed_dim"))
     for name in ("decoder_embed_dim", "decoder_input_dim", "decoder_output_dim"):
         if int(_get(options, name, d_model)) != d_model:
-            _refuse(path, "--" + name.replace("_", "-"), _get(options, name),
-                    f"NllbMoe has one width d_model (--encoder-embed-dim {d_model}) everywhere",
-                    "export a model whose widths are all equal")
+            _refuse(
+                path,
+                "--" + name.replace("_", "-"),
+                _get(options, name),
+                f"NllbMoe has one width d_model (--encoder-embed-dim {d_model}) everywhere",
+                "export a model whose widths are all equal",
+            )
     activation = str(_get(options, "activation_fn", "relu"))
     if activation not in ACTIVATIONS:
-        _refuse(path, "--activation-fn", activation, "NllbMoe has no such activation",
-                f"export a model with one of {', '.join(ACTIVATIONS)}")
+        _refuse(
+            path,
+            "--activation-fn",
+            activation,
+            "NllbMoe has no such activation",
+            f"export a model with one of {', '.join(ACTIVATIONS)}",
+        )
     freq = int(_get(options, "moe_freq", 2))
     steps = {side: side_moe_freq(freq, _get(options, f"{side}_moe_freq")) for side in SIDES}
     ffn = {side: int(_get(options, f"{side}_ffn_embed_dim")) for side in SIDES}
     expert_dim = _get(options, "moe_expert_ffn_dim")
     for side in SIDES:
-        dense = [i for i in range(int(_get(options, f"{side}_layers")))
-                 if not (steps[side] > 0 and (i + 1) % steps[side] == 0)]
+        dense = [
+            i
+            for i in range(int(_get(options, f"{side}_layers")))
+            if not (steps[side] > 0 and (i + 1) % steps[side] == 0)
+        ]
         if expert_dim is not None and int(expert_dim) != ffn[side]:
             if dense:
-                _refuse(path, "--moe-expert-ffn-dim", expert_dim,
-                        f"NllbMoe's experts and dense blocks share one {side}_ffn_dim, and {side} layer {dense[0]} "
-                        f"is dense with --{side}-ffn-embed-dim {ffn[side]}", "export a model whose expert and dense "
-                        "hidden sizes are equal")
+                _refuse(
+                    path,
+                    "--moe-expert-ffn-dim",
+                    expert_dim,
+                    f"NllbMoe's experts and dense blocks share one {side}_ffn_dim, and {side} layer {dense[0]} "
+                    f"is dense with --{side}-ffn-embed-dim {ffn[side]}",
+                    "export a model whose expert and dense hidden sizes are equal",
+                )
             ffn[side] = int(expert_dim)
     routing, routing_notes = exported_routing(options, path)  # policy, normalisation order, eval capacity
     notes += routing_notes
@@ -143,10 +170,14 @@ def hf_config(options, path: str, vocab: int, dtype: str,
         notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
                      f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs")
     config = {
-        "model_type": MODEL_TYPE, "architectures": ["NllbMoeForConditionalGeneration"], "torch_dtype": dtype,
-        "vocab_size": vocab, "d_model": d_model,
-        "max_position_embeddings": max(int(_get(options, "max_source_positions", 1024)),
-                                       int(_get(options, "max_target_positions", 1024))),
+        "model_type": MODEL_TYPE,
+        "architectures": ["NllbMoeForConditionalGeneration"],
+        "torch_dtype": dtype,
+        "vocab_size": vocab,
+        "d_model": d_model,
+        "max_position_embeddings": max(
+            int(_get(options, "max_source_positions", 1024)), int(_get(options, "max_target_positions", 1024))
+        ),
         "scale_embedding": not _get(options, "no_scale_embedding", False),
         "activation_function": ACTIVATIONS[activation],
         "dropout": float(_get(options, "dropout", 0.1)),
@@ -171,15 +202,18 @@ def hf_config(options, path: str, vocab: int, dtype: str,
 def _need(config, path, name, wanted, why, fix):
     value = config.get(name)
     if value != wanted:
-        raise CheckpointSetError(f"{path}: {name} is {value!r} ({why}), which this project cannot represent; {fix} "
-                                 f"(nothing was written)")
+        raise CheckpointSetError(
+            f"{path}: {name} is {value!r} ({why}), which this project cannot represent; {fix} (nothing was written)"
+        )
 
 
 def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[str]]:
     """(``moe_transformer`` model options, NOTE lines) for an NllbMoe ``config.json``."""
     if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
-        raise CheckpointSetError(f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
-                                 f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
+            f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
+        )
     config = {**HF_DEFAULTS, **config}
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
     _need(config, path, "tie_word_embeddings", True, "a separate output projection",
@@ -193,8 +227,10 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
               "from </s>", "convert the vocabulary to fairseq's dictionary order first")
     activation = config.get("activation_function", "relu")
     if activation not in ACTIVATIONS_BACK:
-        raise CheckpointSetError(f"{path}: activation_function is {activation!r}, which fairseq's --activation-fn "
-                                 f"has no counterpart of (nothing was written)")
+        raise CheckpointSetError(
+            f"{path}: activation_function is {activation!r}, which fairseq's --activation-fn "
+            f"has no counterpart of (nothing was written)"
+        )
     steps = {side: int(config.get(f"{side}_sparse_step", 4)) for side in SIDES}
     if not any(steps[side] > 0 and steps[side] <= int(config[f"{side}_layers"]) for side in SIDES):
         raise CheckpointSetError(f"{path} has no sparse layer (encoder/decoder_sparse_step {steps['encoder']}/"
@@ -204,23 +240,37 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         notes.append(f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
                      f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only")
     if config.get("router_ignore_padding_tokens", False):
-        notes.append("router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
-                     "the same where nothing is dropped)")
+        notes.append(
+            "router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
+            "the same where nothing is dropped)"
+        )
     eom = float(config.get("moe_token_dropout", 0.0))
     if eom:
-        notes.append(f"moe_token_dropout {eom:g} -> --moe-eom {eom:g}: the same in evaluation; in training whole "
-                     f"expert outputs are masked here, element-wise dropout there")
+        notes.append(
+            f"moe_token_dropout {eom:g} -> --moe-eom {eom:g}: the same in evaluation; in training whole "
+            f"expert outputs are masked here, element-wise dropout there"
+        )
     options = argparse.Namespace(
-        arch="moe_transformer", _name="moe_transformer", task="translation", criterion="cross_entropy",
-        share_all_embeddings=True, share_decoder_input_output_embed=True,
-        encoder_normalize_before=True, decoder_normalize_before=True,
-        encoder_learned_pos=False, decoder_learned_pos=False, layernorm_embedding=False,
-        encoder_embed_dim=int(config["d_model"]), decoder_embed_dim=int(config["d_model"]),
-        decoder_input_dim=int(config["d_model"]), decoder_output_dim=int(config["d_model"]),
+        arch="moe_transformer",
+        _name="moe_transformer",
+        task="translation",
+        criterion="cross_entropy",
+        share_all_embeddings=True,
+        share_decoder_input_output_embed=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        encoder_learned_pos=False,
+        decoder_learned_pos=False,
+        layernorm_embedding=False,
+        encoder_embed_dim=int(config["d_model"]),
+        decoder_embed_dim=int(config["d_model"]),
+        decoder_input_dim=int(config["d_model"]),
+        decoder_output_dim=int(config["d_model"]),
         max_source_positions=int(config.get("max_position_embeddings", 1024)),
         max_target_positions=int(config.get("max_position_embeddings", 1024)),
         no_scale_embedding=not config.get("scale_embedding", True),
-        activation_fn=ACTIVATIONS_BACK[activation], dropout=float(config.get("dropout", 0.1)),
+        activation_fn=ACTIVATIONS_BACK[activation],
+        dropout=float(config.get("dropout", 0.1)),
         attention_dropout=float(config.get("attention_dropout", 0.1)),
         activation_dropout=float(config.get("activation_dropout", 0.1)),
         moe_expert_count=int(config["num_experts"]), moe_top_k=2, moe_router="top",

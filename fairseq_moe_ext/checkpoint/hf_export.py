@@ -33,8 +33,10 @@ from .staging import write_all_or_nothing
 INDEX = "model.safetensors.index.json"
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+# fmt: off
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
+# fmt: on
 
 
 def shard_size(text: str) -> int:
@@ -42,8 +44,10 @@ def shard_size(text: str) -> int:
     match = _SIZE.match(str(text))
     size = int(float(match[1]) * _UNITS[(match[2] or "B").upper()]) if match else 0
     if size < 1:
-        raise CheckpointSetError(f"--max-shard-size {text!r} is not a size: give bytes or a number with KB, MB or GB "
-                                 f"(e.g. 2GB) (nothing was written)")
+        raise CheckpointSetError(
+            f"--max-shard-size {text!r} is not a size: give bytes or a number with KB, MB or GB "
+            f"(e.g. 2GB) (nothing was written)"
+        )
     return size
 
 
@@ -81,8 +85,9 @@ class ShardWriter:
             names.append(name)
             weight_map.update(dict.fromkeys(tensors, name))
         with open(os.path.join(self.directory, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}, f,
-                      indent=2)
+            json.dump(
+                {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
+            )
         return names + [INDEX]
 
 
@@ -90,9 +95,11 @@ def rank_files(path: str) -> List[str]:
     """The files of the checkpoint ``path`` names, rank 0 first (one for a single file)."""
     resolved = resolve(path, fallback=False)
     if resolved is None:
-        raise CheckpointSetError(f"no checkpoint named {path} (neither a file nor a set manifest "
-                                 f"{manifest_path(base_of(path))}); give a set's name, e.g. "
-                                 f"save_dir/checkpoint_best.pt")
+        raise CheckpointSetError(
+            f"no checkpoint named {path} (neither a file nor a set manifest "
+            f"{manifest_path(base_of(path))}); give a set's name, e.g. "
+            f"save_dir/checkpoint_best.pt"
+        )
     if resolved.kind == "file":
         return [resolved.path]
     manifest = validate_set(resolved.path)
@@ -105,8 +112,10 @@ def model_options(state: Dict, path: str):
     options = cfg.get("model") if isinstance(cfg, dict) else None
     options = options if options is not None else state.get("args")
     if options is None or "moe" not in state:
-        raise CheckpointSetError(f"{path} is not a checkpoint of this project's MoE models (no model options or no "
-                                 f"'moe' metadata): export-hf exports moe_transformer sets (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} is not a checkpoint of this project's MoE models (no model options or no "
+            f"'moe' metadata): export-hf exports moe_transformer sets (nothing was written)"
+        )
     return options
 
 
@@ -118,24 +127,30 @@ def shared_tensors(model: Dict[str, torch.Tensor], expert_keys, path: str) -> Li
             continue
         if key in TIED_HERE:
             if not torch.equal(tensor, model[EMBEDDING]):
-                raise CheckpointSetError(f"{path}: {key} differs from {EMBEDDING}, but NllbMoe ties them: export a "
-                                         f"model trained with --share-all-embeddings (nothing was written)")
+                raise CheckpointSetError(
+                    f"{path}: {key} differs from {EMBEDDING}, but NllbMoe ties them: export a "
+                    f"model trained with --share-all-embeddings (nothing was written)"
+                )
             continue
         name = hf_key(key)
         if name is None:
-            raise CheckpointSetError(f"{path} holds {key}, which NllbMoe has no place for: export-hf exports "
-                                     f"moe_transformer models NllbMoe can express (nothing was written)")
+            raise CheckpointSetError(
+                f"{path} holds {key}, which NllbMoe has no place for: export-hf exports "
+                f"moe_transformer models NllbMoe can express (nothing was written)"
+            )
         out.append((name, tensor))
     return out
 
 
-def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[str], None] = print,
-              training_as_nllb: bool = False) -> List[str]:
+def export_hf(
+    checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[str], None] = print, training_as_nllb: bool = False
+) -> List[str]:
     """Write the set ``checkpoint`` names as an NllbMoe directory ``out_dir``; returns the files written.
     ``training_as_nllb``: export a set trained with options that act in training only and NllbMoe lacks."""
     if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise CheckpointSetError(f"{out_dir} exists and is not an empty directory; choose a new output directory "
-                                 f"(nothing was overwritten)")
+        raise CheckpointSetError(
+            f"{out_dir} exists and is not an empty directory; choose a new output directory (nothing was overwritten)"
+        )
     paths = rank_files(checkpoint)
     first = safe_load(paths[0], verified=len(paths) > 1)
     options, model = model_options(first, paths[0]), first["model"]
@@ -145,11 +160,14 @@ def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[s
     # refuses a language model
     config, notes = hf_config(options, paths[0], int(embedding.shape[0]), dtype, training_as_nllb)
     if EMBEDDING not in model:
-        raise CheckpointSetError(f"{paths[0]} holds no {EMBEDDING}: not rank 0 of a translation set (nothing was "
-                                 f"written)")
+        raise CheckpointSetError(
+            f"{paths[0]} holds no {EMBEDDING}: not rank 0 of a translation set (nothing was written)"
+        )
     shared = shared_tensors(model, expert_keys, paths[0])
-    report(f"found {checkpoint}: {len(paths)} rank file(s), {config['num_experts']} experts, "
-           f"sparse steps {config['encoder_sparse_step']}/{config['decoder_sparse_step']}")
+    report(
+        f"found {checkpoint}: {len(paths)} rank file(s), {config['num_experts']} experts, "
+        f"sparse steps {config['encoder_sparse_step']}/{config['decoder_sparse_step']}"
+    )
     for line in notes:
         report(f"NOTE {line}")
     created = not os.path.lexists(out_dir)
@@ -157,8 +175,9 @@ def export_hf(checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[s
         try:
             os.mkdir(out_dir)
         except OSError as e:
-            raise CheckpointSetError(f"cannot create {out_dir}: {e.strerror}; create its parent directory first "
-                                     f"(nothing was written)") from None
+            raise CheckpointSetError(
+                f"cannot create {out_dir}: {e.strerror}; create its parent directory first (nothing was written)"
+            ) from None
 
     def write(staging):
         nonlocal first, model, shared
@@ -193,7 +212,9 @@ def add_experts(writer: ShardWriter, state: Dict, path: str, experts: int, files
         found = expert_tensor(key)
         stacked = state["model"].get(key)
         if found is None or stacked is None or stacked.shape[0] != local:
-            raise CheckpointSetError(f"{path}: expert tensor {key} is not a stack of {local} experts of an MoE "
-                                     f"feed-forward block (nothing was written)")
+            raise CheckpointSetError(
+                f"{path}: expert tensor {key} is not a stack of {local} experts of an MoE "
+                f"feed-forward block (nothing was written)"
+            )
         for j in range(local):
             writer.add(hf_expert_key(*found, rank * local + j), stacked[j])

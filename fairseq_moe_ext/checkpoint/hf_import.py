@@ -34,18 +34,25 @@ def read_config(hf_dir: str) -> Dict:
     if not os.path.isdir(hf_dir):
         branch = [p for p in (hf_dir + "-shared.pt", hf_dir + "-rank-0.pt") if os.path.exists(p)]
         if branch:
-            raise CheckpointSetError(f"{hf_dir} names a fairseq moe/nllb-branch set ({os.path.basename(branch[0])}): "
-                                     f"use import-fairseq-moe for it (nothing was written)")
-        raise CheckpointSetError(f"{hf_dir} is not a directory: give a Hugging Face checkpoint directory (config.json "
-                                 f"and safetensors files) (nothing was written)")
+            raise CheckpointSetError(
+                f"{hf_dir} names a fairseq moe/nllb-branch set ({os.path.basename(branch[0])}): "
+                f"use import-fairseq-moe for it (nothing was written)"
+            )
+        raise CheckpointSetError(
+            f"{hf_dir} is not a directory: give a Hugging Face checkpoint directory (config.json "
+            f"and safetensors files) (nothing was written)"
+        )
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         found = sorted(f for f in os.listdir(hf_dir) if f.endswith("-shared.pt"))
         if found:
-            raise CheckpointSetError(f"{hf_dir} holds a fairseq moe/nllb-branch set ({found[0]}), not a Hugging Face "
-                                     f"checkpoint: use import-fairseq-moe for it (nothing was written)")
-        raise CheckpointSetError(f"{hf_dir} has no config.json: not a Hugging Face checkpoint directory (nothing was "
-                                 f"written)")
+            raise CheckpointSetError(
+                f"{hf_dir} holds a fairseq moe/nllb-branch set ({found[0]}), not a Hugging Face "
+                f"checkpoint: use import-fairseq-moe for it (nothing was written)"
+            )
+        raise CheckpointSetError(
+            f"{hf_dir} has no config.json: not a Hugging Face checkpoint directory (nothing was written)"
+        )
     try:
         with open(path) as f:
             config = json.load(f)
@@ -65,27 +72,35 @@ def open_shards(hf_dir: str) -> Dict[str, SafetensorsFile]:
                 weight_map = json.load(f)["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointSetError(f"cannot read {index}: {' '.join(str(e).split())}; restore it from the "
-                                     f"checkpoint's source (nothing was written)") from None
+            raise CheckpointSetError(
+                f"cannot read {index}: {' '.join(str(e).split())}; restore it from the "
+                f"checkpoint's source (nothing was written)"
+            ) from None
     elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
         weight_map, files = None, [SINGLE]
     else:
-        raise CheckpointSetError(f"{hf_dir} has neither {INDEX} nor {SINGLE}: only safetensors checkpoints are "
-                                 f"imported; save the model with save_pretrained(safe_serialization=True) (nothing "
-                                 f"was written)")
+        raise CheckpointSetError(
+            f"{hf_dir} has neither {INDEX} nor {SINGLE}: only safetensors checkpoints are "
+            f"imported; save the model with save_pretrained(safe_serialization=True) (nothing "
+            f"was written)"
+        )
     shards = {}
     for name in files:
         if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
-            raise CheckpointSetError(f"{INDEX} names {name}, which is missing from {hf_dir}: download or copy the "
-                                     f"whole checkpoint (nothing was written)")
+            raise CheckpointSetError(
+                f"{INDEX} names {name}, which is missing from {hf_dir}: download or copy the "
+                f"whole checkpoint (nothing was written)"
+            )
         shards[name] = SafetensorsFile(os.path.join(hf_dir, name))
     where = {}
     for name, shard in shards.items():
         where.update(dict.fromkeys(shard.entries, shard))
     for tensor, name in (weight_map or {}).items():
         if tensor not in shards[name].entries:
-            raise CheckpointSetError(f"{INDEX} places {tensor} in {name}, which does not hold it: files from "
-                                     f"different checkpoints (nothing was written)")
+            raise CheckpointSetError(
+                f"{INDEX} places {tensor} in {name}, which does not hold it: files from "
+                f"different checkpoints (nothing was written)"
+            )
     return where
 
 
@@ -108,11 +123,23 @@ def expected_shapes(options) -> Tuple[Dict[str, List[int]], Dict[Tuple[str, str]
                 shapes[f"{layer}.{norm}.weight"] = shapes[f"{layer}.{norm}.bias"] = [d]
             if freq > 0 and (i + 1) % freq == 0:
                 shapes[f"{layer}.fc1.router.wg.weight"] = [options.moe_expert_count, d]
-                experts.update({(layer, "batched_fc1_w"): [hidden, d], (layer, "batched_fc1_b"): [hidden],
-                                (layer, "batched_fc2_w"): [d, hidden], (layer, "batched_fc2_b"): [d]})
+                experts.update(
+                    {
+                        (layer, "batched_fc1_w"): [hidden, d],
+                        (layer, "batched_fc1_b"): [hidden],
+                        (layer, "batched_fc2_w"): [d, hidden],
+                        (layer, "batched_fc2_b"): [d],
+                    }
+                )
             else:
-                shapes.update({f"{layer}.fc1.weight": [hidden, d], f"{layer}.fc1.bias": [hidden],
-                               f"{layer}.fc2.weight": [d, hidden], f"{layer}.fc2.bias": [d]})
+                shapes.update(
+                    {
+                        f"{layer}.fc1.weight": [hidden, d],
+                        f"{layer}.fc1.bias": [hidden],
+                        f"{layer}.fc2.weight": [d, hidden],
+                        f"{layer}.fc2.bias": [d],
+                    }
+                )
     return shapes, experts
 
 
@@ -121,8 +148,9 @@ def plan(hf_dir: str, options, where: Dict[str, SafetensorsFile]):
     shapes, expert_shapes = expected_shapes(options)
     embedding = next((n for n in (HF_EMBEDDING, *HF_TIED) if n in where), None)
     if embedding is None:
-        raise CheckpointSetError(f"{hf_dir} holds no {HF_EMBEDDING}: a shard is missing, or not an NllbMoe "
-                                 f"checkpoint (nothing was written)")
+        raise CheckpointSetError(
+            f"{hf_dir} holds no {HF_EMBEDDING}: a shard is missing, or not an NllbMoe checkpoint (nothing was written)"
+        )
     vocab = where[embedding].shape(embedding)[0]
     shapes[EMBEDDING] = [vocab, options.encoder_embed_dim]
     names, expert_names = {EMBEDDING: embedding}, {}
@@ -133,23 +161,34 @@ def plan(hf_dir: str, options, where: Dict[str, SafetensorsFile]):
         elif our_key(name) is not None and name != HF_EMBEDDING:
             names[our_key(name)] = name
         elif name not in (HF_EMBEDDING, *HF_TIED):
-            raise CheckpointSetError(f"{hf_dir} holds {name}, which moe_transformer has no place for: not an NllbMoe "
-                                     f"checkpoint this project can represent (nothing was written)")
+            raise CheckpointSetError(
+                f"{hf_dir} holds {name}, which moe_transformer has no place for: not an NllbMoe "
+                f"checkpoint this project can represent (nothing was written)"
+            )
     wanted = [(key, shape, names.get(key)) for key, shape in shapes.items()]
-    wanted += [((layer, tensor, j), shape, expert_names.get((layer, tensor, j)))
-               for (layer, tensor), shape in expert_shapes.items() for j in range(options.moe_expert_count)]
+    wanted += [
+        ((layer, tensor, j), shape, expert_names.get((layer, tensor, j)))
+        for (layer, tensor), shape in expert_shapes.items()
+        for j in range(options.moe_expert_count)
+    ]
     for key, shape, name in wanted:
         if name is None:
             what = key if isinstance(key, str) else f"expert {key[2]} of {key[0]}"
-            raise CheckpointSetError(f"{hf_dir} lacks the tensor for {what} that config.json implies: a shard is "
-                                     f"missing, or the config belongs to another model (nothing was written)")
+            raise CheckpointSetError(
+                f"{hf_dir} lacks the tensor for {what} that config.json implies: a shard is "
+                f"missing, or the config belongs to another model (nothing was written)"
+            )
         if where[name].shape(name) != shape:
-            raise CheckpointSetError(f"{hf_dir}: {name} has shape {where[name].shape(name)}, but config.json implies "
-                                     f"{shape}: files from different models (nothing was written)")
+            raise CheckpointSetError(
+                f"{hf_dir}: {name} has shape {where[name].shape(name)}, but config.json implies "
+                f"{shape}: files from different models (nothing was written)"
+            )
     extra = sorted(set(names) - set(shapes))
     if extra:
-        raise CheckpointSetError(f"{hf_dir} holds {names[extra[0]]}, which config.json does not place (a dense block "
-                                 f"where the config says sparse, or the reverse) (nothing was written)")
+        raise CheckpointSetError(
+            f"{hf_dir} holds {names[extra[0]]}, which config.json does not place (a dense block "
+            f"where the config says sparse, or the reverse) (nothing was written)"
+        )
     return names, sorted(expert_shapes), vocab
 
 
@@ -164,8 +203,10 @@ def import_hf(hf_dir: str, output: str, workers: int, report: Callable[[str], No
     experts = options.moe_expert_count
     shards, single, base = math.gcd(workers, experts), workers == 1, base_of(output)
     per = experts // shards
-    report(f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} safetensors file(s), sparse steps "
-           f"{options.encoder_moe_freq}/{options.decoder_moe_freq}, vocabulary {vocab}")
+    report(
+        f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} safetensors file(s), sparse steps "
+        f"{options.encoder_moe_freq}/{options.decoder_moe_freq}, vocabulary {vocab}"
+    )
     for line in notes:
         report(f"NOTE {line}")
     set_id = secrets.token_hex(8)
@@ -191,13 +232,28 @@ def import_hf(hf_dir: str, output: str, workers: int, report: Callable[[str], No
                 for j in range(1, per):
                     stacked[j] = read(hf_expert_key(layer, tensor, shard * per + j))
                 model[key] = stacked
-            meta = moe_metadata([], expert_keys, world_size=1 if single else shards, rank=shard, num_updates=0,
-                                set_id=None if single else set_id, experts_per_worker=per)
+            meta = moe_metadata(
+                [],
+                expert_keys,
+                world_size=1 if single else shards,
+                rank=shard,
+                num_updates=0,
+                set_id=None if single else set_id,
+                experts_per_worker=per,
+            )
             meta["imported_from"] = hf_dir
-            state = {"args": options, "cfg": None, "model": model, "criterion": {}, "task_state": {},
-                     "extra_state": {}, "moe": meta,
-                     "optimizer_history": [{"optimizer_name": "none", "lr_scheduler_state": {"best": None},
-                                            "num_updates": 0}]}
+            state = {
+                "args": options,
+                "cfg": None,
+                "model": model,
+                "criterion": {},
+                "task_state": {},
+                "extra_state": {},
+                "moe": meta,
+                "optimizer_history": [
+                    {"optimizer_name": "none", "lr_scheduler_state": {"best": None}, "num_updates": 0}
+                ],
+            }
             name = os.path.basename(output if single else rank_file(base, shard, shards))
             torch.save(state, os.path.join(staging, name))
             del state, model
@@ -205,12 +261,18 @@ def import_hf(hf_dir: str, output: str, workers: int, report: Callable[[str], No
             files.append(dict(describe_file(os.path.join(staging, name)), rank=shard))
         if single:
             return written
-        manifest = write_manifest(os.path.join(staging, os.path.basename(base)), shards, 0, files,
-                                  dict.fromkeys(expert_keys, experts), set_id, workers=workers)
+        manifest = write_manifest(
+            os.path.join(staging, os.path.basename(base)),
+            shards,
+            0,
+            files,
+            dict.fromkeys(expert_keys, experts),
+            set_id,
+            workers=workers,
+        )
         return written + [os.path.basename(manifest)]
 
     what = output if single else f"the {shards}-file set {manifest_path(base)}"
     write_all_or_nothing(os.path.dirname(output), what, write)
     report(f"wrote {output if single else manifest_path(base)}")
     return output if single else manifest_path(base)
-

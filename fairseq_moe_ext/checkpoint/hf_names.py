@@ -37,16 +37,22 @@ for _wb in _WB:
     _LAYER[f"fc2.{_wb}"] = f"ffn.fc2.{_wb}"
 _LAYER["fc1.router.wg.weight"] = "ffn.router.classifier.weight"
 _LAYER_BACK = {hf: ours for ours, hf in _LAYER.items()}
+# fmt: off
 EXPERT_TENSORS = {"batched_fc1_w": "fc1.weight", "batched_fc1_b": "fc1.bias", "batched_fc2_w": "fc2.weight",
                   "batched_fc2_b": "fc2.bias"}
+# fmt: on
 _EXPERT_BACK = {hf: ours for ours, hf in EXPERT_TENSORS.items()}
 
 _OURS = re.compile(r"^(?P<side>encoder|decoder)\.(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$")
 _OUR_EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.fc1\.experts\.(?P<name>batched_fc[12]_[wb])$")
-_HF = re.compile(r"^model\.(?P<side>encoder|decoder)\."
-                 r"(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$")
-_HF_EXPERT = re.compile(r"^model\.(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.ffn\.experts\.expert_(?P<j>\d+)\."
-                        r"(?P<name>fc[12]\.(?:weight|bias))$")
+_HF = re.compile(
+    r"^model\.(?P<side>encoder|decoder)\."
+    r"(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$"
+)
+_HF_EXPERT = re.compile(
+    r"^model\.(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.ffn\.experts\.expert_(?P<j>\d+)\."
+    r"(?P<name>fc[12]\.(?:weight|bias))$"
+)
 
 
 def expert_tensor(key: str) -> Optional[Tuple[str, str]]:

@@ -29,8 +29,10 @@ def keep_as(source: str, target: str) -> str:
     except OSError as error:
         if error.errno not in NO_HARD_LINKS:
             raise
-        logger.info(f"no hard links in {os.path.dirname(target) or '.'} ({error.strerror}): copying "
-                    f"{os.path.basename(source)} to {os.path.basename(target)} instead")
+        logger.info(
+            f"no hard links in {os.path.dirname(target) or '.'} ({error.strerror}): copying "
+            f"{os.path.basename(source)} to {os.path.basename(target)} instead"
+        )
         _durable_copy(source, tmp)
         how = "copy"
     os.replace(tmp, target)

@@ -36,9 +36,16 @@ def describe_file(path: str) -> Dict:
     return {"name": os.path.basename(path), "bytes": os.path.getsize(path), "sha256": file_digest(path)}
 
 
-def write_manifest(base: str, world_size: int, num_updates: int, files: List[Dict], experts: Dict[str, int],
-                   set_id: Optional[str] = None, workers: Optional[int] = None,
-                   replicas: Optional[List[List[str]]] = None) -> str:
+def write_manifest(
+    base: str,
+    world_size: int,
+    num_updates: int,
+    files: List[Dict],
+    experts: Dict[str, int],
+    set_id: Optional[str] = None,
+    workers: Optional[int] = None,
+    replicas: Optional[List[List[str]]] = None,
+) -> str:
     """``world_size``: the set's files (expert shards); ``workers``: the run's W when it was larger (each
     shard then had W / world_size replicas, ``replicas[s]`` their expert digests, in replica order)."""
     manifest = {
@@ -90,8 +97,11 @@ def check_manifest(manifest, path: str) -> None:
     base = os.path.basename(path)[: -len(MANIFEST_SUFFIX)] if path.endswith(MANIFEST_SUFFIX) else None
     name = manifest.get("name")
     if name != base or base is None:
-        renamed = (f" (a manifest keeps its set's name: was it renamed from {name}{MANIFEST_SUFFIX}?)"
-                   if isinstance(name, str) and not _is_path_like(name) else "")
+        renamed = (
+            f" (a manifest keeps its set's name: was it renamed from {name}{MANIFEST_SUFFIX}?)"
+            if isinstance(name, str) and not _is_path_like(name)
+            else ""
+        )
         _refuse(path, "name", f"the manifest's own base name {base!r}, got {_short(name)}{renamed}")
     world = manifest.get("world_size")
     if not _is_int(world) or world < 1:

@@ -6,9 +6,15 @@ from typing import Dict, List, Optional
 from .contents import experts_held
 
 
-def moe_metadata(optimizer_param_names: List[str], expert_param_names: List[str],
-                 world_size: int, rank: int, num_updates: int, set_id: Optional[str] = None,
-                 experts_per_worker: Optional[int] = None) -> Dict:
+def moe_metadata(
+    optimizer_param_names: List[str],
+    expert_param_names: List[str],
+    world_size: int,
+    rank: int,
+    num_updates: int,
+    set_id: Optional[str] = None,
+    experts_per_worker: Optional[int] = None,
+) -> Dict:
     """``expert_param_names`` double as model state keys (fairseq saves ``model.state_dict()``);
     ``set_id`` and ``experts_per_worker`` make the file self-describing (see contents.py)."""
     expert = set(expert_param_names)

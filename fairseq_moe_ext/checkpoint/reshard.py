@@ -75,8 +75,10 @@ def _concat_slot(per_rank, states, meta, slot):
 
 def refuse_unsplittable(key: str, total: int, world_size: int) -> None:
     if total % world_size:
-        raise CheckpointSetError(f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a "
-                                 f"world size dividing {total}")
+        raise CheckpointSetError(
+            f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a "
+            f"world size dividing {total}"
+        )
 
 
 def shard_state(full: Dict, rank: int, world_size: int) -> Dict:

@@ -112,8 +112,11 @@ def remove_other_layouts(base: str, world_size: int) -> None:
     # --world-size 1``) it resumed from is another layout too. The manifest goes first, so a crash
     # in between leaves unlisted rank files, never a manifest listing a missing file.
     stale = [manifest_path(base)] if world_size == 1 and os.path.exists(manifest_path(base)) else []
-    stale += [f for f in glob.glob(glob.escape(base) + "-rank-*-of-*.pt")
-              if world_size == 1 or split_rank_suffix(f)[2] != world_size]
+    stale += [
+        f
+        for f in glob.glob(glob.escape(base) + "-rank-*-of-*.pt")
+        if world_size == 1 or split_rank_suffix(f)[2] != world_size
+    ]
     if world_size > 1 and os.path.isfile(base + ".pt"):
         stale.append(base + ".pt")
     for path in stale:

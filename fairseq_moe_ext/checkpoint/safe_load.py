@@ -38,12 +38,14 @@ def _numpy_array_globals():
 # What fairseq 0.12 stores in a checkpoint besides tensors and builtins (an argparse model's
 # ``cfg.model`` is a Namespace; --eval-bleu's counters are numpy arrays), found by listing the
 # globals of real translation and LM checkpoints with torch.serialization.get_unsafe_globals_in_checkpoint.
+# fmt: off
 CHECKPOINT_SAFE_GLOBALS = [
     argparse.Namespace,
     collections.OrderedDict,
     collections.defaultdict,
     *_numpy_array_globals(),
 ]
+# fmt: on
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
 PICKLE_MAGIC = b"\x80"  # the legacy format: a pickle

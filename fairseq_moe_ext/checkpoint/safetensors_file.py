@@ -20,9 +20,11 @@ import torch
 
 from .errors import CheckpointSetError
 
+# fmt: off
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
+# fmt: on
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # A header is a few hundred bytes per tensor; one larger than this is not a safetensors header.
 MAX_HEADER_BYTES = 100 << 20
@@ -30,27 +32,35 @@ MAX_HEADER_BYTES = 100 << 20
 
 def _check_byte_order():
     if sys.byteorder != "little":  # raw bytes are written as they lie in memory
-        raise CheckpointSetError("safetensors files are little-endian; this machine is big-endian: convert on a "
-                                 "little-endian machine (nothing was written)")
+        raise CheckpointSetError(
+            "safetensors files are little-endian; this machine is big-endian: convert on a "
+            "little-endian machine (nothing was written)"
+        )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def write_safetensors(path: str, tensors: Iterable[Tuple[str, torch.Tensor]],
-                      metadata: Optional[Dict[str, str]] = None) -> None:
+def write_safetensors(
+    path: str, tensors: Iterable[Tuple[str, torch.Tensor]], metadata: Optional[Dict[str, str]] = None
+) -> None:
     """Write ``tensors`` (name, tensor) in the given order to ``path``."""
     _check_byte_order()
     tensors = list(tensors)
     header, offset = {}, 0
     for name, tensor in tensors:
         if tensor.dtype not in NAMES:
-            raise CheckpointSetError(f"{name} has dtype {tensor.dtype}, which safetensors files here do not hold: "
-                                     f"cast the checkpoint to float32, float16 or bfloat16 (nothing was written)")
+            raise CheckpointSetError(
+                f"{name} has dtype {tensor.dtype}, which safetensors files here do not hold: "
+                f"cast the checkpoint to float32, float16 or bfloat16 (nothing was written)"
+            )
         size = tensor_bytes(tensor)
-        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -85,8 +95,10 @@ class SafetensorsFile:
         except (OSError, ValueError) as e:
             if isinstance(e, CheckpointSetError):
                 raise
-            raise CheckpointSetError(f"cannot read {path}: {' '.join(str(e).split())}; restore the file from the "
-                                     f"checkpoint's source (nothing was written)") from None
+            raise CheckpointSetError(
+                f"cannot read {path}: {' '.join(str(e).split())}; restore the file from the "
+                f"checkpoint's source (nothing was written)"
+            ) from None
         if not isinstance(header, dict):
             self._damaged("its header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
@@ -108,14 +120,18 @@ class SafetensorsFile:
         count = 1
         for d in shape:
             count *= d
-        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != count * torch.empty(
-                0, dtype=dtype).element_size():
+        if (
+            min(shape, default=0) < 0
+            or not 0 <= begin <= end
+            or end - begin != count * torch.empty(0, dtype=dtype).element_size()
+        ):
             self._damaged(f"the header entry of {name} gives {end - begin} bytes for shape {shape}")
         return dtype, shape, begin, end
 
     def _damaged(self, why: str):
-        raise CheckpointSetError(f"{self.path} is not a complete safetensors file: {why}; download or copy it "
-                                 f"again (nothing was written)")
+        raise CheckpointSetError(
+            f"{self.path} is not a complete safetensors file: {why}; download or copy it again (nothing was written)"
+        )
 
     def shape(self, name: str) -> List[int]:
         return self.entries[name][1]

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 Result = TypeVar("Result")
 
 
+# fmt: off
 @dataclass(frozen=True)
 class Collectives:
     """What a save needs from the workers' process group."""
@@ -44,6 +45,7 @@ class Collectives:
     broadcast: Callable[[Any], Any]  # rank 0's value, returned on every worker
     all_gather: Callable[[Any], List[Any]]  # every worker's value, in rank order
     barrier: Callable[[], None]
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,14 @@ class WorkerShare:
     expert_digest: Optional[str] = None  # sha256 of its experts, when shards have several replicas
 
 
-def save_rank_files(save_dir: str, suffix: str, comm: Collectives, describe: SetDescription,
-                    write: Callable[[], Tuple[Result, List[str]]], share: Optional[WorkerShare] = None) -> Result:
+def save_rank_files(
+    save_dir: str,
+    suffix: str,
+    comm: Collectives,
+    describe: SetDescription,
+    write: Callable[[], Tuple[Result, List[str]]],
+    share: Optional[WorkerShare] = None,
+) -> Result:
     """Run ``write`` (this worker's part of the save, returning its result and the paths it would
     have pruned) inside the transaction; ``suffix`` ends the names of this worker's files. Without
     ``share``, every worker writes its own shard (P = W)."""
@@ -74,8 +82,14 @@ def save_rank_files(save_dir: str, suffix: str, comm: Collectives, describe: Set
     before = own_files(save_dir, suffix) if share.writes else {}
     protect_previous_generation(save_dir, comm, share)
     result, pruned = write()
-    written = [dict(describe_file(os.path.join(save_dir, name)), rank=share.shard, set_id=describe.set_id)
-               for name in changed_files(save_dir, suffix, before)] if share.writes else []
+    written = (
+        [
+            dict(describe_file(os.path.join(save_dir, name)), rank=share.shard, set_id=describe.set_id)
+            for name in changed_files(save_dir, suffix, before)
+        ]
+        if share.writes
+        else []
+    )
     reports = comm.all_gather((written, [os.path.basename(p) for p in pruned], (share.shard, share.expert_digest)))
     if comm.rank == 0:
         write_manifests(save_dir, reports, describe, share.shards)
@@ -127,8 +141,16 @@ def write_manifests(save_dir: str, reports: List[Tuple], describe: SetDescriptio
             by_base[base_of(os.path.join(save_dir, entry["name"]))].append(entry)
     for base, entries in by_base.items():
         if sorted(e["rank"] for e in entries) == list(range(shards)):
-            write_manifest(base, shards, describe.num_updates, entries, describe.num_experts,
-                           agreed_set_id(base, entries), workers=workers, replicas=replicas)
+            write_manifest(
+                base,
+                shards,
+                describe.num_updates,
+                entries,
+                describe.num_experts,
+                agreed_set_id(base, entries),
+                workers=workers,
+                replicas=replicas,
+            )
             remove_other_layouts(base, shards)
         else:
             ranks = sorted(e["rank"] for e in entries)

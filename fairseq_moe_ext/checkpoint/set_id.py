@@ -35,7 +35,9 @@ def agreed_set_id(base: str, entries: List[Dict]) -> Optional[str]:
     ids = {entry.pop("set_id", None) for entry in entries}
     if len(ids) == 1:
         return ids.pop()
-    logger.warning(f"checkpoint {base}: the workers derived different set ids ({sorted(map(str, ids))}); the manifest "
-                   f"records none, so the set loads without the set-id check (the launch environment differs "
-                   f"between workers: {', '.join(LAUNCH_ENVIRONMENT)})")
+    logger.warning(
+        f"checkpoint {base}: the workers derived different set ids ({sorted(map(str, ids))}); the manifest "
+        f"records none, so the set loads without the set-id check (the launch environment differs "
+        f"between workers: {', '.join(LAUNCH_ENVIRONMENT)})"
+    )
     return None

@@ -78,5 +78,10 @@ def _move_into_place(staging: str, output_dir: str, names: List[str]) -> List[st
 
 
 def _cannot_write(what: str, output_dir: str, error: BaseException) -> CheckpointError:
-    return cannot_write(error, what, output_dir, writable_fix="choose an output directory you can write to",
-                        then="then rerun (nothing was written)")
+    return cannot_write(
+        error,
+        what,
+        output_dir,
+        writable_fix="choose an output directory you can write to",
+        then="then rerun (nothing was written)",
+    )

@@ -28,8 +28,10 @@ from .rank_state import moe_metadata
 # fairseq's transformer layers: <side>.layers.<i>.fc1 / fc2 (nn.Linear, with biases).
 FFN_WEIGHT = re.compile(r"^(?P<side>encoder|decoder)\.layers\.(?P<index>\d+)\.fc1\.weight$")
 # dense parameter -> the experts' stacked tensor that holds E copies of it
+# fmt: off
 EXPERT_TENSORS = (("fc1.weight", "fc1.experts.batched_fc1_w"), ("fc1.bias", "fc1.experts.batched_fc1_b"),
                   ("fc2.weight", "fc1.experts.batched_fc2_w"), ("fc2.bias", "fc1.experts.batched_fc2_b"))
+# fmt: on
 ROUTER_WEIGHT = "fc1.router.wg.weight"
 # The routers' default initial std. At a zero router every token ties and topk picks the same k
 # experts for all of them: with experts on several workers one worker then receives every row of
@@ -38,6 +40,7 @@ ROUTER_WEIGHT = "fc1.router.wg.weight"
 DEFAULT_ROUTER_STD = 0.01
 
 
+# fmt: off
 @dataclass(frozen=True)
 class UpcycleOptions:
     experts: int
@@ -45,6 +48,7 @@ class UpcycleOptions:
     router_std: float = DEFAULT_ROUTER_STD  # std of the router's initial weights (0: zero, every token ties)
     seed: int = 1  # the noise's and the router's generator
     expert_ffn_dim: int = None  # the --moe-expert-ffn-dim asked for (None: the dense FFN's)
+# fmt: on
 
 
 def dense_ffn_layers(model_state: Dict) -> List[Tuple[str, int]]:
@@ -68,8 +72,9 @@ def check_upcyclable(state, path: str, options: UpcycleOptions) -> Dict:
             f"needs a dense checkpoint of an architecture whose FFN is fc1/fc2 (transformer, transformer_lm)"
         )
     if options.experts < 1:
-        raise CheckpointSetError(f"--moe-expert-count must be a positive integer, got {options.experts}: use 1 or "
-                                 f"more experts")
+        raise CheckpointSetError(
+            f"--moe-expert-count must be a positive integer, got {options.experts}: use 1 or more experts"
+        )
     for side, index in layers:
         hidden = state["model"][f"{side}.layers.{index}.fc1.weight"].shape[0]
         if options.expert_ffn_dim is not None and options.expert_ffn_dim != hidden:
@@ -87,8 +92,9 @@ def check_upcyclable(state, path: str, options: UpcycleOptions) -> Dict:
     return state
 
 
-def upcycle_model_state(model_state: Dict, options: UpcycleOptions,
-                        moe_layer: Callable[[str, int], bool]) -> Tuple[Dict, List[str]]:
+def upcycle_model_state(
+    model_state: Dict, options: UpcycleOptions, moe_layer: Callable[[str, int], bool]
+) -> Tuple[Dict, List[str]]:
     """The MoE model state and its expert keys; ``moe_layer(side, index)``: is that layer MoE?"""
     chosen = [(side, index) for side, index in dense_ffn_layers(model_state) if moe_layer(side, index)]
     if not chosen:
@@ -116,8 +122,7 @@ def upcycle_model_state(model_state: Dict, options: UpcycleOptions,
     return out, expert_keys
 
 
-def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, moe_layer: Callable[[str, int], bool],
-                  cfg) -> Dict:
+def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, moe_layer: Callable[[str, int], bool], cfg) -> Dict:
     """The whole MoE checkpoint (every expert, world size 1, update 0) for the MoE ``cfg``: a fresh
     start, so no optimizer state, no training progress (fairseq then starts at epoch 1, update 0)."""
     dense = check_upcyclable(dense, path, options)

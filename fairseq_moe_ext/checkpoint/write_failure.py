@@ -29,8 +29,11 @@ def os_error_in(error: BaseException) -> Optional[OSError]:
     (``error`` itself first); a connection's error (a peer worker gone) is none."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno is not None and \
-                not isinstance(error, (ConnectionError, TimeoutError)):
+        if (
+            isinstance(error, OSError)
+            and error.errno is not None
+            and not isinstance(error, (ConnectionError, TimeoutError))
+        ):
             return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__

@@ -47,8 +47,10 @@ class MoELossConfig(FairseqDataclass):
     )
     moe_hide_expert_load: bool = field(
         default=False,
-        metadata={"help": "do not log every expert's share of token-slots per layer (moe_load_<layer>_e<i>); "
-                  "moe_imbalance (largest share x E, 1.0 = balanced) is logged either way"},
+        metadata={
+            "help": "do not log every expert's share of token-slots per layer (moe_load_<layer>_e<i>); "
+            "moe_imbalance (largest share x E, 1.0 = balanced) is logged either way"
+        },
     )
 
 
@@ -173,9 +175,18 @@ class MoELabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfi
 
 @register_criterion("moe_label_smoothed_cross_entropy", dataclass=MoELabelSmoothedCrossEntropyConfig)
 class MoELabelSmoothedCrossEntropyCriterion(MoELossMixin, LabelSmoothedCrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moe_gate_loss_wt=0.01, moe_z_loss_wt=0.0, moe_gate_loss_combine_method="average",
-                 moe_hide_expert_load=False):
+    def __init__(
+        self,
+        task,
+        sentence_avg,
+        label_smoothing,
+        ignore_prefix_size=0,
+        report_accuracy=False,
+        moe_gate_loss_wt=0.01,
+        moe_z_loss_wt=0.0,
+        moe_gate_loss_combine_method="average",
+        moe_hide_expert_load=False,
+    ):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self._init_moe_loss(moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load)
 
@@ -192,8 +203,15 @@ class MoECrossEntropyConfig(CrossEntropyCriterionConfig, MoELossConfig):
 
 @register_criterion("moe_cross_entropy", dataclass=MoECrossEntropyConfig)
 class MoECrossEntropyCriterion(MoELossMixin, CrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, moe_gate_loss_wt=0.01, moe_z_loss_wt=0.0,
-                 moe_gate_loss_combine_method="average", moe_hide_expert_load=False):
+    def __init__(
+        self,
+        task,
+        sentence_avg,
+        moe_gate_loss_wt=0.01,
+        moe_z_loss_wt=0.0,
+        moe_gate_loss_combine_method="average",
+        moe_hide_expert_load=False,
+    ):
         super().__init__(task, sentence_avg)
         self._init_moe_loss(moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load)
 

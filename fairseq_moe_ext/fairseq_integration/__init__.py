@@ -39,6 +39,7 @@ class Hook:
     why: str
 
 
+# fmt: off
 HOOKS = (
     Hook(1, "fairseq.checkpoint_utils.load_checkpoint_to_cpu", loading.wrap_load_checkpoint_to_cpu,
          "torch >= 2.6 unpickles with weights_only=True; fairseq checkpoints hold a few plain Python types "
@@ -144,6 +145,7 @@ HOOKS = (
          "its one foreach multiply per device and dtype refuses FSDP2's slices mixed with experts' plain tensors: "
          "under fully_sharded each worker scales its local slices."),
 )
+# fmt: on
 
 # Hooks on functions that fairseq modules import by name: those bindings are replaced too.
 REBOUND_BY_NAME = ("fairseq.distributed.fully_sharded_data_parallel.fsdp_enable_wrap",)
@@ -152,6 +154,7 @@ REBOUND_BY_NAME = ("fairseq.distributed.fully_sharded_data_parallel.fsdp_enable_
 # the activation inside these forwards, legacy DDP must keep skipping `expert` parameters, the
 # trainer's gradient sequence (all-reduce, multiply, clip) is what the expert scaling matches and
 # what lets the norm count each expert once (replicas are summed in all-reduce, before the clip).
+# fmt: off
 RELIED_ON = (
     "fairseq.modules.transformer_layer.TransformerEncoderLayerBase.forward",
     "fairseq.modules.transformer_layer.TransformerDecoderLayerBase.forward",
@@ -167,12 +170,18 @@ RELIED_ON = (
     "fairseq.sequence_generator.EnsembleModel.forward_decoder",
     "fairseq.models.transformer.transformer_encoder.TransformerEncoderBase.forward_torchscript",
 )
+# fmt: on
 
 ORIGINALS: Dict[str, object] = {}  # hook target -> fairseq's own object, as found by install()
 
 __doc__ += "\n".join(
-    textwrap.fill(f"{hook.target.split('.', 1)[1] if hook.target.startswith('fairseq.') else hook.target}: {hook.why}",
-                  width=100, break_on_hyphens=False, initial_indent=f"{hook.number:3d}. ", subsequent_indent="     ")
+    textwrap.fill(
+        f"{hook.target.split('.', 1)[1] if hook.target.startswith('fairseq.') else hook.target}: {hook.why}",
+        width=100,
+        break_on_hyphens=False,
+        initial_indent=f"{hook.number:3d}. ",
+        subsequent_indent="     ",
+    )
     for hook in HOOKS
 )
 

@@ -38,7 +38,7 @@ def explain_unrecognized_moe_option(message: str):
         owners[option] = ("--arch", "the MoE architectures", archs(MoETransformerModel, MoETransformerLanguageModel))
     for option in options(MoELossConfig):
         owners[option] = ("--criterion", "the MoE criterions", "moe_label_smoothed_cross_entropy, moe_cross_entropy")
-    for word in message[len(prefix):].split():
+    for word in message[len(prefix) :].split():
         option = word.split("=", 1)[0]
         if option in owners:
             kind, whose, names = owners[option]

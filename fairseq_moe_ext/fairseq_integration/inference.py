@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "sharded", "local")
 
 
+# fmt: off
 @dataclass(frozen=True)
 class ShardedInference:
     """This worker's place in an expert-sharded inference run (decided when the command line is parsed)."""
@@ -46,16 +47,20 @@ class ShardedInference:
     # its token count too, but its call_main ends with a barrier every worker must reach.)
     stop_when_empty: bool = False
     on_gpu: bool = False  # the model runs on CUDA device LOCAL_RANK (modulo the GPUs there are)
+# fmt: on
 
 
 def add_inference_experts_flag(parser) -> None:
     if any("--moe-inference-experts" in a.option_strings for a in parser._actions):
         return
     parser.add_argument(
-        "--moe-inference-experts", choices=MODES, default="auto",
+        "--moe-inference-experts",
+        choices=MODES,
+        default="auto",
         help="inference CLIs on N > 1 torchrun workers: 'sharded' keeps each worker's experts on it (N must "
-             "divide the experts; every worker joins every MoE call), 'local' gives every worker every expert; "
-             "'auto' (default) is sharded when the checkpoint set was saved by N workers, else local")
+        "divide the experts; every worker joins every MoE call), 'local' gives every worker every expert; "
+        "'auto' (default) is sharded when the checkpoint set was saved by N workers, else local",
+    )
 
 
 def decide_sharded_inference(args) -> None:
@@ -76,8 +81,13 @@ def decide_sharded_inference(args) -> None:
     # runs two workers on one GPU, which NCCL refuses.
     backend = "gloo" if cpu else (getattr(args, "distributed_backend", None) or "nccl")
     STATE.sharded_inference = ShardedInference(
-        args.distributed_rank, world, int(os.environ.get("LOCAL_RANK", "0")), backend,
-        stop_when_empty=hasattr(args, "beam"), on_gpu=not cpu)  # stop_when_empty: fairseq-generate
+        args.distributed_rank,
+        world,
+        int(os.environ.get("LOCAL_RANK", "0")),
+        backend,
+        stop_when_empty=hasattr(args, "beam"),
+        on_gpu=not cpu,
+    )  # stop_when_empty: fairseq-generate
 
 
 def saved_world_size(path: str) -> Optional[int]:
@@ -97,15 +107,16 @@ def load_sharded(original, filenames, *args, **kwargs):
     only its experts; the model comes back in lock-step mode for the rest of the process."""
     sharded = STATE.sharded_inference
     if len(filenames) != 1:
-        raise ValueError(f"--moe-inference-experts sharded generates with one model, got an ensemble of "
-                         f"{len(filenames)}: pass one --path, or add --moe-inference-experts local")
+        raise ValueError(
+            f"--moe-inference-experts sharded generates with one model, got an ensemble of "
+            f"{len(filenames)}: pass one --path, or add --moe-inference-experts local"
+        )
     if not dist.is_initialized():  # fairseq-generate and -interactive never initialise distributed
         if sharded.on_gpu:
             # Workers beyond the GPU count share GPUs (only a backend other than NCCL allows that).
             torch.cuda.set_device(sharded.local_rank % torch.cuda.device_count())
         # The MoE layers' own groups get --moe-comm-timeout when the model is built.
-        dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank,
-                                world_size=sharded.world_size)
+        dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank, world_size=sharded.world_size)
     # No inference CLI closes its process groups; left open, gloo's threads abort the interpreter at
     # exit now and then ("terminate called without an active exception", exit status -6).
     atexit.register(moe_dist.close_process_groups)
@@ -116,21 +127,29 @@ def load_sharded(original, filenames, *args, **kwargs):
         STATE.load_targets.pop()
     model = models[0]
     if not moe_layers(model):
-        raise ValueError(f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
-                         f"--moe-inference-experts sharded")
+        raise ValueError(
+            f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
+            f"--moe-inference-experts sharded"
+        )
     layout = moe_dist.expert_layout()
     if layout.parallel_size != sharded.world_size:
-        raise ValueError(f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
-                         f"workers (--moe-expert-parallel-size): add --moe-inference-experts local")
+        raise ValueError(
+            f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
+            f"workers (--moe-expert-parallel-size): add --moe-inference-experts local"
+        )
     if any(layer.eval_capacity_factor != 0 for layer in moe_layers(model)):
-        raise ValueError("expert-sharded inference needs dropless routing to match one process (a capacity "
-                         "depends on every worker's tokens): pass --model-overrides "
-                         "\"{'moe_eval_capacity_factor': 0}\", or add --moe-inference-experts local")
+        raise ValueError(
+            "expert-sharded inference needs dropless routing to match one process (a capacity "
+            "depends on every worker's tokens): pass --model-overrides "
+            "\"{'moe_eval_capacity_factor': 0}\", or add --moe-inference-experts local"
+        )
     STATE.inference_lockstep = attach_lockstep(model)
     STATE.inference_lockstep.active = True
     local = moe_layers(model)[0].num_local_experts
-    logger.info(f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts "
-                f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step")
+    logger.info(
+        f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts "
+        f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step"
+    )
     return models, cfg, task
 
 
@@ -201,8 +220,10 @@ class FinishingIterator:
             yield sample
         self.lockstep.finish()
         if empty and self.sharded.stop_when_empty:
-            logger.info(f"worker {self.sharded.rank} of {self.sharded.world_size} had no batch (fewer batches "
-                        f"than workers): it joined the others' MoE calls and has nothing to report")
+            logger.info(
+                f"worker {self.sharded.rank} of {self.sharded.world_size} had no batch (fewer batches "
+                f"than workers): it joined the others' MoE calls and has nothing to report"
+            )
             sys.exit(0)
 
 

@@ -70,8 +70,13 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         state = moe_ckpt.shard_state(full, target.rank, target.world_size)
     if target.model is not None:  # None: an expert-sharded inference load (no model yet to compare)
         check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
-        check_resume_policy(path, state.get("cfg"), target.model_cfg, target.criterion_cfg,
-                            allow_function_change=bool(flag(target.model_cfg, "moe_allow_function_change")))
+        check_resume_policy(
+            path,
+            state.get("cfg"),
+            target.model_cfg,
+            target.criterion_cfg,
+            allow_function_change=bool(flag(target.model_cfg, "moe_allow_function_change")),
+        )
     return state
 
 
@@ -84,28 +89,43 @@ def wrap_trainer_load_checkpoint(original):
     def load_checkpoint(self, filename, *args, **kwargs):
         check_training_setup(self)  # fairseq-train calls this first, before any batch is read
         checkpoint_cfg = self.cfg.checkpoint
-        claim_save_dir(checkpoint_cfg.save_dir, checkpoint_cfg.no_save, self.data_parallel_rank,
-                       self.data_parallel_world_size, every_rank_saves=is_expert_parallel_trainer(self))
+        claim_save_dir(
+            checkpoint_cfg.save_dir,
+            checkpoint_cfg.no_save,
+            self.data_parallel_rank,
+            self.data_parallel_world_size,
+            every_rank_saves=is_expert_parallel_trainer(self),
+        )
         if not moe_dist.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
         dense = flag(self.cfg.model, "moe_upcycle_from")
         if dense:
             check_upcycle_start(checkpoint_cfg)  # before the save dir's own checkpoint_last is looked for
-        resolved = decided_on_rank_0(lambda: resolve_restore(
-            filename, checkpoint_cfg, self.checkpoint_suffix,
-            allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback"))))
+        resolved = decided_on_rank_0(
+            lambda: resolve_restore(
+                filename,
+                checkpoint_cfg,
+                self.checkpoint_suffix,
+                allow_fallback=bool(flag(self.cfg.model, "moe_restore_fallback")),
+            )
+        )
         if resolved is None:
             if dense:
                 return load_upcycled(self, dense)  # the first launch of an upcycled run: nothing to resume
             return original(self, filename, *args, **kwargs)  # fairseq: "no existing checkpoint"
         if dense:
-            logger.info(f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
-                        f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)")
+            logger.info(
+                f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
+                f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)"
+            )
         layout = moe_dist.expert_layout()
-        logger.info(f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
-                    f"(expert shard {layout.ep_rank} of {layout.parallel_size})")
-        STATE.load_targets.append(LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model,
-                                             self.cfg.criterion))
+        logger.info(
+            f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
+            f"(expert shard {layout.ep_rank} of {layout.parallel_size})"
+        )
+        STATE.load_targets.append(
+            LoadTarget(layout.ep_rank, layout.parallel_size, self._model, self.cfg.model, self.cfg.criterion)
+        )
         try:
             # Every worker builds its own slice, so nothing is broadcast from rank 0.
             with open_dict(self.cfg.checkpoint):
@@ -131,8 +151,9 @@ def refuses_the_checkpoint(error: BaseException) -> bool:
     policy's: that checkpoint would load, and its line names its own fix)."""
     if CHANGES_FUNCTION in str(error):
         return False
-    return isinstance(error, (ValueError, moe_ckpt.CheckpointError)) or \
-        str(error).startswith("Cannot load model parameters from checkpoint")
+    return isinstance(error, (ValueError, moe_ckpt.CheckpointError)) or str(error).startswith(
+        "Cannot load model parameters from checkpoint"
+    )
 
 
 def upcycle_skipped(dense: str, save_dir: str, found: str, refused: BaseException) -> ValueError:
@@ -150,8 +171,10 @@ def decided_on_rank_0(decide):
     the set is validated (every file hashed) once instead of once per worker, and every worker resumes
     from the same choice. The others wait for it on io_waits' gloo group, however long the hashing
     takes (an NCCL wait would be aborted by the watchdog after fairseq's 10 minutes)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-            or torch.distributed.get_world_size() == 1:
+    if (
+        not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        or torch.distributed.get_world_size() == 1
+    ):
         return decide()
     io_wait_group()  # made by every worker before rank 0 starts (new_group is collective)
     outcome = None

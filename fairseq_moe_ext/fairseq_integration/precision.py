@@ -64,8 +64,10 @@ def keep_tpu_off_unless_asked(args, tpu_asked: bool) -> None:
         return
     if tpu_asked:
         if importlib.util.find_spec("torch_xla") is None:
-            raise ValueError("--tpu needs torch_xla, which is not installed: install torch_xla, or drop --tpu "
-                             "(--bf16 alone trains on CUDA or CPU)")
+            raise ValueError(
+                "--tpu needs torch_xla, which is not installed: install torch_xla, or drop --tpu "
+                "(--bf16 alone trains on CUDA or CPU)"
+            )
         return
     args.tpu = False
     if getattr(args, "bf16", False):
@@ -99,6 +101,7 @@ def needs_expert_marker(trainer) -> bool:
 
 
 # ---------------------------------------------------------------- 13. --amp skips on every worker or none
+
 
 def wrap_amp_clip_grad_norm(original):
     @functools.wraps(original)

@@ -31,13 +31,19 @@ def cell(text) -> str:
 
 
 def hooks_markdown() -> str:
-    rows = [f"| {hook.number} | `{hook.target}` | `{hook.wrap.__module__.replace('.', '/')}.py` | {cell(hook.why)} |"
-            for hook in HOOKS]
-    return (HEADER.format(source="`HOOKS` in fairseq_moe_ext/fairseq_integration/__init__.py")
-            + "# fairseq hooks\n\nEvery place the plugin replaces a fairseq (or argparse) attribute, in the order "
-              "`install()` patches them. `tests/fairseq/test_fairseq_integration.py` pins the source of every "
-              "target, so a fairseq that changes under a hook fails the suite.\n\n"
-            + "| # | fairseq target | module | why |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+    rows = [
+        f"| {hook.number} | `{hook.target}` | `{hook.wrap.__module__.replace('.', '/')}.py` | {cell(hook.why)} |"
+        for hook in HOOKS
+    ]
+    return (
+        HEADER.format(source="`HOOKS` in fairseq_moe_ext/fairseq_integration/__init__.py")
+        + "# fairseq hooks\n\nEvery place the plugin replaces a fairseq (or argparse) attribute, in the order "
+        "`install()` patches them. `tests/fairseq/test_fairseq_integration.py` pins the source of every "
+        "target, so a fairseq that changes under a hook fails the suite.\n\n"
+        + "| # | fairseq target | module | why |\n| --- | --- | --- | --- |\n"
+        + "\n".join(rows)
+        + "\n"
+    )
 
 
 def parser_of(*add) -> argparse.ArgumentParser:
@@ -81,20 +87,26 @@ def options_markdown() -> str:
     model = parser_of(lambda p: gen_parser_from_dataclass(p, MoEEncoderDecoderConfig()))
     translation_only = set(MoEEncoderDecoderConfig.__dataclass_fields__) - set(MoEConfig.__dataclass_fields__)
     sections = [
-        ("Architectures: every `moe_transformer*` and `moe_transformer_lm*` (`--arch`)",
-         option_rows(model, MODEL_RANGES, only=set(MoEConfig.__dataclass_fields__))),
-        ("Translation architectures only: `moe_transformer*`",
-         option_rows(model, MODEL_RANGES, only=translation_only)),
-        ("Criterions: `moe_label_smoothed_cross_entropy`, `moe_cross_entropy` (`--criterion`)",
-         option_rows(parser_of(lambda p: gen_parser_from_dataclass(p, MoELossConfig())), CRITERION_RANGES)),
-        ("Inference CLIs: generate, interactive, eval-lm, validate",
-         option_rows(parser_of(add_inference_experts_flag), {})),
+        (
+            "Architectures: every `moe_transformer*` and `moe_transformer_lm*` (`--arch`)",
+            option_rows(model, MODEL_RANGES, only=set(MoEConfig.__dataclass_fields__)),
+        ),
+        ("Translation architectures only: `moe_transformer*`", option_rows(model, MODEL_RANGES, only=translation_only)),
+        (
+            "Criterions: `moe_label_smoothed_cross_entropy`, `moe_cross_entropy` (`--criterion`)",
+            option_rows(parser_of(lambda p: gen_parser_from_dataclass(p, MoELossConfig())), CRITERION_RANGES),
+        ),
+        (
+            "Inference CLIs: generate, interactive, eval-lm, validate",
+            option_rows(parser_of(add_inference_experts_flag), {}),
+        ),
     ]
-    return (HEADER.format(source="the option dataclasses and fairseq_moe_ext/option_ranges.py")
-            + "# Options\n\nEvery `--moe-*` option the plugin registers with fairseq. Numeric options are checked "
-              "at start-up against their range; a value outside it stops the run with one line naming the flag "
-              "and the fix.\n"
-            + "".join(f"\n## {title}\n\n{table}" + "\n".join(rows) + "\n" for title, rows in sections))
+    return (
+        HEADER.format(source="the option dataclasses and fairseq_moe_ext/option_ranges.py")
+        + "# Options\n\nEvery `--moe-*` option the plugin registers with fairseq. Numeric options are checked "
+        "at start-up against their range; a value outside it stops the run with one line naming the flag "
+        "and the fix.\n" + "".join(f"\n## {title}\n\n{table}" + "\n".join(rows) + "\n" for title, rows in sections)
+    )
 
 
 def generated() -> Dict[str, str]:

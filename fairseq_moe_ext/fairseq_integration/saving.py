@@ -26,8 +26,11 @@ def is_expert_parallel_trainer(trainer) -> bool:
     """Are this trainer's experts split over several workers, each shard saved in its own rank file?"""
     cached = STATE.expert_parallel_trainers.get(trainer)
     if cached is None:
-        cached = (trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
-                  and moe_dist.expert_layout().parallel_size > 1)
+        cached = (
+            trainer.data_parallel_world_size > 1
+            and moe_dist.has_experts(trainer._model)
+            and moe_dist.expert_layout().parallel_size > 1
+        )
         STATE.expert_parallel_trainers[trainer] = cached
     return cached
 
@@ -63,7 +66,11 @@ def wrap_trainer_state_dict(original):
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
         experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
         state["moe"] = moe_ckpt.moe_metadata(
-            names, moe_dist.expert_parameter_names(self._model), world, rank, self.get_num_updates(),
+            names,
+            moe_dist.expert_parameter_names(self._model),
+            world,
+            rank,
+            self.get_num_updates(),
             set_id=save_set_id(self, self.data_parallel_world_size),
             experts_per_worker=int(experts[0].shape[0]) if experts else None,
         )
@@ -89,8 +96,9 @@ def wrap_save_checkpoint(original):
             with _atomic_copies():
                 if not moe_dist.has_experts(trainer._model):
                     return original(cfg, trainer, epoch_itr, val_loss)
-                return save_single_file(cfg.save_dir, trainer.checkpoint_suffix,
-                                        lambda: original(cfg, trainer, epoch_itr, val_loss))
+                return save_single_file(
+                    cfg.save_dir, trainer.checkpoint_suffix, lambda: original(cfg, trainer, epoch_itr, val_loss)
+                )
 
         def write():
             with _atomic_copies(), _removals_deferred() as pruned:
@@ -99,14 +107,22 @@ def wrap_save_checkpoint(original):
         layout = moe_dist.expert_layout()
         describe = SetDescription(
             num_updates=trainer.get_num_updates(),
-            num_experts={n: int(p.shape[0]) * layout.parallel_size for n, p in trainer._model.named_parameters()
-                         if moe_dist.is_expert(p)},
+            num_experts={
+                n: int(p.shape[0]) * layout.parallel_size
+                for n, p in trainer._model.named_parameters()
+                if moe_dist.is_expert(p)
+            },
             set_id=save_set_id(trainer, trainer.data_parallel_world_size),
         )
-        share = WorkerShare(layout.ep_rank, layout.parallel_size, writes=layout.replica_index == 0,
-                            expert_digest=expert_digest(trainer._model) if layout.num_replicas > 1 else None)
-        return save_rank_files(cfg.save_dir, trainer.checkpoint_suffix, torch_collectives(trainer), describe, write,
-                               share)
+        share = WorkerShare(
+            layout.ep_rank,
+            layout.parallel_size,
+            writes=layout.replica_index == 0,
+            expert_digest=expert_digest(trainer._model) if layout.num_replicas > 1 else None,
+        )
+        return save_rank_files(
+            cfg.save_dir, trainer.checkpoint_suffix, torch_collectives(trainer), describe, write, share
+        )
 
     return save_checkpoint
 
@@ -126,10 +142,13 @@ def _write_failures_reported(save_dir: str, trainer):
         if isinstance(e, CheckpointError) or not (is_write_failure(e) or _failed_copy(e)):
             raise
         report = cannot_write(
-            e, f"the checkpoint of update {trainer.get_num_updates()}", save_dir,
+            e,
+            f"the checkpoint of update {trainer.get_num_updates()}",
+            save_dir,
             writable_fix="give --save-dir a directory you can write to",
             then="then rerun the same command (it resumes from the last checkpoint saved whole; the half-written "
-                 "files of this save were removed)")
+            "files of this save were removed)",
+        )
         if trainer.should_save_checkpoint_on_current_rank:  # a replica that writes nothing removes nothing
             endings = [trainer.checkpoint_suffix + ".pt.tmp"]
             endings += [".set.json.tmp"] if trainer.data_parallel_rank == 0 else []
@@ -155,8 +174,13 @@ def torch_collectives(trainer) -> Collectives:
     """The save's collectives (objects travel by pickle), on io_waits' gloo group: the workers wait
     there for each other's writing and hashing (rank 0's file is the largest), which on fairseq's
     NCCL group the watchdog would abort after its timeout."""
-    return Collectives(trainer.data_parallel_rank, trainer.data_parallel_world_size, io_waits.broadcast_from_rank_0,
-                       io_waits.all_gather_objects, io_waits.barrier)
+    return Collectives(
+        trainer.data_parallel_rank,
+        trainer.data_parallel_world_size,
+        io_waits.broadcast_from_rank_0,
+        io_waits.all_gather_objects,
+        io_waits.barrier,
+    )
 
 
 @contextlib.contextmanager

@@ -89,8 +89,9 @@ def shard_for_training(args, model, process_group, device):
     model = model.to(device)
     if moe_dist.has_experts(model):
         moe_dist.check_shared_parameters_agree(model, process_group)
-    sharded = fully_sharded.shard_model(model, process_group,
-                                        reshard_after_forward=not getattr(args, "no_reshard_after_forward", False))
+    sharded = fully_sharded.shard_model(
+        model, process_group, reshard_after_forward=not getattr(args, "no_reshard_after_forward", False)
+    )
     return FullyShardedModel(sharded)
 
 

@@ -62,8 +62,9 @@ def wrap_distributed_model(original):
         if not moe:
             return wrapped
         STATE.expert_parallel_training = True
-        return moe_dist.ExpertParallelModel(wrapped, torch.distributed.get_world_size(process_group),
-                                            replica_group=moe_dist.expert_replica_group())
+        return moe_dist.ExpertParallelModel(
+            wrapped, torch.distributed.get_world_size(process_group), replica_group=moe_dist.expert_replica_group()
+        )
 
     return distributed_fairseq_model
 
@@ -165,8 +166,9 @@ def out_of_memory_error(trainer, exc, layers) -> MoEOutOfMemoryError:
     training = trainer._model.training
     capacity = "--moe-capacity-factor" if training else "--moe-eval-capacity-factor"
     rows = max(layer.rows_received_peak for layer in layers)
-    received = (f"its experts received up to {rows} rows per MoE call" if rows
-                else "its experts had received no rows yet")
+    received = (
+        f"its experts received up to {rows} rows per MoE call" if rows else "its experts had received no rows yet"
+    )
     # No "out of memory" in the line: fairseq would take a peer's relayed copy for its own OOM.
     message = (
         f"worker {trainer.data_parallel_rank} of {trainer.data_parallel_world_size} ran out of device memory in "

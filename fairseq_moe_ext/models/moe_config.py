@@ -33,6 +33,7 @@ MOE_BALANCE_CHOICES = ChoiceEnum(["none", "bias"])
 MOE_SECOND_EXPERT_CHOICES = ChoiceEnum(list(SECOND_EXPERT_POLICIES))
 
 
+# fmt: off
 @dataclass
 class MoEConfig(FairseqDataclass):
     moe_expert_count: int = field(
@@ -198,6 +199,7 @@ class MoEConfig(FairseqDataclass):
         metadata={"help": f"with --moe-upcycle-from: std of the router's initial weights (seeded by --seed; default "
                   f"{DEFAULT_ROUTER_STD:g}: tokens spread over the experts; 0: every token picks the same experts)"},
     )
+# fmt: on
 
 
 @dataclass
@@ -253,11 +255,15 @@ def check_routing_extensions(args, k: int) -> None:
         raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
     policy = str(moe_option(args, "moe_second_expert_policy"))
     if policy != "all" and (k != 2 or str(moe_option(args, "moe_router")) != "top"):
-        raise ValueError(f"--moe-second-expert-policy {policy} is the nllb branch's top-2 softmax gate's: use "
-                         f"--moe-top-k 2 with --moe-router top, or drop the flag")
+        raise ValueError(
+            f"--moe-second-expert-policy {policy} is the nllb branch's top-2 softmax gate's: use "
+            f"--moe-top-k 2 with --moe-router top, or drop the flag"
+        )
     if moe_option(args, "moe_normalize_gate_after_dropping") and str(moe_option(args, "moe_router")) != "top":
-        raise ValueError("--moe-normalize-gate-after-dropping renormalises softmax probabilities: use it with "
-                         "--moe-router top, or drop it")
+        raise ValueError(
+            "--moe-normalize-gate-after-dropping renormalises softmax probabilities: use it with "
+            "--moe-router top, or drop it"
+        )
     if str(moe_option(args, "moe_router")) == "sigmoid" and k < 2:
         raise ValueError(
             "--moe-router sigmoid normalises the gates over the chosen experts, so with --moe-top-k 1 every gate is 1 "
@@ -344,5 +350,7 @@ def apply_runtime_options(args) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        logger.info("--moe-deterministic: torch.use_deterministic_algorithms(True), "
-                    f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}")
+        logger.info(
+            "--moe-deterministic: torch.use_deterministic_algorithms(True), "
+            f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
+        )

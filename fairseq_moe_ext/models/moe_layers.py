@@ -50,7 +50,7 @@ class MoEFeedForward(MoELayer):
             return super().forward(x, torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device))
         mask = self.padding_mask
         if mask is not None:
-            mask = mask[:, -x.shape[1 if batch_major else 0]:]  # cross-self-attention prepends source
+            mask = mask[:, -x.shape[1 if batch_major else 0] :]  # cross-self-attention prepends source
             mask = mask if batch_major else mask.transpose(0, 1)
             if mask.shape != x.shape[:-1]:
                 mask = None
@@ -149,8 +149,9 @@ class MoEDecoderLayer(_MoEFFNMixin, TransformerDecoderLayerBase):
             self.fc1.padding_mask = None
 
 
-def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, group, statistics_group,
-                       no_encoder_attn=False) -> int:
+def install_moe_layers(
+    stack, cfg, args, side: str, layer_seed_base: int, *, group, statistics_group, no_encoder_attn=False
+) -> int:
     """Replace every ``freq``-th layer of a built encoder/decoder ``stack`` by its MoE version, with
     its experts spread over the expert-parallel ``group`` (None: every expert local) and its routing
     statistics totalled over ``statistics_group`` (the world; None in one process).
@@ -164,8 +165,13 @@ def install_moe_layers(stack, cfg, args, side: str, layer_seed_base: int, *, gro
     config = moe_layer_config(args, model_dim, ffn_dim)  # every MoE layer of a side computes the same function
     replaced = 0
     for i in moe_layer_indices(len(stack.layers), freq):
-        ffn = MoEFeedForward(config, group=group, statistics_group=statistics_group, seed=layer_seed_base + i,
-                             batch_major=bool(moe_option(args, "moe_batch_major_routing")))
+        ffn = MoEFeedForward(
+            config,
+            group=group,
+            statistics_group=statistics_group,
+            seed=layer_seed_base + i,
+            batch_major=bool(moe_option(args, "moe_batch_major_routing")),
+        )
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))
         else:

@@ -67,8 +67,16 @@ class MoEModelMixin:
         cfg = TransformerConfig.from_namespace(args)
         seed = base_seed(args)
         for side in sides:
-            install_moe_layers(getattr(model, side), cfg, args, side, seed + SEED_OFFSETS[side], group=group,
-                               statistics_group=statistics_group, no_encoder_attn=no_encoder_attn)
+            install_moe_layers(
+                getattr(model, side),
+                cfg,
+                args,
+                side,
+                seed + SEED_OFFSETS[side],
+                group=group,
+                statistics_group=statistics_group,
+                no_encoder_attn=no_encoder_attn,
+            )
         model.moe_cache = attach_moe_cache(model)
         return model
 

@@ -21,6 +21,7 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_ddp_backend, check_moe_args, moe_option
+
 # Re-exported: tests and user code import these from this module, where they used to live.
 from .moe_model import (  # noqa: F401
     DECODER_SEED_OFFSET,
@@ -33,8 +34,10 @@ from .moe_model import (  # noqa: F401
 
 # Read from the command line by the checkpoint loader (absent means no fallback): it shapes no model,
 # and the architectures have never written it into a model's args.
+# fmt: off
 NOT_SET_BY_ARCHITECTURE = ("moe_restore_fallback", "moe_allow_function_change", "moe_upcycle_from",
                            "moe_upcycle_noise", "moe_upcycle_router_std")
+# fmt: on
 
 
 @register_model("moe_transformer")

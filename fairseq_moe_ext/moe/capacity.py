@@ -27,7 +27,7 @@ import torch
 
 from .dispatch import bucket_counts
 
-MAX_SLOTS = 2 ** 40  # per expert and choice: beyond any batch's token count, far within int64 (times k)
+MAX_SLOTS = 2**40  # per expert and choice: beyond any batch's token count, far within int64 (times k)
 
 
 def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> float:

@@ -30,6 +30,7 @@ def _gelu_accurate(x):
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
 
+# fmt: off
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -40,6 +41,7 @@ ACTIVATIONS = {
     "swish": F.silu,
     "silu": F.silu,
 }
+# fmt: on
 
 
 def resolve_activation(activation: Union[str, Callable]) -> Callable:

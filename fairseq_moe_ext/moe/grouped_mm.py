@@ -211,8 +211,9 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def grouped_linear(x: torch.Tensor, groups: Union[List[int], ExpertGroups], weight: torch.Tensor,
-                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, groups: Union[List[int], ExpertGroups], weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     if not isinstance(groups, ExpertGroups):
         groups = expert_groups(groups, x.device)
     if sum(groups.counts) != x.shape[0]:

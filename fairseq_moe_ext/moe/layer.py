@@ -87,9 +87,14 @@ class MoELayer(nn.Module):
         bias = None if routing.balance_bias_rate is None else BalanceBias(num_experts, routing.balance_bias_rate)
         self.router = TopKRouter(config.model_dim, num_experts, routing, balance_bias=bias)
         self.experts = BatchedExperts(
-            config.model_dim, config.hidden_dim, self.num_local_experts,
+            config.model_dim,
+            config.hidden_dim,
+            self.num_local_experts,
             first_global_id=comm.group_rank(group) * self.num_local_experts,
-            activation=config.activation, activation_dropout=config.activation_dropout, bias=config.bias, seed=seed,
+            activation=config.activation,
+            activation_dropout=config.activation_dropout,
+            bias=config.bias,
+            seed=seed,
         )
         for p in self.experts.parameters():
             # The marker stock fairseq already honours (clip_grad_norm_, legacy DDP): this tensor
@@ -99,8 +104,12 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if config.shared_expert_count:
             self.shared_experts = SharedExperts(
-                config.model_dim, config.shared_hidden_dim, config.shared_expert_count,
-                activation=config.activation, activation_dropout=config.activation_dropout, bias=config.bias,
+                config.model_dim,
+                config.shared_hidden_dim,
+                config.shared_expert_count,
+                activation=config.activation,
+                activation_dropout=config.activation_dropout,
+                bias=config.bias,
                 seed=seed,
             )
 
@@ -125,8 +134,9 @@ class MoELayer(nn.Module):
             self.cache.record(self.name, aux)
         return y
 
-    def forward_with_aux(self, x: torch.Tensor,
-                         padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+    def forward_with_aux(
+        self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, MoEAux]:
         if x.dim() < 2 or x.shape[-1] != self.model_dim:
             raise ValueError(f"MoE layer expects input of shape [..., {self.model_dim}], got {tuple(x.shape)}")
         flat = x.reshape(-1, self.model_dim)
@@ -215,8 +225,9 @@ class MoELayer(nn.Module):
             slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
         gates = routing.gates
         if self.normalize_gates_after_dropping:
-            gates = gates_renormalised_over_served(routing.probs, routing.expert_index,
-                                                   (slot_expert < num_experts).view(n, k))
+            gates = gates_renormalised_over_served(
+                routing.probs, routing.expert_index, (slot_expert < num_experts).view(n, k)
+            )
 
         # Dispatch: slots sorted by expert; unserved ones (pads, dropped) sort last and are cut off.
         order = torch.argsort(slot_expert, stable=True)

@@ -27,6 +27,7 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+# fmt: off
 @dataclass(frozen=True)
 class RoutingConfig:
     """How tokens choose their experts (``router.py``)."""
@@ -63,8 +64,10 @@ class RoutingConfig:
         if self.normalize_gates_after_dropping and self.router_type != "top":
             raise ValueError("normalize_gates_after_dropping renormalises softmax probabilities: use it with the "
                              "'top' router")
+# fmt: on
 
 
+# fmt: off
 @dataclass(frozen=True)
 class MoELayerConfig:
     """One MoE layer's options; ``MoELayer(config, group=..., statistics_group=..., cache=..., name=..., seed=...)``."""
@@ -129,6 +132,7 @@ class MoELayerConfig:
             raise TypeError(f"unknown MoE layer option {unknown[0]!r}: the options are the fields of MoELayerConfig "
                             f"and RoutingConfig (moe/layer_config.py)")
         return cls(model_dim, hidden_dim, num_experts, routing=RoutingConfig(**routing), **options)
+# fmt: on
 
 
 _ROUTING_FIELDS = tuple(f.name for f in fields(RoutingConfig))

@@ -34,6 +34,7 @@ from .second_expert import randomly_kept_second, sampled_second_expert
 __all__ = ["ROUTER_TYPES", "Routing", "TopKRouter", "take_chosen"]
 
 
+# fmt: off
 @dataclass
 class Routing:
     """What the router decided for N tokens (all tensors are on the tokens' device)."""
@@ -43,6 +44,7 @@ class Routing:
     expert_index: torch.Tensor  # [N, k] chosen experts, best first
     gates: torch.Tensor  # [N, k] weight of each chosen expert in the combined output
     priority_score: Optional[torch.Tensor]  # [N] lower is served first; None = batch order
+# fmt: on
 
 
 class _TakeChosen(torch.autograd.Function):
@@ -97,9 +99,7 @@ class TopKRouter(nn.Module):
             self.cosine_projector = nn.Linear(model_dim, cosine_proj_dim)
             self.sim_matrix = nn.Parameter(torch.empty(cosine_proj_dim, num_experts))
             nn.init.normal_(self.sim_matrix, std=0.01)
-            self.temperature = nn.Parameter(
-                torch.full([1], math.log(1.0 / cosine_init_temperature))
-            )
+            self.temperature = nn.Parameter(torch.full([1], math.log(1.0 / cosine_init_temperature)))
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.router_type != "cosine":

@@ -24,8 +24,10 @@ def check_second_expert_policy(policy: str, k: int, router_type: str) -> str:
     if policy not in SECOND_EXPERT_POLICIES:
         raise ValueError(f"unknown second-expert policy {policy!r}: choose one of {', '.join(SECOND_EXPERT_POLICIES)}")
     if policy != "all" and (k != 2 or router_type != "top"):
-        raise ValueError(f"the second-expert policy {policy!r} is defined for top-2 softmax routing (the nllb "
-                         f"branch's gate): use k=2 with the 'top' router, or the policy 'all'")
+        raise ValueError(
+            f"the second-expert policy {policy!r} is defined for top-2 softmax routing (the nllb "
+            f"branch's gate): use k=2 with the 'top' router, or the policy 'all'"
+        )
     return policy
 
 
@@ -46,8 +48,9 @@ def randomly_kept_second(expert_index: torch.Tensor, gates: torch.Tensor, num_ex
     return torch.stack([expert_index[:, 0], torch.where(kept, expert_index[:, 1], num_experts)], dim=1)
 
 
-def gates_renormalised_over_served(probs: torch.Tensor, expert_index: torch.Tensor,
-                                   served: torch.Tensor) -> torch.Tensor:
+def gates_renormalised_over_served(
+    probs: torch.Tensor, expert_index: torch.Tensor, served: torch.Tensor
+) -> torch.Tensor:
     """``[N, k]`` gates: each token's probabilities of the experts whose slots were served (``served``
     ``[N, k]``: not dropped by capacity, not skipped by the random policy, not padding), divided by their
     sum (at least eps): a token that kept one slot weights it 1, one that kept none weights nothing."""

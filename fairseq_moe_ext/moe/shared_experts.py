@@ -39,8 +39,16 @@ class SharedExperts(nn.Module):
         self.hidden_dim = hidden_dim
         # One "expert" of width S*h; its id (-1) is one no routed expert has, so its weights are not
         # a copy of any routed expert's.
-        self.ffn = BatchedExperts(model_dim, count * hidden_dim, 1, first_global_id=-1, activation=activation,
-                                  activation_dropout=activation_dropout, bias=bias, seed=seed)
+        self.ffn = BatchedExperts(
+            model_dim,
+            count * hidden_dim,
+            1,
+            first_global_id=-1,
+            activation=activation,
+            activation_dropout=activation_dropout,
+            bias=bias,
+            seed=seed,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., model_dim]``; every token, pad tokens included (as fairseq's dense FFN)."""

@@ -46,7 +46,8 @@ def check_grouped_mm() -> None:
     if not has_grouped_mm():
         raise RuntimeError(
             f"expert matmul 'grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks: use "
-            f"'auto' or 'loop' (FAIRSEQ_MOE_EXPERT_MATMUL=auto), or torch >= 2.8")
+            f"'auto' or 'loop' (FAIRSEQ_MOE_EXPERT_MATMUL=auto), or torch >= 2.8"
+        )
 
 
 def current_graph_task_id():
@@ -60,7 +61,8 @@ def check_backward_detection() -> None:
         raise ValueError(
             f"--checkpoint-activations on MoE layers needs torch._C._current_graph_task_id (to drop the balance "
             f"losses recomputation records twice), which torch {torch.__version__} lacks: drop "
-            f"--checkpoint-activations, or use torch >= 2.0")
+            f"--checkpoint-activations, or use torch >= 2.0"
+        )
 
 
 def foreach_mul_(tensors: List[torch.Tensor], factor) -> None:
@@ -108,7 +110,8 @@ def scaler_optimizer_state(scaler, optimizer) -> Dict:
     if not isinstance(state, dict) or not {"stage", "found_inf_per_device"} <= state.keys():
         raise RuntimeError(
             f"--amp on several MoE workers marks overflows in GradScaler._per_optimizer_states, which torch "
-            f"{torch.__version__} lays out differently: use --fp16 or --bf16 instead of --amp")
+            f"{torch.__version__} lays out differently: use --fp16 or --bf16 instead of --amp"
+        )
     return state
 
 
@@ -136,6 +139,7 @@ def _has_scaler_states() -> bool:
 
 
 # name -> probe (True: this torch has it). Read by the GPU one-shot's environment line.
+# fmt: off
 PRIVATE_APIS: Dict[str, Callable[[], bool]] = {
     "torch._grouped_mm": has_grouped_mm,
     "torch._C._current_graph_task_id": lambda: _lookup("_C._current_graph_task_id") is not None,
@@ -149,6 +153,7 @@ PRIVATE_APIS: Dict[str, Callable[[], bool]] = {
         _lookup("distributed.distributed_c10d._get_default_store") is not None
     ),
 }
+# fmt: on
 
 
 def missing_private_apis() -> List[str]:

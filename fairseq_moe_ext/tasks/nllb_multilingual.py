@@ -26,9 +26,13 @@ class NllbTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
     @staticmethod
     def add_args(parser):
         TranslationMultiSimpleEpochTask.add_args(parser)
-        parser.add_argument("--add-data-source-prefix-tags", default=False, action="store_true",
-                            help="append NLLB's data-source tags <MINED_DATA> <MMT_BT_DATA> <SMT_BT_DATA> to the "
-                                 "dictionary after the language tokens, as the nllb branch did (NLLB-200 models)")
+        parser.add_argument(
+            "--add-data-source-prefix-tags",
+            default=False,
+            action="store_true",
+            help="append NLLB's data-source tags <MINED_DATA> <MMT_BT_DATA> <SMT_BT_DATA> to the "
+            "dictionary after the language tokens, as the nllb branch did (NLLB-200 models)",
+        )
 
     @classmethod
     def setup_task(cls, args, **kwargs):

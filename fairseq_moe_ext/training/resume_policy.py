@@ -48,6 +48,7 @@ def _bias_rate(value, model_cfg):
 
 TRAINING_ONLY = "steers training only, not what the weights compute"
 
+# fmt: off
 POLICY: Dict[str, Rule] = {
     # which experts a token reaches, and what they compute
     "moe_router": Rule(CHANGES_FUNCTION, "top and sigmoid score the experts differently from the same weights; "
@@ -93,6 +94,7 @@ POLICY: Dict[str, Rule] = {
                                          section="criterion"),
     "moe_hide_expert_load": Rule(MAY_CHANGE, "logging only", section="criterion"),
 }
+# fmt: on
 
 _ABSENT = object()
 

@@ -9,29 +9,50 @@ from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 
 
 def add_upcycle_parser(sub) -> None:
-    p = sub.add_parser("upcycle", help="turn a dense fairseq checkpoint into an MoE one that computes the same "
-                                       "function (sparse upcycling: every expert a copy of the dense FFN)")
-    p.add_argument("checkpoint",
-                   help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)")
-    p.add_argument("output",
-                   help="output name, e.g. moe/checkpoint_upcycled.pt (a set of rank files if --world-size > 1)")
+    p = sub.add_parser(
+        "upcycle",
+        help="turn a dense fairseq checkpoint into an MoE one that computes the same "
+        "function (sparse upcycling: every expert a copy of the dense FFN)",
+    )
+    p.add_argument(
+        "checkpoint", help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)"
+    )
+    p.add_argument(
+        "output", help="output name, e.g. moe/checkpoint_upcycled.pt (a set of rank files if --world-size > 1)"
+    )
     p.add_argument("--moe-expert-count", type=int, required=True, help="experts per MoE layer (E)")
     p.add_argument("--moe-top-k", type=int, default=2, help="experts per token (default 2)")
-    p.add_argument("--moe-freq", type=int, default=None,
-                   help="layer i (0-based) becomes MoE when (i + 1) %% freq == 0, the others keep their dense FFN "
-                        "(default: fairseq-train's, 2)")
+    p.add_argument(
+        "--moe-freq",
+        type=int,
+        default=None,
+        help="layer i (0-based) becomes MoE when (i + 1) %% freq == 0, the others keep their dense FFN "
+        "(default: fairseq-train's, 2)",
+    )
     p.add_argument("--encoder-moe-freq", type=int, default=None, help="--moe-freq for the encoder")
     p.add_argument("--decoder-moe-freq", type=int, default=None, help="--moe-freq for the decoder")
-    p.add_argument("--moe-expert-ffn-dim", type=int, default=None,
-                   help="accepted only equal to the dense FFN's hidden size (experts are copies of it)")
-    p.add_argument("--world-size", type=int, default=1,
-                   help="W: write a set for W workers (1, the default: one ordinary file)")
-    p.add_argument("--noise", type=float, default=0.0,
-                   help="std of Gaussian noise added to every expert's copy (default 0: exact copies, the dense "
-                        "function)")
-    p.add_argument("--router-std", type=float, default=DEFAULT_ROUTER_STD,
-                   help=f"std of the routers' initial weights (default {DEFAULT_ROUTER_STD:g}: tokens spread over the "
-                        f"experts; 0: every token picks the same experts); any value keeps the dense function")
+    p.add_argument(
+        "--moe-expert-ffn-dim",
+        type=int,
+        default=None,
+        help="accepted only equal to the dense FFN's hidden size (experts are copies of it)",
+    )
+    p.add_argument(
+        "--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one ordinary file)"
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="std of Gaussian noise added to every expert's copy (default 0: exact copies, the dense function)",
+    )
+    p.add_argument(
+        "--router-std",
+        type=float,
+        default=DEFAULT_ROUTER_STD,
+        help=f"std of the routers' initial weights (default {DEFAULT_ROUTER_STD:g}: tokens spread over the "
+        f"experts; 0: every token picks the same experts); any value keeps the dense function",
+    )
     p.add_argument("--seed", type=int, default=1, help="seed of the noise and the router weights (default 1)")
 
 
@@ -46,7 +67,12 @@ def upcycle(args):
         check_options(UPCYCLE_TOOL_RANGES, lambda name: getattr(args, name))
     except ValueError as e:
         raise CheckpointSetError(str(e)) from None
-    flags = dict(moe_expert_count=args.moe_expert_count, moe_top_k=args.moe_top_k, moe_freq=args.moe_freq,
-                 encoder_moe_freq=args.encoder_moe_freq, decoder_moe_freq=args.decoder_moe_freq,
-                 moe_expert_ffn_dim=args.moe_expert_ffn_dim)
+    flags = dict(
+        moe_expert_count=args.moe_expert_count,
+        moe_top_k=args.moe_top_k,
+        moe_freq=args.moe_freq,
+        encoder_moe_freq=args.encoder_moe_freq,
+        decoder_moe_freq=args.decoder_moe_freq,
+        moe_expert_ffn_dim=args.moe_expert_ffn_dim,
+    )
     return upcycled_checkpoint(args.checkpoint, flags, args.noise, args.router_std, args.seed)

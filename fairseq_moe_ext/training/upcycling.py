@@ -30,8 +30,10 @@ from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
 logger = logging.getLogger(__name__)
 
 MOE_ARCHITECTURE_OF = {"transformer": "moe_transformer", "transformer_lm": "moe_transformer_lm"}
+# fmt: off
 MOE_CRITERION_OF = {"label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy",
                     "cross_entropy": "moe_cross_entropy"}
+# fmt: on
 
 
 def moe_architecture_of(model_cfg, path: str) -> str:
@@ -54,10 +56,18 @@ def upcycled_cfg(dense_cfg, path: str, moe_flags: dict):
         )
     arch = moe_architecture_of(dense_cfg["model"], path)
     cfg = copy.copy(dense_cfg)
-    options = {name: moe_default(name) for name in MOE_OPTIONS if name not in NOT_SET_BY_ARCHITECTURE
-               and (arch == "moe_transformer" or not name.startswith("encoder_"))}
-    options.update({k: v for k, v in moe_flags.items() if v is not None},
-                   moe_normalize_gate=True, moe_eval_capacity_factor=0.0, arch=arch, _name=arch)
+    options = {
+        name: moe_default(name)
+        for name in MOE_OPTIONS
+        if name not in NOT_SET_BY_ARCHITECTURE and (arch == "moe_transformer" or not name.startswith("encoder_"))
+    }
+    options.update(
+        {k: v for k, v in moe_flags.items() if v is not None},
+        moe_normalize_gate=True,
+        moe_eval_capacity_factor=0.0,
+        arch=arch,
+        _name=arch,
+    )
     try:
         check_moe_args(argparse.Namespace(**options))
     except ValueError as e:
@@ -88,8 +98,9 @@ def moe_layer_test(model_cfg):
 def upcycled_checkpoint(path: str, moe_flags: dict, noise: float, router_std: float, seed: int) -> dict:
     """The whole upcycled checkpoint (every expert, update 0) of the dense checkpoint ``path``."""
     dense = moe_ckpt.safe_load(dense_file(path))
-    options = UpcycleOptions(moe_flags["moe_expert_count"], noise, router_std, seed,
-                             moe_flags.get("moe_expert_ffn_dim"))
+    options = UpcycleOptions(
+        moe_flags["moe_expert_count"], noise, router_std, seed, moe_flags.get("moe_expert_ffn_dim")
+    )
     dense = check_upcyclable(dense, path, options)  # before the config: an MoE or non-FFN one is refused first
     cfg = upcycled_cfg(dense.get("cfg"), path, moe_flags)
     return upcycle_state(dense, path, options, moe_layer_test(cfg["model"]), cfg)
@@ -111,9 +122,11 @@ def dense_file(path: str) -> str:
 
 def check_upcycle_start(checkpoint_cfg) -> None:
     """--moe-upcycle-from is a first launch's start, as --finetune-from-model is: one of them only."""
-    for given, other in ((checkpoint_cfg.restore_file != RESTORE_DEFAULT, "--restore-file"),
-                         (checkpoint_cfg.finetune_from_model, "--finetune-from-model"),
-                         (getattr(checkpoint_cfg, "continue_once", None), "--continue-once")):
+    for given, other in (
+        (checkpoint_cfg.restore_file != RESTORE_DEFAULT, "--restore-file"),
+        (checkpoint_cfg.finetune_from_model, "--finetune-from-model"),
+        (getattr(checkpoint_cfg, "continue_once", None), "--continue-once"),
+    ):
         if given:
             raise ValueError(f"--moe-upcycle-from and {other} both name a checkpoint to start from: pass one of them")
 
@@ -132,9 +145,13 @@ def load_upcycled(trainer, path: str) -> None:
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
             "upcycled model does not start as the dense one; add --moe-normalize-gate"
         )
-    options = UpcycleOptions(model_cfg.moe_expert_count, float(moe_option(model_cfg, "moe_upcycle_noise")),
-                             float(moe_option(model_cfg, "moe_upcycle_router_std")),
-                             int(trainer.cfg.common.seed), moe_option(model_cfg, "moe_expert_ffn_dim"))
+    options = UpcycleOptions(
+        model_cfg.moe_expert_count,
+        float(moe_option(model_cfg, "moe_upcycle_noise")),
+        float(moe_option(model_cfg, "moe_upcycle_router_std")),
+        int(trainer.cfg.common.seed),
+        moe_option(model_cfg, "moe_expert_ffn_dim"),
+    )
     dense = moe_ckpt.check_is_checkpoint(moe_ckpt.safe_load(dense_file(path)), path)
     dense_model_cfg = flag(dense.get("cfg"), "model")
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
@@ -144,6 +161,8 @@ def load_upcycled(trainer, path: str) -> None:
     share = moe_ckpt.shard_state(full, layout.ep_rank, layout.parallel_size)
     check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg, moe_freq)
     trainer.model.load_state_dict(share["model"], strict=True, model_cfg=model_cfg)
-    logger.info(f"upcycled the dense checkpoint {path}: {len(share['moe']['expert_keys']) // 4} MoE layer(s) of "
-                f"{options.experts} experts, each a copy of the dense FFN (noise {options.noise:g}, router std "
-                f"{options.router_std:g}); fresh optimizer, training starts at update 0")
+    logger.info(
+        f"upcycled the dense checkpoint {path}: {len(share['moe']['expert_keys']) // 4} MoE layer(s) of "
+        f"{options.experts} experts, each a copy of the dense FFN (noise {options.noise:g}, router std "
+        f"{options.router_std:g}); fresh optimizer, training starts at update 0"
+    )

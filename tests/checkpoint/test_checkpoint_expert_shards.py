@@ -33,7 +33,9 @@ def same_state(a, b, ignore=()):
     for slot in slots_a:
         for name, value in slots_a[slot].items():
             assert torch.equal(value, slots_b[slot][name]), (slot, name)
-    assert {k: v for k, v in a["moe"].items() if k not in ignore} == {k: v for k, v in b["moe"].items() if k not in ignore}
+    assert {k: v for k, v in a["moe"].items() if k not in ignore} == {
+        k: v for k, v in b["moe"].items() if k not in ignore
+    }
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
@@ -50,11 +52,14 @@ def test_a_worker_reads_the_first_file_and_only_the_files_holding_its_experts(tm
     manifest = a_set(tmp_path, shards)
     for rank in range(workers):
         opened = []
-        load_share(manifest, rank, workers, lambda path: opened.append(os.path.basename(path)) or moe_ckpt.safe_load(path))
+        load_share(
+            manifest, rank, workers, lambda path: opened.append(os.path.basename(path)) or moe_ckpt.safe_load(path)
+        )
         first, last = rank * EXPERTS // workers, (rank + 1) * EXPERTS // workers - 1
         holding = {f for f in range(shards) if f * EXPERTS // shards <= last and (f + 1) * EXPERTS // shards > first}
-        assert sorted(opened) == sorted(os.path.basename(moe_ckpt.rank_file(str(tmp_path / "checkpoint_last"), f, shards))
-                                        for f in holding | {0})
+        assert sorted(opened) == sorted(
+            os.path.basename(moe_ckpt.rank_file(str(tmp_path / "checkpoint_last"), f, shards)) for f in holding | {0}
+        )
         assert set(files_holding(shards, rank, workers)) == holding
 
 
@@ -70,8 +75,9 @@ def test_a_manifest_whose_expert_count_disagrees_with_its_files_is_refused_befor
     manifest = a_set(tmp_path, 2)
     data = moe_ckpt.read_manifest(manifest)
     data["num_experts"][EXPERT_KEY] = 4  # still divisible by the shards: the schema cannot tell
-    moe_ckpt.write_manifest(moe_ckpt.base_of(manifest), 2, data["num_updates"], data["files"], data["num_experts"],
-                            data.get("set_id"))
+    moe_ckpt.write_manifest(
+        moe_ckpt.base_of(manifest), 2, data["num_updates"], data["files"], data["num_experts"], data.get("set_id")
+    )
     with pytest.raises(moe_ckpt.CheckpointSetError, match="num_experts .* do not match the experts its files hold"):
         load_share(manifest, 0, 2, moe_ckpt.safe_load)
 
@@ -79,8 +85,16 @@ def test_a_manifest_whose_expert_count_disagrees_with_its_files_is_refused_befor
 def replicated_manifest(tmp_path, digests):
     manifest = a_set(tmp_path, 2)
     data = moe_ckpt.read_manifest(manifest)
-    moe_ckpt.write_manifest(moe_ckpt.base_of(manifest), 2, data["num_updates"], data["files"], data["num_experts"],
-                            data.get("set_id"), workers=4, replicas=digests)
+    moe_ckpt.write_manifest(
+        moe_ckpt.base_of(manifest),
+        2,
+        data["num_updates"],
+        data["files"],
+        data["num_experts"],
+        data.get("set_id"),
+        workers=4,
+        replicas=digests,
+    )
     return manifest
 
 
@@ -108,8 +122,12 @@ def test_reshard_for_more_workers_than_shards_writes_one_file_per_shard_and_reco
     source = a_set(tmp_path, 2)
     out = tmp_path / "out"
     out.mkdir()
-    assert tool.main(["reshard", source, str(out / "checkpoint_last.pt"), "--world-size", "16",
-                      "--expert-parallel-size", "4"]) == 0
+    assert (
+        tool.main(
+            ["reshard", source, str(out / "checkpoint_last.pt"), "--world-size", "16", "--expert-parallel-size", "4"]
+        )
+        == 0
+    )
     written = moe_ckpt.validate_set(str(out / "checkpoint_last.set.json"))
     assert (written["world_size"], written["workers"]) == (4, 16)
     same_state(moe_ckpt.load_set(str(out / "checkpoint_last.set.json")), moe_ckpt.load_set(source), ignore=["set_id"])
@@ -127,8 +145,12 @@ def test_reshard_picks_the_largest_expert_parallel_size_dividing_workers_and_exp
 def test_an_expert_parallel_size_not_dividing_workers_and_experts_is_refused_in_one_line(tmp_path, capsys, size):
     source = a_set(tmp_path, 2)
     (tmp_path / "out").mkdir()
-    assert tool.main(["reshard", source, str(tmp_path / "out" / "c.pt"), "--world-size", "8",
-                      "--expert-parallel-size", size]) == 2
+    assert (
+        tool.main(
+            ["reshard", source, str(tmp_path / "out" / "c.pt"), "--world-size", "8", "--expert-parallel-size", size]
+        )
+        == 2
+    )
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and f"--expert-parallel-size {size} must divide both --world-size 8" in error
     assert os.listdir(tmp_path / "out") == []

@@ -82,8 +82,10 @@ def test_relinking_over_a_stale_previous_generation_never_leaves_a_listed_file_m
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     keep_previous(manifest)
     manifest = write_set(tmp_path, "checkpoint_last", [b"newer rank 0", b"newer rank 1"], 12)
-    listed = {e["name"] for e in moe_ckpt.read_manifest(
-        moe_ckpt.manifest_path(moe_ckpt.base_of(manifest) + moe_ckpt.PREVIOUS))["files"]}
+    listed = {
+        e["name"]
+        for e in moe_ckpt.read_manifest(moe_ckpt.manifest_path(moe_ckpt.base_of(manifest) + moe_ckpt.PREVIOUS))["files"]
+    }
     removed = []
     real_remove = moe_ckpt.os.remove
     monkeypatch.setattr(moe_ckpt.os, "remove", lambda p: (removed.append(p), real_remove(p)))
@@ -99,7 +101,10 @@ def test_protecting_a_set_twice_leaves_no_temporary_link_behind(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     moe_ckpt.remove_previous_generations(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint_1_4-rank-0-of-2.pt", "checkpoint_1_4-rank-1-of-2.pt", "checkpoint_1_4.set.json"]
+        "checkpoint_1_4-rank-0-of-2.pt",
+        "checkpoint_1_4-rank-1-of-2.pt",
+        "checkpoint_1_4.set.json",
+    ]
 
 
 def refuse_links(monkeypatch, code):
@@ -111,7 +116,8 @@ def refuse_links(monkeypatch, code):
 
 @pytest.mark.parametrize("code", [errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK])
 def test_where_the_filesystem_has_no_hard_links_the_previous_generation_is_a_copy_that_keeps_the_old_bytes(
-        tmp_path, monkeypatch, code):
+    tmp_path, monkeypatch, code
+):
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     refuse_links(monkeypatch, code)
     previous = keep_previous(manifest)
@@ -130,7 +136,8 @@ def test_a_link_failure_other_than_missing_hard_links_is_raised_not_hidden_by_a_
 
 
 def test_a_copy_that_fails_half_way_leaves_the_earlier_previous_generation_whole_and_no_temporary_file(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     previous = keep_previous(manifest)
     base = str(tmp_path / "checkpoint_last")

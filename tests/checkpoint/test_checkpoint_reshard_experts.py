@@ -35,8 +35,10 @@ def assert_each_rank_file_holds_its_experts_in_order(base, world, original):
     for rank, state in enumerate(rank_files(base, world)):
         held = slice(rank * per_rank, (rank + 1) * per_rank)
         assert torch.equal(state["model"][EXPERT_KEY], original["model"][EXPERT_KEY][held]), (world, rank)
-        assert torch.equal(state["last_optimizer_state"]["state"][1]["exp_avg"],
-                           original["last_optimizer_state"]["state"][1]["exp_avg"][held]), (world, rank)
+        assert torch.equal(
+            state["last_optimizer_state"]["state"][1]["exp_avg"],
+            original["last_optimizer_state"]["state"][1]["exp_avg"][held],
+        ), (world, rank)
 
 
 @pytest.mark.slow
@@ -52,8 +54,12 @@ def test_resharding_eight_experts_over_4_2_1_4_workers_keeps_expert_i_the_same_t
         if how == "in process":
             assert tool.main(argv) == 0
         else:
-            subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", *argv],
-                           check=True, env=fairseq_env(), capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *argv],
+                check=True,
+                env=fairseq_env(),
+                capture_output=True,
+            )
         assert_each_rank_file_holds_its_experts_in_order(str(target)[: -len(".pt")], world, original)
         source = target
 
@@ -64,7 +70,10 @@ def test_resharding_eight_experts_over_4_2_1_4_workers_keeps_expert_i_the_same_t
         assert torch.equal(merged["model"][key], want), key
     for i in range(EXPERTS):
         assert torch.equal(merged["model"][EXPERT_KEY][i], original["model"][EXPERT_KEY][i]), f"expert {i}"
-        assert torch.equal(merged["last_optimizer_state"]["state"][1]["exp_avg"][i],
-                           original["last_optimizer_state"]["state"][1]["exp_avg"][i]), f"expert {i} optimizer"
-    assert torch.equal(merged["last_optimizer_state"]["state"][0]["exp_avg"],
-                       original["last_optimizer_state"]["state"][0]["exp_avg"])
+        assert torch.equal(
+            merged["last_optimizer_state"]["state"][1]["exp_avg"][i],
+            original["last_optimizer_state"]["state"][1]["exp_avg"][i],
+        ), f"expert {i} optimizer"
+    assert torch.equal(
+        merged["last_optimizer_state"]["state"][0]["exp_avg"], original["last_optimizer_state"]["state"][0]["exp_avg"]
+    )

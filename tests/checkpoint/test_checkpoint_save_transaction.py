@@ -53,8 +53,9 @@ def write_file(path, data: bytes):
     os.replace(path + ".tmp", path)
 
 
-def run_save(directory, updates, group=None, names=("checkpoint_last",), prune=(), during_write=None,
-             world=WORLD, set_id=None):
+def run_save(
+    directory, updates, group=None, names=("checkpoint_last",), prune=(), during_write=None, world=WORLD, set_id=None
+):
     """Every worker saves ``names`` (rank files holding ``updates``) and would prune the rank files
     of the sets named in ``prune``. Returns each worker's exception (None when it finished)."""
     group = group or ThreadGroup(world)
@@ -107,7 +108,8 @@ def test_a_save_by_every_worker_ends_in_one_manifest_listing_each_rank_file_with
 
 
 def test_at_every_step_of_a_save_over_an_earlier_set_some_complete_set_loads_and_no_manifest_lists_a_missing_file(
-        tmp_path):
+    tmp_path,
+):
     assert run_save(str(tmp_path), updates=2, names=("checkpoint_last", "checkpoint_2")) == [None, None]
     checks = []
 

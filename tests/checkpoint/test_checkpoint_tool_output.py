@@ -13,6 +13,7 @@ from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_stat
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
 
+
 def run_tool(capsys, *argv):
     code = tool.main([str(a) for a in argv])
     captured = capsys.readouterr()
@@ -24,7 +25,11 @@ def run_tool(capsys, *argv):
 def test_a_pt_file_that_holds_no_checkpoint_gets_one_line_from_every_command(tmp_path, capsys, command, what):
     torch.save(NOT_CHECKPOINTS[what], tmp_path / "checkpoint_last.pt")
     (tmp_path / "out").mkdir()
-    extra = {"inspect": [], "merge": [tmp_path / "out" / "m.pt"], "reshard": [tmp_path / "out" / "r.pt", "--world-size", "2"]}
+    extra = {
+        "inspect": [],
+        "merge": [tmp_path / "out" / "m.pt"],
+        "reshard": [tmp_path / "out" / "r.pt", "--world-size", "2"],
+    }
     code, _, err = run_tool(capsys, command, tmp_path / "checkpoint_last.pt", *extra[command])
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("error: ") and "checkpoint_last.pt is not a fairseq checkpoint: it holds a" in err[0]
@@ -72,6 +77,7 @@ def torch_write_failure_keeping_the_errno(*args, **kwargs):
 def part_way(failure):
     """torch.save failing on the command's last file, which it leaves half-written (the disk fills up
     part-way: for reshard after rank 0's file, for merge in its only file)."""
+
     def make(files_before_the_failure):
         real_save, calls = torch.save, []
 
@@ -82,7 +88,9 @@ def part_way(failure):
                     f.write(b"PK\x03\x04 half")
                 failure()
             return real_save(obj, path, *args, **kwargs)
+
         return save
+
     return make
 
 
@@ -92,6 +100,7 @@ def always(failure):
 
 FULL = ("no space left on device on the filesystem that holds", "free space there, then rerun (nothing was written)")
 # (id, what fails, how, the problem the line names, its fix)
+# fmt: off
 FAILURES = [
     ("read-only-directory", "tempfile.mkdtemp", always(permission_denied), "is not writable (permission denied)",
      "choose an output directory you can write to, then rerun (nothing was written)"),
@@ -103,16 +112,20 @@ FAILURES = [
      "check that filesystem (its free space, its health), then rerun (nothing was written)"),
     ("disk-full-writing-the-manifest", "json.dump", always(enospc), *FULL),
 ]
+# fmt: on
 
 
+# fmt: off
 WRITE_FAILURES = [pytest.param(command, *failure, id=f"{failure[0]}-{command[0]}")
                   for command in (["merge"], ["reshard", "--world-size", "2"]) for failure in FAILURES
                   if not (command == ["merge"] and failure[1] == "json.dump")]  # merge writes no manifest
+# fmt: on
 
 
 @pytest.mark.parametrize("command, failure_id, target, failure, problem, fix", WRITE_FAILURES)
 def test_a_failed_write_reports_its_cause_in_one_line_leaves_the_output_directory_as_found_and_a_rerun_succeeds(
-        a_set, tmp_path, capsys, monkeypatch, command, failure_id, target, failure, problem, fix):
+    a_set, tmp_path, capsys, monkeypatch, command, failure_id, target, failure, problem, fix
+):
     out = tmp_path / "out"
     out.mkdir()
     (out / "unrelated.txt").write_text("kept")
@@ -120,21 +133,24 @@ def test_a_failed_write_reports_its_cause_in_one_line_leaves_the_output_director
     with monkeypatch.context() as patched:
         patched.setattr(os, "statvfs", os.statvfs)  # put back by the context, should the failure replace it
         patched.setattr(target, failure(files_before_the_failure=0 if command == ["merge"] else 1))
-        code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out / "checkpoint_last.pt",
-                                *command[1:])
+        code, _, err = run_tool(
+            capsys, command[0], a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", *command[1:]
+        )
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("error: cannot write ") and problem in err[0] and fix in err[0], err
     assert fingerprint(out) == before
     code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", *command[1:])
     assert code == 0, err
-    assert torch.equal(moe_ckpt.load_full(str(out / "checkpoint_last.pt"))["model"][EXPERT_KEY],
-                       full_state()["model"][EXPERT_KEY])
+    assert torch.equal(
+        moe_ckpt.load_full(str(out / "checkpoint_last.pt"))["model"][EXPERT_KEY], full_state()["model"][EXPERT_KEY]
+    )
 
 
 @pytest.mark.parametrize("command", [["merge"], ["reshard", "--world-size", "2"]], ids=["merge", "reshard"])
 @pytest.mark.parametrize("depth", [["out.pt"], ["sub", "out.pt"]], ids=["parent", "grandparent"])
 def test_an_output_under_a_regular_file_is_reported_as_a_file_not_as_a_missing_directory(
-        a_set, tmp_path, capsys, command, depth):
+    a_set, tmp_path, capsys, command, depth
+):
     (tmp_path / "notes.txt").write_text("a file")
     out = tmp_path.joinpath("notes.txt", *depth)
     code, _, err = run_tool(capsys, command[0], a_set / "checkpoint_last.pt", out, *command[1:])
@@ -154,7 +170,9 @@ def test_a_set_whose_move_into_place_fails_half_way_is_taken_back_whole(a_set, t
         return real_replace(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(os, "replace", replace)
-    code, _, err = run_tool(capsys, "reshard", a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", "--world-size", "2")
+    code, _, err = run_tool(
+        capsys, "reshard", a_set / "checkpoint_last.pt", out / "checkpoint_last.pt", "--world-size", "2"
+    )
     assert code == 2 and len(err) == 1 and "Input/output error" in err[0], err
     assert not list(out.iterdir())
 
@@ -163,7 +181,9 @@ def test_a_set_whose_move_into_place_fails_half_way_is_taken_back_whole(a_set, t
 def test_merging_or_resharding_a_dense_checkpoint_says_it_is_dense_and_writes_nothing(tmp_path, capsys, command):
     torch.save({k: v for k, v in full_state().items() if k != "moe"}, tmp_path / "checkpoint_best.pt")
     (tmp_path / "out").mkdir()
-    code, _, err = run_tool(capsys, command[0], tmp_path / "checkpoint_best.pt", tmp_path / "out" / "c.pt", *command[1:])
+    code, _, err = run_tool(
+        capsys, command[0], tmp_path / "checkpoint_best.pt", tmp_path / "out" / "c.pt", *command[1:]
+    )
     assert code == 2 and len(err) == 1, err
     assert "checkpoint_best.pt is a dense fairseq checkpoint (no MoE layers): there are no experts to merge" in err[0]
     assert not list((tmp_path / "out").iterdir())

@@ -15,14 +15,17 @@ from fairseq_moe_ext.checkpoint import foreign
 
 # ---------------------------------------------------------------- class 1: the manifest's schema
 
+
 def _set(path_in_manifest, value):
     """A mutation setting ``manifest[a][b]... = value`` (``value`` may be a function of the manifest)."""
+
     def mutate(m):
         target = m
         for key in path_in_manifest[:-1]:
             target = target[key]
         target[path_in_manifest[-1]] = value(m) if callable(value) else value
         return m
+
     return mutate
 
 
@@ -30,10 +33,12 @@ def _drop(key):
     def mutate(m):
         del m[key]
         return m
+
     return mutate
 
 
 SHA = "0" * 64
+# fmt: off
 BAD_MANIFESTS = [
     # (id, mutation of a good manifest, the field the one line names)
     ("a-json-array", lambda m: [m], "field the top level must be a JSON object, got a JSON array"),
@@ -99,11 +104,13 @@ BAD_MANIFESTS = [
     ("sha256-not-hex", _set(["files", 1, "sha256"], "g" * 64), "field files[1].sha256 must be 64 lowercase hex"),
     ("sha256-missing", lambda m: (m["files"][1].pop("sha256"), m)[1], "field files[1].sha256 must be 64 lowercase hex"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case_id, mutate, field", BAD_MANIFESTS, ids=[c[0] for c in BAD_MANIFESTS])
 def test_a_manifest_with_a_wrong_field_is_refused_in_one_line_naming_it_before_any_rank_file_is_opened(
-        a_set, monkeypatch, case_id, mutate, field):
+    a_set, monkeypatch, case_id, mutate, field
+):
     manifest_file = a_set / "checkpoint_last.set.json"
     manifest_file.write_text(json.dumps(mutate(json.loads(manifest_file.read_text()))))
 
@@ -119,13 +126,19 @@ def test_a_manifest_with_a_wrong_field_is_refused_in_one_line_naming_it_before_a
     assert "\n" not in message and ("restore it from a backup" in message or "move it out of the directory" in message)
 
 
-@pytest.mark.parametrize("content", [b"", b"not json", b"\xff\xfe{", b"[" * 100000],
-                         ids=["empty", "not-json", "not-utf-8", "nested-too-deep"])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"not json", b"\xff\xfe{", b"[" * 100000],
+    ids=["empty", "not-json", "not-utf-8", "nested-too-deep"],
+)
 def test_a_manifest_that_is_not_json_is_refused_in_one_line(a_set, content):
     manifest_file = a_set / "checkpoint_last.set.json"
     manifest_file.write_bytes(content)
-    with pytest.raises(moe_ckpt.CheckpointSetError, match=r"^cannot read manifest .*checkpoint_last.set.json: .*; "
-                                                          r"restore it from a backup") as refused:
+    with pytest.raises(
+        moe_ckpt.CheckpointSetError,
+        match=r"^cannot read manifest .*checkpoint_last.set.json: .*; "
+        r"restore it from a backup",
+    ) as refused:
         moe_ckpt.read_manifest(str(manifest_file))
     assert "\n" not in str(refused.value)
 
@@ -142,8 +155,10 @@ def test_the_previous_generations_manifest_names_its_own_files_and_passes_the_sc
 
 # ---------------------------------------------------------------- class 2: stray files in a save dir
 
+# fmt: off
 FOREIGN = {"another-tools.set.json": '{"foo": 1}', "a-list.set.json": "[1, 2]", "not-json.set.json": "garbage",
            "x.prev.set.json": '{"foo": 1}'}
+# fmt: on
 
 
 def test_foreign_manifests_in_a_save_dir_are_ignored_with_one_warning_each_and_left_untouched(a_set, caplog):
@@ -174,19 +189,31 @@ def forget_warnings():
 
 # ---------------------------------------------------------------- class 5: self-describing rank files
 
+
 def test_every_rank_file_of_a_set_names_its_rank_its_experts_and_the_sets_id(a_set):
     manifest = moe_ckpt.read_manifest(str(a_set / "checkpoint_last.set.json"))
     metas = [torch.load(a_set / f"checkpoint_last-rank-{r}-of-2.pt", weights_only=True)["moe"] for r in range(2)]
     assert len(manifest["set_id"]) == 16
     assert [(m["rank"], m["world_size"], m["experts_held"], m["set_id"]) for m in metas] == [
-        (0, 2, [0, 1], manifest["set_id"]), (1, 2, [2, 3], manifest["set_id"])]
+        (0, 2, [0, 1], manifest["set_id"]),
+        (1, 2, [2, 3], manifest["set_id"]),
+    ]
 
 
 def test_every_worker_derives_the_same_set_id_for_one_save_and_another_for_the_next():
     launch = [1, "/runs/a", "env://", "localhost", "29500", "none"]
     assert moe_ckpt.derive_set_id(8, 2, launch) == moe_ckpt.derive_set_id(8, 2, list(launch))
-    assert len({moe_ckpt.derive_set_id(8, 2, launch), moe_ckpt.derive_set_id(9, 2, launch),
-                moe_ckpt.derive_set_id(8, 4, launch), moe_ckpt.derive_set_id(8, 2, launch[:-1] + ["r2"])}) == 4
+    assert (
+        len(
+            {
+                moe_ckpt.derive_set_id(8, 2, launch),
+                moe_ckpt.derive_set_id(9, 2, launch),
+                moe_ckpt.derive_set_id(8, 4, launch),
+                moe_ckpt.derive_set_id(8, 2, launch[:-1] + ["r2"]),
+            }
+        )
+        == 4
+    )
 
 
 def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch_into_another(monkeypatch):
@@ -195,8 +222,11 @@ def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch
     from fairseq_moe_ext.training.set_identity import save_set_id
 
     def worker(rank):  # what differs between workers of one launch: the rank
-        cfg = SimpleNamespace(common=SimpleNamespace(seed=1), checkpoint=SimpleNamespace(save_dir="ck"),
-                              distributed_training=SimpleNamespace(distributed_init_method="env://", distributed_rank=rank))
+        cfg = SimpleNamespace(
+            common=SimpleNamespace(seed=1),
+            checkpoint=SimpleNamespace(save_dir="ck"),
+            distributed_training=SimpleNamespace(distributed_init_method="env://", distributed_rank=rank),
+        )
         return SimpleNamespace(cfg=cfg, get_num_updates=lambda: 8)
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -226,8 +256,11 @@ def test_a_rank_file_of_another_save_is_refused_even_where_the_manifest_was_edit
     manifest = json.loads(manifest_file.read_text())
     manifest["files"][1].update(moe_ckpt.describe_file(str(a_set / name)))
     manifest_file.write_text(json.dumps(manifest))
-    with pytest.raises(moe_ckpt.CheckpointSetError, match=f"{name} belongs to set [0-9a-f]{{16}}, but the manifest's "
-                                                          f"set is {manifest['set_id']}: a file from another save"):
+    with pytest.raises(
+        moe_ckpt.CheckpointSetError,
+        match=f"{name} belongs to set [0-9a-f]{{16}}, but the manifest's "
+        f"set is {manifest['set_id']}: a file from another save",
+    ):
         moe_ckpt.load_full(str(a_set / "checkpoint_last.pt"))
 
 
@@ -246,8 +279,10 @@ def test_files_and_manifests_written_before_set_ids_still_load(a_set):
     assert torch.equal(full["model"][EXPERT_KEY], full_state()["model"][EXPERT_KEY])
 
 
-LONE_PART = r"is one part of a checkpoint set, not a whole checkpoint: rank 1 of 2 \(set [0-9a-f]{16}, update 7, " \
-            r"experts 2-3\); put it back beside its set's other rank files and manifest, and pass the set's name"
+LONE_PART = (
+    r"is one part of a checkpoint set, not a whole checkpoint: rank 1 of 2 \(set [0-9a-f]{16}, update 7, "
+    r"experts 2-3\); put it back beside its set's other rank files and manifest, and pass the set's name"
+)
 
 
 @pytest.mark.parametrize("load", [moe_ckpt.load_full, moe_ckpt.inspect_checkpoint], ids=["load", "inspect"])
@@ -260,9 +295,12 @@ def test_a_rank_file_renamed_to_a_plain_checkpoint_name_is_refused_naming_its_se
 def test_a_rank_file_copied_out_of_its_set_is_refused_naming_its_set_and_the_fix(a_set, tmp_path):
     (tmp_path / "alone").mkdir()
     shutil.copy(a_set / "checkpoint_last-rank-1-of-2.pt", tmp_path / "alone")
-    with pytest.raises(moe_ckpt.CheckpointSetError, match=r"1 rank files \(the first is rank 1 of 2 of checkpoint_last "
-                                                          r"\(set [0-9a-f]{16}, update 7, experts 2-3\)\) but no manifest "
-                                                          r".*copy the set's other rank files and its manifest beside"):
+    with pytest.raises(
+        moe_ckpt.CheckpointSetError,
+        match=r"1 rank files \(the first is rank 1 of 2 of checkpoint_last "
+        r"\(set [0-9a-f]{16}, update 7, experts 2-3\)\) but no manifest "
+        r".*copy the set's other rank files and its manifest beside",
+    ):
         moe_ckpt.load_full(str(tmp_path / "alone" / "checkpoint_last-rank-1-of-2.pt"))
 
 
@@ -275,6 +313,7 @@ def test_inspect_says_a_dense_checkpoint_is_dense(tmp_path):
 
 
 # ---------------------------------------------------------------- the same through fairseq's loader (hook 1/7)
+
 
 @pytest.mark.parametrize("what", NOT_CHECKPOINTS)
 def test_fairseqs_loader_refuses_a_pt_file_that_holds_no_checkpoint_in_one_line(tmp_path, what):

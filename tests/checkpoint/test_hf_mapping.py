@@ -21,16 +21,24 @@ safetensors = pytest.importorskip("safetensors")
 
 def tensors():
     g = torch.Generator().manual_seed(0)
-    return {"f32": torch.randn(3, 5, generator=g), "f16": torch.randn(4, generator=g).half(),
-            "bf16": torch.randn(2, 3, generator=g).bfloat16(), "i64": torch.arange(7), "bool": torch.tensor([True, False]),
-            "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "i8": torch.tensor([-3, 4], dtype=torch.int8)}
+    return {
+        "f32": torch.randn(3, 5, generator=g),
+        "f16": torch.randn(4, generator=g).half(),
+        "bf16": torch.randn(2, 3, generator=g).bfloat16(),
+        "i64": torch.arange(7),
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "i8": torch.tensor([-3, 4], dtype=torch.int8),
+    }
 
 
 def test_what_write_safetensors_writes_the_safetensors_package_reads_back_equal(tmp_path):
     write_safetensors(str(tmp_path / "a.safetensors"), tensors().items(), {"format": "pt"})
     back = safetensors_torch.load_file(str(tmp_path / "a.safetensors"))
-    assert sorted(back) == sorted(tensors()) and all(torch.equal(back[k], v) and back[k].dtype == v.dtype
-                                                     for k, v in tensors().items())
+    assert sorted(back) == sorted(tensors()) and all(
+        torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors().items()
+    )
     with safetensors.safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
 
@@ -52,6 +60,7 @@ def test_a_truncated_safetensors_file_is_refused_in_one_line_before_any_tensor_i
     assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
+# fmt: off
 OUR_LAYER_KEYS = [
     "encoder.embed_tokens.weight", "encoder.layer_norm.weight", "decoder.layer_norm.bias",
     "encoder.layers.0.self_attn.q_proj.weight", "encoder.layers.0.self_attn_layer_norm.bias",
@@ -59,6 +68,7 @@ OUR_LAYER_KEYS = [
     "decoder.layers.3.encoder_attn.out_proj.bias", "decoder.layers.3.encoder_attn_layer_norm.weight",
     "decoder.layers.1.fc1.router.wg.weight", "decoder.layers.2.self_attn.v_proj.bias",
 ]
+# fmt: on
 
 
 def test_every_non_expert_parameter_name_maps_to_nllb_moe_and_back():
@@ -79,14 +89,37 @@ def test_each_expert_of_a_stacked_tensor_gets_its_own_nllb_moe_name_and_comes_ba
 
 
 def options(**changes):
-    base = dict(arch="moe_transformer", encoder_layers=3, decoder_layers=2, encoder_embed_dim=16, decoder_embed_dim=16,
-                encoder_ffn_embed_dim=40, decoder_ffn_embed_dim=24, encoder_attention_heads=2, decoder_attention_heads=4,
-                share_all_embeddings=True, encoder_normalize_before=True, decoder_normalize_before=True,
-                moe_expert_count=8, moe_top_k=2, moe_normalize_gate=True, moe_capacity_factor=1.0,
-                moe_eval_capacity_factor=0.0, moe_freq=2, encoder_moe_freq=1, decoder_moe_freq=None, moe_eom=0.1,
-                activation_fn="gelu", dropout=0.3, attention_dropout=0.2, activation_dropout=0.1,
-                no_scale_embedding=True, max_source_positions=256, max_target_positions=512,
-                moe_batch_prioritized_routing=True)
+    base = dict(
+        arch="moe_transformer",
+        encoder_layers=3,
+        decoder_layers=2,
+        encoder_embed_dim=16,
+        decoder_embed_dim=16,
+        encoder_ffn_embed_dim=40,
+        decoder_ffn_embed_dim=24,
+        encoder_attention_heads=2,
+        decoder_attention_heads=4,
+        share_all_embeddings=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        moe_expert_count=8,
+        moe_top_k=2,
+        moe_normalize_gate=True,
+        moe_capacity_factor=1.0,
+        moe_eval_capacity_factor=0.0,
+        moe_freq=2,
+        encoder_moe_freq=1,
+        decoder_moe_freq=None,
+        moe_eom=0.1,
+        activation_fn="gelu",
+        dropout=0.3,
+        attention_dropout=0.2,
+        activation_dropout=0.1,
+        no_scale_embedding=True,
+        max_source_positions=256,
+        max_target_positions=512,
+        moe_batch_prioritized_routing=True,
+    )
     return argparse.Namespace(**{**base, **changes})
 
 
@@ -101,9 +134,21 @@ def test_config_json_carries_every_option_nllb_moe_has_and_import_reads_them_bac
                                                                                         True, 1.0, None)
     assert len(notes) == 1  # EOM trains differently there (batch priority ranks by the top-1 probability in both)
     back, _ = imported_options(json.loads(json.dumps(config)), "config.json")
-    for name in ("encoder_layers", "decoder_layers", "encoder_ffn_embed_dim", "decoder_attention_heads",
-                 "moe_expert_count", "encoder_moe_freq", "moe_eom", "activation_fn", "dropout", "attention_dropout",
-                 "activation_dropout", "no_scale_embedding", "moe_batch_prioritized_routing"):
+    for name in (
+        "encoder_layers",
+        "decoder_layers",
+        "encoder_ffn_embed_dim",
+        "decoder_attention_heads",
+        "moe_expert_count",
+        "encoder_moe_freq",
+        "moe_eom",
+        "activation_fn",
+        "dropout",
+        "attention_dropout",
+        "activation_dropout",
+        "no_scale_embedding",
+        "moe_batch_prioritized_routing",
+    ):
         assert getattr(back, name) == getattr(options(), name), name
     assert back.decoder_moe_freq == 2 and back.max_target_positions == 512
 
@@ -143,13 +188,16 @@ def test_the_shard_writer_keeps_each_shard_within_the_size_unless_one_tensor_is_
     for name in files[:-1]:
         read = SafetensorsFile(str(tmp_path / name))
         assert (tmp_path / name).stat().st_size - read.data_start <= 160  # the one tensor of 160 bytes alone
-        assert all(index["weight_map"][t] == name and torch.equal(read.read(t), torch.full((sizes[t],), float(sizes[t])))
-                   for t in read.entries)
+        assert all(
+            index["weight_map"][t] == name and torch.equal(read.read(t), torch.full((sizes[t],), float(sizes[t])))
+            for t in read.entries
+        )
     assert sorted(index["weight_map"]) == sorted(sizes)
 
 
-@pytest.mark.parametrize("text, size", [("2GB", 2 * 10**9), ("500MB", 5 * 10**8), ("1GiB", 2**30), ("4096", 4096),
-                                        ("0.5kb", 500)])
+@pytest.mark.parametrize(
+    "text, size", [("2GB", 2 * 10**9), ("500MB", 5 * 10**8), ("1GiB", 2**30), ("4096", 4096), ("0.5kb", 500)]
+)
 def test_max_shard_size_reads_sizes_as_transformers_writes_them(text, size):
     assert shard_size(text) == size
 

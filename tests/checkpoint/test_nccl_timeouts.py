@@ -62,8 +62,13 @@ def test_other_workers_wait_for_rank_0_hashing_a_set_longer_than_the_default_gro
     (tmp_path / "set").mkdir()
     moe_ckpt_path = str(tmp_path / "set" / "checkpoint_last")
     moe_ckpt.save_set(full_state(), moe_ckpt_path, 2)
-    results = run_workers_through_faults(resume_and_save_while_rank_0_hashes_slowly, 2, str(tmp_path / "set"),
-                                         deadline=150, timeout_s=DEFAULT_GROUP_TIMEOUT_S)
+    results = run_workers_through_faults(
+        resume_and_save_while_rank_0_hashes_slowly,
+        2,
+        str(tmp_path / "set"),
+        deadline=150,
+        timeout_s=DEFAULT_GROUP_TIMEOUT_S,
+    )
     assert all(result is not None and "returned" in result for result in results), results
     for result in results:
         assert result["returned"] == ("set", moe_ckpt_path + ".set.json", 1, 2)

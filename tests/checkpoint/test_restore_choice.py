@@ -57,6 +57,7 @@ def test_moe_restore_fallback_lets_a_named_damaged_set_fall_back(save_dir):
 
 def test_a_named_set_resumes_at_another_world_size(save_dir):
     named = str(save_dir / "checkpoint_1_4.pt")
-    found = resolve_restore(named.replace(".pt", "-rank-3-of-4.pt"), cfg(save_dir, named), "-rank-3-of-4",
-                            allow_fallback=False)
+    found = resolve_restore(
+        named.replace(".pt", "-rank-3-of-4.pt"), cfg(save_dir, named), "-rank-3-of-4", allow_fallback=False
+    )
     assert found.path == str(save_dir / "checkpoint_1_4.set.json") and found.fallback_reason is None

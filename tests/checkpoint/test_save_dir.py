@@ -52,11 +52,15 @@ def test_taking_the_lock_again_in_the_process_that_holds_it_succeeds(tmp_path):
     assert save_dir_lock.acquire(str(tmp_path)) == first
 
 
-@pytest.mark.parametrize("holder, says", [
-    (lambda: job(os.getppid()), "which is still running"),
-    (lambda: job(a_dead_pid(), host="another-host.example"), "on another host"),
-    (lambda: None, "a job this plugin cannot identify"),
-], ids=["live-pid-on-this-host", "another-host", "unreadable-lock"])
+@pytest.mark.parametrize(
+    "holder, says",
+    [
+        (lambda: job(os.getppid()), "which is still running"),
+        (lambda: job(a_dead_pid(), host="another-host.example"), "on another host"),
+        (lambda: None, "a job this plugin cannot identify"),
+    ],
+    ids=["live-pid-on-this-host", "another-host", "unreadable-lock"],
+)
 def test_a_lock_held_by_a_live_job_or_on_another_host_refuses_a_second_writer_in_one_line(tmp_path, holder, says):
     held = holder()
     if held is None:
@@ -70,8 +74,9 @@ def test_a_lock_held_by_a_live_job_or_on_another_host_refuses_a_second_writer_in
     assert message.startswith(f"--save-dir {tmp_path} is locked by ") and says in message
     if held is not None:
         assert f"job j1 (pid {held.pid} on {held.host}" in message
-    assert message.endswith(f"give this run another --save-dir, or, if that job is gone, delete "
-                            f"{tmp_path / save_dir_lock.LOCK_NAME}")
+    assert message.endswith(
+        f"give this run another --save-dir, or, if that job is gone, delete {tmp_path / save_dir_lock.LOCK_NAME}"
+    )
     assert "\n" not in message
     assert (tmp_path / save_dir_lock.LOCK_NAME).read_bytes() == before
 
@@ -92,16 +97,18 @@ def one_worker_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_the_shared_save_dir_probe_passes_and_leaves_nothing_where_every_worker_sees_the_file(tmp_path,
-                                                                                            one_worker_group):
+def test_the_shared_save_dir_probe_passes_and_leaves_nothing_where_every_worker_sees_the_file(
+    tmp_path, one_worker_group
+):
     save_dir = tmp_path / "ck"
     save_dir.mkdir()
     shared_save_dir.check_save_dir_shared(str(save_dir), rank=0)
     assert not list(save_dir.iterdir())
 
 
-def test_a_worker_that_does_not_see_the_save_dir_stops_the_job_with_one_line_naming_it(tmp_path, monkeypatch,
-                                                                                      one_worker_group):
+def test_a_worker_that_does_not_see_the_save_dir_stops_the_job_with_one_line_naming_it(
+    tmp_path, monkeypatch, one_worker_group
+):
     save_dir = tmp_path / "ck"
     save_dir.mkdir()
     monkeypatch.setattr(shared_save_dir, "read_token", lambda path: None)  # a node-local directory
@@ -124,7 +131,9 @@ def test_a_lock_whose_pid_now_belongs_to_a_process_started_after_it_was_written_
 
 
 @pytest.mark.parametrize("variable, value", [("SLURM_JOB_ID", "4242"), ("TORCHELASTIC_RUN_ID", "run-7")])
-def test_a_lock_of_this_very_job_restarted_on_another_node_is_taken_over(tmp_path, monkeypatch, caplog, variable, value):
+def test_a_lock_of_this_very_job_restarted_on_another_node_is_taken_over(
+    tmp_path, monkeypatch, caplog, variable, value
+):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv(variable, value)
     write_lock(tmp_path, job(12345, host="node-before-requeue.example", name=value))

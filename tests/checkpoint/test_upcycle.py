@@ -54,8 +54,12 @@ def test_every_expert_of_an_upcycled_layer_is_the_dense_ffn_the_router_starts_at
         for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
             assert torch.equal(moe[f"{kept}.{name}"], dense[f"{kept}.{name}"])  # not chosen: stays dense
             assert f"{upcycled}.{name}" not in moe
-        for dense_name, stacked in (("fc1.weight", "batched_fc1_w"), ("fc1.bias", "batched_fc1_b"),
-                                    ("fc2.weight", "batched_fc2_w"), ("fc2.bias", "batched_fc2_b")):
+        for dense_name, stacked in (
+            ("fc1.weight", "batched_fc1_w"),
+            ("fc1.bias", "batched_fc1_b"),
+            ("fc2.weight", "batched_fc2_w"),
+            ("fc2.bias", "batched_fc2_b"),
+        ):
             experts = moe[f"{upcycled}.fc1.experts.{stacked}"]
             assert experts.shape == (E, *dense[f"{upcycled}.{dense_name}"].shape)
             for e in range(E):

@@ -17,6 +17,7 @@ def data(parallel_data):
 # ---------------------------------------------------------------- the bad-input catalogue's runs
 # Module-scoped: each catalogue module gets its own pool, trained inputs and runs of its own table.
 
+
 @pytest.fixture(scope="module")
 def pool():
     """Where the runs go: two at a time, one per core."""
@@ -39,8 +40,11 @@ def checkpoints(pool, bad_input_data, tmp_path_factory) -> Future:
 @pytest.fixture(scope="module")
 def started(request, pool, bad_input_data, tmp_path_factory):
     """Prepare and start every selected case of the requesting module's CASES: {case id: Started}."""
-    wanted = {item.callspec.params["case"].id for item in request.session.items
-              if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
+    wanted = {
+        item.callspec.params["case"].id
+        for item in request.session.items
+        if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})
+    }
     cases = [c for c in request.module.CASES if c.id in wanted]
     trained = request.getfixturevalue("checkpoints") if any(c.needs_checkpoints for c in cases) else None
     root = tmp_path_factory.mktemp("cases")

@@ -70,6 +70,7 @@ ANOTHER_RUNS_FILE = (
 )
 
 
+# fmt: off
 CASES = [
     # -- MoE flags, checked while fairseq parses the command line (nothing read, nothing created)
     Case("top-k-above-expert-count", fairseq_train, fresh_training("--moe-top-k", "5"), "ValueError",
@@ -300,6 +301,7 @@ CASES = [
          "error", "1 rank files (the first is rank 1 of 2 of checkpoint_last (set ",
          "copy the set's other rank files and its manifest beside them"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -309,12 +311,21 @@ def test_bad_input_fails_fast_with_one_line_naming_the_problem_and_the_fix_and_c
 
 # ---------------------------------------------------------------- what is not an error
 
+
 def test_a_missing_plain_name_stays_fairseqs_own_error(checkpoints, tmp_path):
     inputs = checkpoints.result()
     directory = copy_of(inputs.single, tmp_path)
     (directory / "checkpoint_last-rank-0-of-2.pt").write_bytes(b"not really")
-    output = run_fairseq("generate", str(inputs.data), "--user-dir", USER_DIR, "--cpu",
-                         "--path", str(directory / "checkpoint_last.pt.missing"), expect_failure=True)
+    output = run_fairseq(
+        "generate",
+        str(inputs.data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--path",
+        str(directory / "checkpoint_last.pt.missing"),
+        expect_failure=True,
+    )
     assert "Model file not found" in output
 
 
@@ -322,6 +333,17 @@ def test_a_rank_file_given_as_path_stands_for_its_whole_set(checkpoints):
     """Alone, a rank file holds one worker's experts; --path to it loads the set that lists it,
     as the plain name does (and as --restore-file and the checkpoint tool do)."""
     inputs = checkpoints.result()
-    output = run_fairseq("generate", str(inputs.data), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0",
-                         "--beam", "2", "--path", str(inputs.set / "checkpoint_last-rank-1-of-2.pt"))
+    output = run_fairseq(
+        "generate",
+        str(inputs.data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--beam",
+        "2",
+        "--path",
+        str(inputs.set / "checkpoint_last-rank-1-of-2.pt"),
+    )
     assert re.search(r"^H-\d+\t", output, flags=re.M) and "BLEU" in output

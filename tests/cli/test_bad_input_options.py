@@ -25,10 +25,14 @@ def training_upcycled_from(source: str, into: str = "new") -> object:
 
     def make(inputs, work):
         save_dir = copy_of(inputs.dense, work) if into == "dense" else work / "ck"
-        named = work / "missing" / "checkpoint_last.pt" if source == "missing" else \
-            getattr(inputs, source) / "checkpoint_last.pt"
-        args = train_args(inputs.data, save_dir, "--max-update", "2", "--moe-normalize-gate",
-                          "--moe-upcycle-from", str(named))
+        named = (
+            work / "missing" / "checkpoint_last.pt"
+            if source == "missing"
+            else getattr(inputs, source) / "checkpoint_last.pt"
+        )
+        args = train_args(
+            inputs.data, save_dir, "--max-update", "2", "--moe-normalize-gate", "--moe-upcycle-from", str(named)
+        )
         return args, [save_dir, getattr(inputs, source) if source != "missing" else work]
 
     return make
@@ -40,6 +44,7 @@ def merge_under_a_regular_file(inputs, work):
     return ["merge", source / "checkpoint_last.pt", work / "notes.txt" / "checkpoint_last.pt"], [source, work]
 
 
+# fmt: off
 CASES = [
     # -- numeric options outside the range of what holds them (every option: tests/fairseq/test_option_ranges.py)
     Case("bias-update-rate-beyond-fp32", fairseq_train,
@@ -80,6 +85,7 @@ CASES = [
     Case("merge-into-a-path-under-a-regular-file", checkpoint_tool, merge_under_a_regular_file, "error",
          "notes.txt is a file, not a directory", "choose an output name inside a directory"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -91,25 +97,46 @@ def test_the_skipped_upcycle_names_the_checkpoint_it_found_and_why_it_cannot_loa
     """The whole line of the skipped --moe-upcycle-from: why it was skipped, and the loader's reason."""
     run = started["train-upcycled-into-a-save-dir-holding-a-dense-checkpoint"]
     output = run.future.result()
-    assert re.search(r"ValueError: --moe-upcycle-from \S+/checkpoint_last\.pt was skipped because --save-dir (\S+) "
-                     r"already holds \1/checkpoint_last\.pt \(a restarted run resumes its own checkpoint\), and this "
-                     r"model cannot load that one \(\1/checkpoint_last\.pt is a dense fairseq checkpoint \(no MoE "
-                     r"layers\), which this MoE model cannot load\): to upcycle, give this run a new --save-dir$",
-                     output, flags=re.M), output[-3000:]
+    assert re.search(
+        r"ValueError: --moe-upcycle-from \S+/checkpoint_last\.pt was skipped because --save-dir (\S+) "
+        r"already holds \1/checkpoint_last\.pt \(a restarted run resumes its own checkpoint\), and this "
+        r"model cannot load that one \(\1/checkpoint_last\.pt is a dense fairseq checkpoint \(no MoE "
+        r"layers\), which this MoE model cannot load\): to upcycle, give this run a new --save-dir$",
+        output,
+        flags=re.M,
+    ), output[-3000:]
 
 
 def test_a_resume_changing_options_that_may_change_and_an_overridden_top_k_trains_on_logging_each_change(
-        checkpoints, tmp_path):
+    checkpoints, tmp_path
+):
     inputs = checkpoints.result()
     save_dir = copy_of(inputs.single, tmp_path)
-    output = run_fairseq("train", *train_args(
-        inputs.data, save_dir, "--max-update", "4", "--moe-eval-capacity-factor", "1.0", "--moe-comm-timeout", "900",
-        "--moe-gate-loss-wt", "0.1", "--moe-top-k", "1", "--moe-allow-function-change"), timeout=300)
-    for logged in ("resuming: {} was trained with --moe-eval-capacity-factor 0.0 and this run has "
-                   "--moe-eval-capacity-factor 1.0",
-                   "resuming: {} was trained with --moe-comm-timeout 600.0 and this run has --moe-comm-timeout 900.0",
-                   "resuming: {} was trained with --moe-gate-loss-wt 0.01 and this run has --moe-gate-loss-wt 0.1",
-                   "WARNING | fairseq_moe_ext.training.resume_policy | --moe-allow-function-change: {} was trained "
-                   "with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute"):
+    output = run_fairseq(
+        "train",
+        *train_args(
+            inputs.data,
+            save_dir,
+            "--max-update",
+            "4",
+            "--moe-eval-capacity-factor",
+            "1.0",
+            "--moe-comm-timeout",
+            "900",
+            "--moe-gate-loss-wt",
+            "0.1",
+            "--moe-top-k",
+            "1",
+            "--moe-allow-function-change",
+        ),
+        timeout=300,
+    )
+    for logged in (
+        "resuming: {} was trained with --moe-eval-capacity-factor 0.0 and this run has --moe-eval-capacity-factor 1.0",
+        "resuming: {} was trained with --moe-comm-timeout 600.0 and this run has --moe-comm-timeout 900.0",
+        "resuming: {} was trained with --moe-gate-loss-wt 0.01 and this run has --moe-gate-loss-wt 0.1",
+        "WARNING | fairseq_moe_ext.training.resume_policy | --moe-allow-function-change: {} was trained "
+        "with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute",
+    ):
         assert logged.format(save_dir / "checkpoint_last.pt") in output, logged
     assert re.search(r"num_updates 4\b", output), output[-3000:]

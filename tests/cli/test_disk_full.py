@@ -40,12 +40,15 @@ def small_filesystem(tmp_path):
         point.mkdir()
         why = "the tests do not run as root" if os.geteuid() != 0 else None
         if why is None:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True
+            )
             why = None if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
         if why is not None:
-            pytest.skip(f"cannot mount a {size} tmpfs to fill up ({why}); mounting needs root or CAP_SYS_ADMIN. "
-                        f"The injected full-disk cases still run")
+            pytest.skip(
+                f"cannot mount a {size} tmpfs to fill up ({why}); mounting needs root or CAP_SYS_ADMIN. "
+                f"The injected full-disk cases still run"
+            )
         mounted.append(point)
         return point
 
@@ -65,8 +68,14 @@ def snapshot(directory: Path):
 
 
 def checkpoint_tool(*args, expect_failure):
-    done = subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300, env=fairseq_env())
+    done = subprocess.run(
+        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        env=fairseq_env(),
+    )
     assert (done.returncode != 0) == expect_failure, f"{done.returncode}\n{tail(done.stdout)}\n{tail(done.stderr)}"
     return [line for line in done.stderr.strip().splitlines() if not line.startswith("INFO:")]  # fairseq's import notes
 
@@ -88,30 +97,45 @@ def a_dense_checkpoint(directory: Path) -> Path:
     for side in ("encoder", "decoder"):
         for i in range(2):
             prefix = f"{side}.layers.{i}"
-            model.update({f"{prefix}.fc1.weight": torch.randn(512, 128, generator=g),
-                          f"{prefix}.fc1.bias": torch.randn(512, generator=g),
-                          f"{prefix}.fc2.weight": torch.randn(128, 512, generator=g),
-                          f"{prefix}.fc2.bias": torch.randn(128, generator=g)})
-    cfg = {"model": {"_name": "transformer", "arch": "transformer", "encoder_layers": 2, "decoder_layers": 2,
-                     "encoder_ffn_embed_dim": 512, "decoder_ffn_embed_dim": 512},
-           "criterion": {"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1}}
+            model.update(
+                {
+                    f"{prefix}.fc1.weight": torch.randn(512, 128, generator=g),
+                    f"{prefix}.fc1.bias": torch.randn(512, generator=g),
+                    f"{prefix}.fc2.weight": torch.randn(128, 512, generator=g),
+                    f"{prefix}.fc2.bias": torch.randn(128, generator=g),
+                }
+            )
+    cfg = {
+        "model": {
+            "_name": "transformer",
+            "arch": "transformer",
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_ffn_embed_dim": 512,
+            "decoder_ffn_embed_dim": 512,
+        },
+        "criterion": {"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1},
+    }
     directory.mkdir()
     path = directory / "checkpoint_best.pt"
     torch.save({"model": model, "cfg": cfg, "optimizer_history": [{"num_updates": 9}], "extra_state": {}}, path)
     return path
 
 
+# fmt: off
 COMMANDS = {
     "merge": lambda src, dense, out: ["merge", src, out],
     "reshard": lambda src, dense, out: ["reshard", src, out, "--world-size", "2"],
     "upcycle": lambda src, dense, out: ["upcycle", dense, out, "--moe-expert-count", "4", "--moe-freq", "2"],
 }
+# fmt: on
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_the_checkpoint_tool_on_a_full_filesystem_says_no_space_left_writes_nothing_and_reruns_once_there_is_room(
-        small_filesystem, tmp_path, command):
+    small_filesystem, tmp_path, command
+):
     source, dense = a_two_megabyte_set(tmp_path / "set"), a_dense_checkpoint(tmp_path / "dense")
     out_dir = small_filesystem.mount("out", "1m")
     (out_dir / "unrelated.txt").write_text("kept")
@@ -119,8 +143,10 @@ def test_the_checkpoint_tool_on_a_full_filesystem_says_no_space_left_writes_noth
     args = COMMANDS[command](source, dense, out_dir / "checkpoint_last.pt")
     err = checkpoint_tool(*args, expect_failure=True)
     assert len(err) == 1, err
-    assert err[0].startswith("error: cannot write ") and f"{FULL} {out_dir}; free space there, then rerun (nothing " \
-        "was written)" in err[0], err[0]
+    assert (
+        err[0].startswith("error: cannot write ")
+        and f"{FULL} {out_dir}; free space there, then rerun (nothing was written)" in err[0]
+    ), err[0]
     assert snapshot(out_dir) == before
     small_filesystem.resize(out_dir, "16m")  # room made
     checkpoint_tool(*args, expect_failure=False)
@@ -131,7 +157,8 @@ def test_the_checkpoint_tool_on_a_full_filesystem_says_no_space_left_writes_noth
 
 @pytest.mark.slow
 def test_fairseq_train_whose_save_dir_fills_up_says_no_space_left_and_keeps_the_last_checkpoint_whole(
-        small_filesystem, parallel_data):
+    small_filesystem, parallel_data
+):
     """A run saves at update 1 (checkpoint_best and checkpoint_last, about 3.4 MB each); the
     filesystem then keeps about 1.2 MB free, and the resumed run's save at update 2 cannot fit."""
     save_dir = small_filesystem.mount("ck", "12m")
@@ -139,13 +166,15 @@ def test_fairseq_train_whose_save_dir_fills_up_says_no_space_left_and_keeps_the_
     used_kb = sum(p.stat().st_size for p in save_dir.iterdir()) // 1024
     small_filesystem.resize(save_dir, f"{used_kb + 1200}k")
     before = snapshot(save_dir)
-    output = run_fairseq("train", *train_args(parallel_data, save_dir, "--max-update", "2"), timeout=300,
-                         expect_failure=True)
+    output = run_fairseq(
+        "train", *train_args(parallel_data, save_dir, "--max-update", "2"), timeout=300, expect_failure=True
+    )
     line, following = last_error_line(output)
     assert line == (
         f"fairseq_moe_ext.checkpoint.errors.CheckpointWriteError: cannot write the checkpoint of update 2: {FULL} "
         f"{save_dir}; free space there, then rerun the same command (it resumes from the last checkpoint saved whole; "
-        f"the half-written files of this save were removed)"), f"{line}\n{tail(output)}"
+        f"the half-written files of this save were removed)"
+    ), f"{line}\n{tail(output)}"
     assert snapshot(save_dir) == before  # no .tmp, checkpoint_last and checkpoint_best as they were
     moe_ckpt.check_file_intact(str(save_dir / "checkpoint_last.pt"))
 
@@ -189,8 +218,9 @@ def test_a_training_save_whose_copy_to_checkpoint_last_fills_the_disk_keeps_the_
     moe_ckpt.check_file_intact(str(save_dir / "checkpoint_best.pt"))  # written whole before the copy failed
 
 
-@pytest.mark.parametrize("failure", ["enospc-in-torch-save", "torch-writer-check-on-a-full-disk",
-                                     "iopath-copy-returns-false-on-a-full-disk"])
+@pytest.mark.parametrize(
+    "failure", ["enospc-in-torch-save", "torch-writer-check-on-a-full-disk", "iopath-copy-returns-false-on-a-full-disk"]
+)
 def test_write_failure_injected_into_a_training_save_is_one_line_and_leaves_no_tmp_file(tmp_path, monkeypatch, failure):
     """The same report without a mount: the failures a full disk causes, injected where they arise."""
     from fairseq import checkpoint_utils
@@ -203,18 +233,24 @@ def test_write_failure_injected_into_a_training_save_is_one_line_and_leaves_no_t
         def save(obj, f, *args, **kwargs):
             f.write(b"PK\x03\x04 half")
             raise error
+
         return save
 
     if failure == "enospc-in-torch-save":
         monkeypatch.setattr(torch, "save", half_written_then(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
     elif failure == "torch-writer-check-on-a-full-disk":
-        monkeypatch.setattr(torch, "save", half_written_then(RuntimeError("[enforce fail at inline_container.cc:672] "
-                                                                          ". unexpected pos 576 vs 534")))
+        monkeypatch.setattr(
+            torch,
+            "save",
+            half_written_then(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")),
+        )
         monkeypatch.setattr(os, "statvfs", lambda path: full_disk)
     else:
+
         def copy_as_iopath_does(src, dst, overwrite=False):
             Path(dst).write_bytes(b"half a copy")  # iopath logs the error and returns False
             return False
+
         monkeypatch.setattr(checkpoint_utils.PathManager, "copy", copy_as_iopath_does)
         monkeypatch.setattr(os, "statvfs", lambda path: full_disk)
     monkeypatch.setattr(checkpoint_utils.time, "sleep", lambda seconds: None)  # fairseq retries torch.save thrice

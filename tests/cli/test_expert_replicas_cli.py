@@ -32,8 +32,12 @@ def replicated_run(data, tmp_path_factory):
 
 
 def checkpoint_tool(*args):
-    return subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
-                          env=fairseq_env(), capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
+        env=fairseq_env(),
+        capture_output=True,
+        text=True,
+    )
 
 
 def experts_by_global_id(files):
@@ -51,8 +55,11 @@ def test_four_workers_sharing_two_expert_shards_train_exactly_as_plain_data_para
     the replica group, or routing statistics over the expert-parallel group instead of the world,
     breaks it."""
     save_dir, output = replicated_run
-    plain = torchrun(4, SUPPORT / "fairseq_train_every_digit.py",
-                     moe_args(data, tmp_path / "plain", UPDATES, *TWO_EXPERTS, "--moe-expert-parallel-size", "1"))
+    plain = torchrun(
+        4,
+        SUPPORT / "fairseq_train_every_digit.py",
+        moe_args(data, tmp_path / "plain", UPDATES, *TWO_EXPERTS, "--moe-expert-parallel-size", "1"),
+    )
     got, want = json_logs(output), json_logs(plain)
     assert [int(r["num_updates"]) for r in got] == [int(r["num_updates"]) for r in want] == list(range(1, UPDATES + 1))
     assert carries_every_digit([float(r["loss"]) for r in got]), "losses rounded for display"

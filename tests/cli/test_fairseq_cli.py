@@ -24,14 +24,18 @@ from fairseq_helpers import (
 
 pytestmark = pytest.mark.slow
 
+# fmt: off
 TRANSLATION = [
     "--arch", "moe_transformer_tiny", "--criterion", "moe_label_smoothed_cross_entropy",
     "--label-smoothing", "0.1", "--max-tokens", "1000",
 ]
+# fmt: on
+# fmt: off
 LANGUAGE_MODEL = [
     "--task", "language_modeling", "--arch", "moe_transformer_lm_tiny", "--criterion", "moe_cross_entropy",
     "--tokens-per-sample", "64", "--max-tokens", "512",
 ]
+# fmt: on
 # fairseq 0.12 silently drops a last batch whose size is not a multiple of this (default 8).
 EVERY_SENTENCE = ["--required-batch-size-multiple", "1"]
 
@@ -47,8 +51,9 @@ def mt_run(data, tmp_path_factory):
 def lm_run(lm_data, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("lm_checkpoints")
     # Trained in deterministic mode: every op of fairseq's training loop must accept it.
-    return save_dir, run_fairseq("train", *train_args(lm_data, save_dir, *LANGUAGE_MODEL, "--moe-deterministic",
-                                                      max_update=40))
+    return save_dir, run_fairseq(
+        "train", *train_args(lm_data, save_dir, *LANGUAGE_MODEL, "--moe-deterministic", max_update=40)
+    )
 
 
 def expert_loads(record):
@@ -83,8 +88,18 @@ def test_moe_translation_training_lowers_the_loss_and_logs_moe_metrics(mt_run):
 def test_generate_translates_every_test_sentence_and_reports_bleu(data, mt_run):
     save_dir, _ = mt_run
     output = run_fairseq(
-        "generate", data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
-        "--beam", "2", "--batch-size", "16", *EVERY_SENTENCE,
+        "generate",
+        data,
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        save_dir / "checkpoint_best.pt",
+        "--cpu",
+        "--beam",
+        "2",
+        "--batch-size",
+        "16",
+        *EVERY_SENTENCE,
     )
     assert len(hypotheses(output)) == SPLITS["test"]
     assert re.search(r"^Generate test with beam=2: BLEU4 = \d+\.\d+", output, re.M), output[-2000:]
@@ -93,8 +108,19 @@ def test_generate_translates_every_test_sentence_and_reports_bleu(data, mt_run):
 def test_interactive_translates_each_input_line(data, mt_run):
     save_dir, _ = mt_run
     output = run_fairseq(
-        "interactive", data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
-        "--source-lang", "src", "--target-lang", "tgt", "--beam", "2",
+        "interactive",
+        data,
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        save_dir / "checkpoint_best.pt",
+        "--cpu",
+        "--source-lang",
+        "src",
+        "--target-lang",
+        "tgt",
+        "--beam",
+        "2",
         input="s1 s2 s3\ns5 s9 s11 s20 s7\n",
     )
     assert [h.split("\t")[0] for h in hypotheses(output)] == ["H-0", "H-1"]
@@ -112,8 +138,18 @@ def test_moe_language_model_training_lowers_the_loss_and_logs_expert_load(lm_run
 def test_eval_lm_reports_the_perplexity_of_a_trained_moe_language_model(lm_data, lm_run):
     save_dir, train_output = lm_run
     output = run_fairseq(
-        "eval_lm", lm_data, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_best.pt", "--cpu",
-        "--tokens-per-sample", "64", "--max-tokens", "512", *EVERY_SENTENCE,
+        "eval_lm",
+        lm_data,
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        save_dir / "checkpoint_best.pt",
+        "--cpu",
+        "--tokens-per-sample",
+        "64",
+        "--max-tokens",
+        "512",
+        *EVERY_SENTENCE,
     )
     match = re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", output)
     assert match, output[-2000:]
@@ -123,8 +159,14 @@ def test_eval_lm_reports_the_perplexity_of_a_trained_moe_language_model(lm_data,
 
 def test_hydra_train_runs_the_packaged_yaml_config_in_place_with_command_line_overrides(lm_data, tmp_path):
     output = run_fairseq(
-        "hydra_train", "--config-dir", CONFIG_DIR, "--config-name", "moe_lm_tiny",
-        f"common.user_dir={USER_DIR}", f"task.data={lm_data}", "model.moe_expert_count=2",
+        "hydra_train",
+        "--config-dir",
+        CONFIG_DIR,
+        "--config-name",
+        "moe_lm_tiny",
+        f"common.user_dir={USER_DIR}",
+        f"task.data={lm_data}",
+        "model.moe_expert_count=2",
         cwd=tmp_path,
     )
     assert_loss_falls(output)
@@ -174,18 +216,27 @@ def assert_refused(output, file_name, named):
     assert "Weights only load failed" not in output, "torch's multi-line message should be replaced"
 
 
-@pytest.mark.parametrize("make_payload, named", [
-    (lambda tmp_path: fractions.Fraction(1, 3), "fractions.Fraction"),
-    (lambda tmp_path: OpensAFile(tmp_path / "code_ran"), "io.open"),  # builtins.open pickles as io.open
-], ids=["plain_object", "code_payload"])
-def test_generate_refuses_a_checkpoint_that_pickles_a_disallowed_object(
-    data, mt_run, tmp_path, make_payload, named
-):
+@pytest.mark.parametrize(
+    "make_payload, named",
+    [
+        (lambda tmp_path: fractions.Fraction(1, 3), "fractions.Fraction"),
+        (lambda tmp_path: OpensAFile(tmp_path / "code_ran"), "io.open"),  # builtins.open pickles as io.open
+    ],
+    ids=["plain_object", "code_payload"],
+)
+def test_generate_refuses_a_checkpoint_that_pickles_a_disallowed_object(data, mt_run, tmp_path, make_payload, named):
     save_dir, _ = mt_run
     tampered = tmp_path / "tampered.pt"
     smuggle(save_dir / "checkpoint_best.pt", make_payload(tmp_path), tampered)
     output = run_fairseq(
-        "generate", data, "--user-dir", USER_DIR, "--path", tampered, "--cpu", expect_failure=True,
+        "generate",
+        data,
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        tampered,
+        "--cpu",
+        expect_failure=True,
     )
     assert_refused(output, "tampered.pt", named)
     assert not (tmp_path / "code_ran").exists(), "unpickling ran code from the checkpoint"

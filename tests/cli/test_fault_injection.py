@@ -37,14 +37,47 @@ ALL_TO_ALLS_PER_STEP = 8  # tiny model: 2 MoE layers, each 2 exchanges forward a
 
 def train_args(data, save_dir):
     return [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "3", "--num-workers", "0",
-        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4", "--ddp-backend", "legacy_ddp",
-        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "64", "--clip-norm", "1.0",
-        "--max-update", str(LAST_UPDATE), "--save-dir", str(save_dir),
-        "--save-interval-updates", str(SAVE_EVERY), "--keep-interval-updates", "2",
-        "--disable-validation", "--log-format", "json", "--log-interval", "1",
-        "--distributed-world-size", "2",
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--seed",
+        "3",
+        "--num-workers",
+        "0",
+        "--arch",
+        "moe_transformer_tiny",
+        "--moe-expert-count",
+        "4",
+        "--ddp-backend",
+        "legacy_ddp",
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "3e-3",
+        "--max-tokens",
+        "64",
+        "--clip-norm",
+        "1.0",
+        "--max-update",
+        str(LAST_UPDATE),
+        "--save-dir",
+        str(save_dir),
+        "--save-interval-updates",
+        str(SAVE_EVERY),
+        "--keep-interval-updates",
+        "2",
+        "--disable-validation",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--distributed-world-size",
+        "2",
     ]
 
 
@@ -55,11 +88,24 @@ class Job:
         self.workdir = workdir
         workdir.mkdir(parents=True)
         env = dict(fairseq_env(), PYTHONUNBUFFERED="1", CRASH_PLAN=plan, CRASH_PID_DIR=str(workdir))
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--log-dir", str(workdir / "logs"), "--redirects", "3", "--master_port", str(free_port()),
-                   str(PROBE), *map(str, args)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                        start_new_session=True)
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--log-dir",
+            str(workdir / "logs"),
+            "--redirects",
+            "3",
+            "--master_port",
+            str(free_port()),
+            str(PROBE),
+            *map(str, args),
+        ]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
 
     def wait(self, timeout=300) -> int:
         """The launcher's exit code; past ``timeout`` the whole job is killed and the test fails."""
@@ -196,7 +242,9 @@ def test_eleven_seeded_sigkills_at_every_kind_of_point_never_lose_a_completed_sa
         log = job.output(0) + job.output(1)
 
         resumed_from = loaded_update(log)
-        assert resumed_from == last_completed, f"{what}: resumed from {resumed_from}, newest complete set was {last_completed}"
+        assert resumed_from == last_completed, (
+            f"{what}: resumed from {resumed_from}, newest complete set was {last_completed}"
+        )
         losses = job.losses()  # empty when the kill came within the first step
         assert not losses or min(losses) == resumed_from + 1, (
             f"{what}: resumed from {resumed_from}, logged {sorted(losses)}"

@@ -20,12 +20,41 @@ TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
 
 def train_args(data, save_dir, max_update, backend):
     return [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
-        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4",
-        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--clip-norm", "1.0",
-        "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-        "--log-format", "json", "--log-interval", "1", "--ddp-backend", backend,
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--seed",
+        "1",
+        "--num-workers",
+        "0",
+        "--arch",
+        "moe_transformer_tiny",
+        "--moe-expert-count",
+        "4",
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "3e-3",
+        "--max-tokens",
+        "300",
+        "--clip-norm",
+        "1.0",
+        "--max-update",
+        str(max_update),
+        "--save-dir",
+        str(save_dir),
+        "--no-epoch-checkpoints",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--ddp-backend",
+        backend,
     ]
 
 
@@ -103,12 +132,31 @@ def test_a_fully_sharded_set_is_an_ordinary_set_that_generates_like_legacy_ddp_a
 def generate(data, path):
     import re
 
-    output = run_fairseq("generate", str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
-                         "--max-tokens", "2000", "--num-workers", "0")
+    output = run_fairseq(
+        "generate",
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        str(path),
+        "--cpu",
+        "--beam",
+        "2",
+        "--max-tokens",
+        "2000",
+        "--num-workers",
+        "0",
+    )
     return {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
 
 
 def checkpoint_tool(*args):
-    done = subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)], check=True,
-                          env=fairseq_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
+        check=True,
+        env=fairseq_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return done.stdout

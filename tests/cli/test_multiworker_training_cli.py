@@ -31,8 +31,11 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("backend", ["legacy_ddp", "c10d"])
 def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct(data, tmp_path, backend):
     probe = tmp_path / "probe"
-    output = torchrun(2, SUPPORT / "fairseq_rank_probe.py",
-                      [probe, *moe_args(data, tmp_path / "ck", 12, "--ddp-backend", backend, "--no-save")])
+    output = torchrun(
+        2,
+        SUPPORT / "fairseq_rank_probe.py",
+        [probe, *moe_args(data, tmp_path / "ck", 12, "--ddp-backend", backend, "--no-save")],
+    )
     ranks = load_rank_probes(probe, 2)
     assert_shared_identical_experts_distinct_norms_equal(ranks, updates=12)
     records = json_logs(output)
@@ -45,10 +48,24 @@ def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_
     """P defaults to gcd(4, 2) = 2: ranks 0 and 2 hold expert 0, ranks 1 and 3 expert 1, after 20 updates
     of fairseq-train. (Checkpoint sets of replicated experts are not this test's subject: --no-save.)"""
     probe = tmp_path / "probe"
-    output = torchrun(4, SUPPORT / "fairseq_rank_probe.py", [
-        probe, *moe_args(data, tmp_path / "ck", 20, "--moe-expert-count", "2", "--ddp-backend", "legacy_ddp",
-                         "--no-save", "--disable-validation"),
-    ])
+    output = torchrun(
+        4,
+        SUPPORT / "fairseq_rank_probe.py",
+        [
+            probe,
+            *moe_args(
+                data,
+                tmp_path / "ck",
+                20,
+                "--moe-expert-count",
+                "2",
+                "--ddp-backend",
+                "legacy_ddp",
+                "--no-save",
+                "--disable-validation",
+            ),
+        ],
+    )
     ranks = load_rank_probes(probe, 4)
     experts = set(ranks[0]["expert_keys"])
     assert experts and all(ranks[0]["model"][key].shape[0] == 1 for key in experts), "one expert per worker"
@@ -64,18 +81,59 @@ def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_
     assert_loss_falls(output)
 
 
-def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_holding_half_the_experts_each(lm_data, tmp_path):
+def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_holding_half_the_experts_each(
+    lm_data, tmp_path
+):
     data = lm_data
     save_dir = tmp_path / "ck"
-    torchrun(2, BIN / "fairseq-train", [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--task", "language_modeling",
-        "--arch", "moe_transformer_lm_tiny", "--criterion", "moe_cross_entropy", "--tokens-per-sample", "32",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "512", "--max-update", "30", "--save-dir", str(save_dir),
-        "--no-epoch-checkpoints", "--required-batch-size-multiple", "1",
-    ])
+    torchrun(
+        2,
+        BIN / "fairseq-train",
+        [
+            str(data),
+            "--user-dir",
+            USER_DIR,
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--task",
+            "language_modeling",
+            "--arch",
+            "moe_transformer_lm_tiny",
+            "--criterion",
+            "moe_cross_entropy",
+            "--tokens-per-sample",
+            "32",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "3e-3",
+            "--max-tokens",
+            "512",
+            "--max-update",
+            "30",
+            "--save-dir",
+            str(save_dir),
+            "--no-epoch-checkpoints",
+            "--required-batch-size-multiple",
+            "1",
+        ],
+    )
     assert (save_dir / "checkpoint_last.set.json").exists()
-    args = [str(data), "--user-dir", USER_DIR, "--path", str(save_dir / "checkpoint_last.pt"), "--cpu",
-            "--tokens-per-sample", "32", "--max-tokens", "64", "--num-workers", "0"]  # 3 batches: 2 and 1
+    args = [
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        str(save_dir / "checkpoint_last.pt"),
+        "--cpu",
+        "--tokens-per-sample",
+        "32",
+        "--max-tokens",
+        "64",
+        "--num-workers",
+        "0",
+    ]  # 3 batches: 2 and 1
     output = run_fairseq("eval_lm", *args)
     perplexity = float(re.search(r"Perplexity: ([\d.]+)", output).group(1))
     assert perplexity < 20, output[-2000:]  # 40-token vocabulary: a model that learned nothing sits near 40
@@ -85,8 +143,14 @@ def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_h
     # a set saved by 2, in lock-step) exactly as with every expert on every worker.
     def rank_0_scores(mode):
         log_dir = tmp_path / f"logs-{mode}"
-        torchrun(2, BIN / "fairseq-eval-lm", [*args, "--moe-inference-experts", mode], timeout=240, log_dir=log_dir,
-                 redirects=3)
+        torchrun(
+            2,
+            BIN / "fairseq-eval-lm",
+            [*args, "--moe-inference-experts", mode],
+            timeout=240,
+            log_dir=log_dir,
+            redirects=3,
+        )
         text = "".join(Path(p).read_text() for p in sorted(glob.glob(f"{log_dir}/**/0/std*.log", recursive=True)))
         return text, re.search(r"Evaluated ([\d,]+) tokens.*?(Loss \(base 2\): [\d.]+)", text, flags=re.S).groups()
 

@@ -6,7 +6,6 @@ flattened --fp16 asks torch.cuda for its buffer's device and --amp's GradScaler 
 without CUDA, so those two are checked on GPUs (benchmarks/gpu_oneshot.sh).
 """
 
-
 import pytest
 import torch
 
@@ -62,11 +61,13 @@ def test_bf16_training_through_fairseq_train_on_one_cpu_worker_learns(data, tmp_
 
 
 # Per flag: the optimizer fairseq must build on every worker, and the weights' dtype.
+# fmt: off
 MULTI_WORKER = {
     "--bf16": ("FP16Optimizer", torch.bfloat16),
     "--memory-efficient-bf16": ("MemoryEfficientFP16Optimizer", torch.bfloat16),
     "--fp16": ("FP16Optimizer", torch.float16),  # fairseq's default flattens; experts need their marker
 }
+# fmt: on
 
 
 @pytest.mark.slow

@@ -9,22 +9,60 @@ import pytest
 import torch
 
 from full_precision_logs import carries_every_digit
-from fairseq_helpers import USER_DIR, fairseq_env, json_logs, preprocess_parallel, run_fairseq, torchrun, write_parallel_corpus
+from fairseq_helpers import (
+    USER_DIR,
+    fairseq_env,
+    json_logs,
+    preprocess_parallel,
+    run_fairseq,
+    torchrun,
+    write_parallel_corpus,
+)
 from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
 TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
+# fmt: off
 FLAGS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-balance", "bias",
          "--moe-bias-update-rate", "0.01", "--moe-gate-loss-wt", "0"]
+# fmt: on
 
 
 def train_args(data, save_dir, max_update, *extra):
     return [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
-        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4", *FLAGS,
-        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--max-update", str(max_update),
-        "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1", "--disable-validation", *extra,
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--seed",
+        "1",
+        "--num-workers",
+        "0",
+        "--arch",
+        "moe_transformer_tiny",
+        "--moe-expert-count",
+        "4",
+        *FLAGS,
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "3e-3",
+        "--max-tokens",
+        "300",
+        "--max-update",
+        str(max_update),
+        "--save-dir",
+        str(save_dir),
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--disable-validation",
+        *extra,
     ]
 
 
@@ -51,15 +89,31 @@ def test_two_workers_train_resume_bit_exactly_inspect_and_generate_with_shared_e
     rank1 = torch.load(tmp_path / "full" / "checkpoint_last-rank-1-of-2.pt", weights_only=False)["model"]
     assert not [k for k in rank1 if "balance_bias" in k or "shared_experts" in k]
 
-    report = subprocess.run([sys.executable, "-m", "fairseq_moe_ext.checkpoint", "inspect",
-                             str(tmp_path / "full" / "checkpoint_last.pt")], capture_output=True, text=True,
-                            env=fairseq_env(), check=True).stdout
+    report = subprocess.run(
+        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "inspect", str(tmp_path / "full" / "checkpoint_last.pt")],
+        capture_output=True,
+        text=True,
+        env=fairseq_env(),
+        check=True,
+    ).stdout
     key = "decoder.layers.1.fc1.router.balance_bias.bias"
     shown = ", ".join(f"{v:+.4f}" for v in final[key].tolist())
     assert f"  {key}: balance bias (--moe-balance bias) [{shown}]" in report, report
     assert "VERDICT PROBLEM" not in report, report
 
-    generated = run_fairseq("generate", str(data), "--user-dir", USER_DIR, "--path",
-                            str(tmp_path / "full" / "checkpoint_last.pt"), "--cpu", "--beam", "2",
-                            "--max-tokens", "2000", "--num-workers", "0")
+    generated = run_fairseq(
+        "generate",
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        str(tmp_path / "full" / "checkpoint_last.pt"),
+        "--cpu",
+        "--beam",
+        "2",
+        "--max-tokens",
+        "2000",
+        "--num-workers",
+        "0",
+    )
     assert "BLEU" in generated

@@ -28,17 +28,42 @@ def bleu_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     data = preprocess_parallel(write_parallel_corpus(root / "raw"), root / "bin")
     save_dir = root / "ck"
-    output = torchrun(2, BIN / "fairseq-train", moe_args(
-        data, save_dir, 24, "--eval-bleu", "--eval-bleu-args", json.dumps(BLEU_ARGS),
-        "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric", "--no-last-checkpoints",
-    ), timeout=180)
+    output = torchrun(
+        2,
+        BIN / "fairseq-train",
+        moe_args(
+            data,
+            save_dir,
+            24,
+            "--eval-bleu",
+            "--eval-bleu-args",
+            json.dumps(BLEU_ARGS),
+            "--best-checkpoint-metric",
+            "bleu",
+            "--maximize-best-checkpoint-metric",
+            "--no-last-checkpoints",
+        ),
+        timeout=180,
+    )
     return {"data": data, "save_dir": save_dir, "valid": json_logs(output, "valid"), "root": root}
 
 
 def generate(data, path, subset, workers, log_dir=None, extra=()):
     """Hypotheses by sentence id, and each worker's output (stdout, then for 2 workers their logs)."""
-    args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--gen-subset", subset,
-            "--num-workers", "0", *GENERATION, *extra]
+    args = [
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        str(path),
+        "--cpu",
+        "--gen-subset",
+        subset,
+        "--num-workers",
+        "0",
+        *GENERATION,
+        *extra,
+    ]
     if workers > 1:
         logs = torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir, timeout=240)
         outputs = [Path(p).read_text() for p in sorted(glob.glob(f"{log_dir}/**/stdout.log", recursive=True))]
@@ -76,8 +101,10 @@ def test_eval_bleu_in_two_worker_training_logs_the_bleu_of_one_process_generatin
     best_epoch = max(bleus, key=bleus.get)
     assert best_epoch != max(bleus), f"the last epoch is the best one: this run cannot tell bleu from last {bleus}"
     for rank in (0, 1):
-        best, of_epoch = (torch.load(bleu_run["save_dir"] / f"{name}-rank-{rank}-of-2.pt", weights_only=False)["model"]
-                          for name in ("checkpoint_best", f"checkpoint{best_epoch}"))
+        best, of_epoch = (
+            torch.load(bleu_run["save_dir"] / f"{name}-rank-{rank}-of-2.pt", weights_only=False)["model"]
+            for name in ("checkpoint_best", f"checkpoint{best_epoch}")
+        )
         assert all(torch.equal(best[key], of_epoch[key]) for key in of_epoch), (
             f"checkpoint_best is not epoch {best_epoch}"
         )

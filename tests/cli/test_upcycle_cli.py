@@ -24,11 +24,15 @@ from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
 pytestmark = pytest.mark.slow
 FAIRSEQ_TRAIN = Path(sys.executable).parent / "fairseq-train"
+# fmt: off
 SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
          "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
          "--decoder-attention-heads", "2", "--max-tokens", "500"]
+# fmt: on
+# fmt: off
 MOE = ["--arch", "moe_transformer", "--criterion", "moe_label_smoothed_cross_entropy", "--moe-expert-count", "4",
        "--moe-top-k", "2", "--moe-normalize-gate", "--ddp-backend", "legacy_ddp"]
+# fmt: on
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,19 @@ def dense(parallel_data, tmp_path_factory):
     """(binarized data, a dense transformer's checkpoint after 50 updates, its last training loss)."""
     root = tmp_path_factory.mktemp("upcycle")
     data = parallel_data
-    output = run_fairseq("train", *train_args(data, root / "dense", "--arch", "transformer", "--criterion",
-                                              "label_smoothed_cross_entropy", *SHAPE, max_update=50))
+    output = run_fairseq(
+        "train",
+        *train_args(
+            data,
+            root / "dense",
+            "--arch",
+            "transformer",
+            "--criterion",
+            "label_smoothed_cross_entropy",
+            *SHAPE,
+            max_update=50,
+        ),
+    )
     return data, root / "dense" / "checkpoint_last.pt", float(json_logs(output, "train")[-1]["train_loss"])
 
 
@@ -57,14 +72,30 @@ def validation_loss(path, data) -> float:
     return loss / tokens / math.log(2)
 
 
-def test_a_dense_transformer_upcycled_to_four_experts_keeps_its_validation_loss_as_a_file_and_as_a_two_worker_set_and_trains_on(dense, tmp_path):
+def test_a_dense_transformer_upcycled_to_four_experts_keeps_its_validation_loss_as_a_file_and_as_a_two_worker_set_and_trains_on(
+    dense, tmp_path
+):
     data, dense_checkpoint, dense_train_loss = dense
     single, pair = tmp_path / "one" / "checkpoint_upcycled.pt", tmp_path / "two" / "checkpoint_upcycled.pt"
     single.parent.mkdir(), pair.parent.mkdir()
     assert checkpoint_tool(["upcycle", str(dense_checkpoint), str(single), "--moe-expert-count", "4"]) == 0
     # A random router picks other experts for every token: the function stays the dense one.
-    assert checkpoint_tool(["upcycle", str(dense_checkpoint), str(pair), "--moe-expert-count", "4",
-                            "--world-size", "2", "--router-std", "0.1"]) == 0
+    assert (
+        checkpoint_tool(
+            [
+                "upcycle",
+                str(dense_checkpoint),
+                str(pair),
+                "--moe-expert-count",
+                "4",
+                "--world-size",
+                "2",
+                "--router-std",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     assert single.is_file() and (pair.parent / "checkpoint_upcycled.set.json").is_file()
 
     reference = validation_loss(dense_checkpoint, data)
@@ -73,8 +104,13 @@ def test_a_dense_transformer_upcycled_to_four_experts_keeps_its_validation_loss_
     assert abs(validation_loss(pair, data) - reference) < 1e-5
 
     # The normal command: fairseq-train on 2 workers, --restore-file naming the set; update 0, fresh optimizer.
-    output = torchrun(2, FAIRSEQ_TRAIN, train_args(data, tmp_path / "moe", *MOE, *SHAPE, "--log-interval", "1",
-                                                   "--restore-file", str(pair), max_update=6))
+    output = torchrun(
+        2,
+        FAIRSEQ_TRAIN,
+        train_args(
+            data, tmp_path / "moe", *MOE, *SHAPE, "--log-interval", "1", "--restore-file", str(pair), max_update=6
+        ),
+    )
     losses = [float(r["loss"]) for r in json_logs(output)]
     assert [int(r["num_updates"]) for r in json_logs(output)][0] == 1
     assert losses[0] < dense_train_loss + 0.5, (losses, dense_train_loss)  # starts where the dense model was
@@ -82,16 +118,55 @@ def test_a_dense_transformer_upcycled_to_four_experts_keeps_its_validation_loss_
     assert trained["moe"]["num_updates"] == 6
 
 
-def test_fairseq_train_with_moe_upcycle_from_starts_two_workers_from_the_checkpoint_tools_upcycled_model(dense, tmp_path):
+def test_fairseq_train_with_moe_upcycle_from_starts_two_workers_from_the_checkpoint_tools_upcycled_model(
+    dense, tmp_path
+):
     """At --lr 0 the one update changes nothing, so the saved set is the model the run started from."""
     data, dense_checkpoint, _ = dense
     upcycled = tmp_path / "checkpoint_upcycled.pt"
-    assert checkpoint_tool(["upcycle", str(dense_checkpoint), str(upcycled), "--moe-expert-count", "4",
-                            "--router-std", "0.1", "--noise", "0.01", "--seed", "7"]) == 0
-    torchrun(2, FAIRSEQ_TRAIN, train_args(data, tmp_path / "moe", *MOE, *SHAPE, "--lr", "0", "--seed", "7",
-                                          "--moe-upcycle-from", str(dense_checkpoint), "--moe-upcycle-router-std",
-                                          "0.1", "--moe-upcycle-noise", "0.01", max_update=1))
-    started, expected = moe_ckpt.load_full(str(tmp_path / "moe" / "checkpoint_last.pt")), moe_ckpt.safe_load(str(upcycled))
+    assert (
+        checkpoint_tool(
+            [
+                "upcycle",
+                str(dense_checkpoint),
+                str(upcycled),
+                "--moe-expert-count",
+                "4",
+                "--router-std",
+                "0.1",
+                "--noise",
+                "0.01",
+                "--seed",
+                "7",
+            ]
+        )
+        == 0
+    )
+    torchrun(
+        2,
+        FAIRSEQ_TRAIN,
+        train_args(
+            data,
+            tmp_path / "moe",
+            *MOE,
+            *SHAPE,
+            "--lr",
+            "0",
+            "--seed",
+            "7",
+            "--moe-upcycle-from",
+            str(dense_checkpoint),
+            "--moe-upcycle-router-std",
+            "0.1",
+            "--moe-upcycle-noise",
+            "0.01",
+            max_update=1,
+        ),
+    )
+    started, expected = (
+        moe_ckpt.load_full(str(tmp_path / "moe" / "checkpoint_last.pt")),
+        moe_ckpt.safe_load(str(upcycled)),
+    )
     assert set(started["model"]) == set(expected["model"])
     for key, value in expected["model"].items():
         assert torch.equal(started["model"][key], value), key

@@ -16,7 +16,12 @@ from fairseq_moe_ext.process_state import STATE
 
 def test_four_workers_and_two_experts_form_two_expert_parallel_groups_of_two_and_two_replica_groups():
     layouts = [ExpertLayout(world_size=4, parallel_size=2, rank=r) for r in range(4)]
-    assert [(l.ep_rank, l.replica_index, l.num_replicas) for l in layouts] == [(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)]
+    assert [(l.ep_rank, l.replica_index, l.num_replicas) for l in layouts] == [
+        (0, 0, 2),
+        (1, 0, 2),
+        (0, 1, 2),
+        (1, 1, 2),
+    ]
     assert [l.parallel_group_ranks for l in layouts] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [l.replica_group_ranks for l in layouts] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     assert [list(l.experts_held(2)) for l in layouts] == [[0], [1], [0], [1]]
@@ -61,14 +66,34 @@ def test_the_default_expert_parallel_size_is_the_largest_dividing_workers_and_ex
 @pytest.mark.parametrize(
     "parallel, world, experts, message",
     [
-        (3, 4, 2, "--moe-expert-parallel-size 3 does not divide the 4 workers: use a P dividing both 4 and "
-                  "--moe-expert-count 2 (1 or 2)"),
-        (4, 4, 2, "--moe-expert-parallel-size 4 does not divide --moe-expert-count 2: use a P dividing both 4 and "
-                  "--moe-expert-count 2 (1 or 2)"),
-        (3, 8, 12, "--moe-expert-parallel-size 3 does not divide the 8 workers: use a P dividing both 8 and "
-                   "--moe-expert-count 12 (1, 2 or 4)"),
-        (2, 2, 3, "--moe-expert-parallel-size 2 does not divide --moe-expert-count 3: use a P dividing both 2 and "
-                  "--moe-expert-count 3 (1)"),
+        (
+            3,
+            4,
+            2,
+            "--moe-expert-parallel-size 3 does not divide the 4 workers: use a P dividing both 4 and "
+            "--moe-expert-count 2 (1 or 2)",
+        ),
+        (
+            4,
+            4,
+            2,
+            "--moe-expert-parallel-size 4 does not divide --moe-expert-count 2: use a P dividing both 4 and "
+            "--moe-expert-count 2 (1 or 2)",
+        ),
+        (
+            3,
+            8,
+            12,
+            "--moe-expert-parallel-size 3 does not divide the 8 workers: use a P dividing both 8 and "
+            "--moe-expert-count 12 (1, 2 or 4)",
+        ),
+        (
+            2,
+            2,
+            3,
+            "--moe-expert-parallel-size 2 does not divide --moe-expert-count 3: use a P dividing both 2 and "
+            "--moe-expert-count 3 (1)",
+        ),
     ],
 )
 def test_an_expert_parallel_size_dividing_not_both_is_refused_in_one_line_listing_the_sizes_that_do(
@@ -91,7 +116,9 @@ def four_workers(monkeypatch):
 
 
 @pytest.mark.parametrize("experts, flag, parallel", [(2, None, 2), (8, None, 4), (3, None, 1), (8, 2, 2), (4, 1, 1)])
-def test_building_a_model_on_four_workers_sets_the_layout_from_the_flag_or_its_default(four_workers, experts, flag, parallel):
+def test_building_a_model_on_four_workers_sets_the_layout_from_the_flag_or_its_default(
+    four_workers, experts, flag, parallel
+):
     apply_runtime_options(argparse.Namespace(moe_expert_count=experts, moe_expert_parallel_size=flag))
     assert moe_dist.expert_layout() == ExpertLayout(4, parallel, 3)
     with moe_dist.all_experts_local():
@@ -116,7 +143,9 @@ def test_every_rank_creates_every_group_in_the_same_order_and_keeps_its_own(monk
     created = {}  # rank -> memberships passed to new_group, in order
     for rank in range(world):
         calls = created.setdefault(rank, [])
-        monkeypatch.setattr(dist, "new_group", lambda ranks, timeout=None, calls=calls: calls.append(tuple(ranks)) or tuple(ranks))
+        monkeypatch.setattr(
+            dist, "new_group", lambda ranks, timeout=None, calls=calls: calls.append(tuple(ranks)) or tuple(ranks)
+        )
         layout = ExpertLayout(world, parallel, rank)
         groups = moe_dist._new_expert_groups(layout)
         assert groups.statistics == tuple(range(world))
@@ -150,7 +179,9 @@ def expert_and_shared_params():
 
 
 @pytest.mark.parametrize("bucket, calls", [(1 << 26, [41]), (20, [12, 12, 17])])
-def test_expert_gradients_are_summed_over_replicas_in_flat_buckets_and_shared_ones_are_left_alone(monkeypatch, bucket, calls):
+def test_expert_gradients_are_summed_over_replicas_in_flat_buckets_and_shared_ones_are_left_alone(
+    monkeypatch, bucket, calls
+):
     reduce = RecordedReplicaSum(monkeypatch)
     monkeypatch.setattr(moe_dist, "EXPERT_GRAD_BUCKET_NUMEL", bucket)
     experts, shared = expert_and_shared_params()

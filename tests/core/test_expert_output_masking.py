@@ -30,9 +30,19 @@ def slot_terms(moe, x):
         chosen = torch.topk(p, K).indices.tolist()
         gates = p[chosen] / p[chosen].sum()
         ex = moe.experts
-        terms.append(torch.stack([
-            gates[j] * F.linear(F.relu(F.linear(token, ex.batched_fc1_w[e], ex.batched_fc1_b[e])),
-                                ex.batched_fc2_w[e], ex.batched_fc2_b[e]) for j, e in enumerate(chosen)]))
+        terms.append(
+            torch.stack(
+                [
+                    gates[j]
+                    * F.linear(
+                        F.relu(F.linear(token, ex.batched_fc1_w[e], ex.batched_fc1_b[e])),
+                        ex.batched_fc2_w[e],
+                        ex.batched_fc2_b[e],
+                    )
+                    for j, e in enumerate(chosen)
+                ]
+            )
+        )
     return torch.stack(terms)
 
 
@@ -63,8 +73,10 @@ def test_masking_is_per_slot_so_a_token_can_lose_one_expert_and_keep_the_other()
     x = torch.randn(400, D)
     with torch.no_grad():
         y, terms = moe(x), slot_terms(moe, x)
-    only_first = [torch.allclose(y[t], terms[t, 0], rtol=1e-5, atol=1e-6) and not torch.allclose(terms[t, 1], 0 * terms[t, 1])
-                  for t in range(x.shape[0])]
+    only_first = [
+        torch.allclose(y[t], terms[t, 0], rtol=1e-5, atol=1e-6) and not torch.allclose(terms[t, 1], 0 * terms[t, 1])
+        for t in range(x.shape[0])
+    ]
     assert 50 < sum(only_first) < 150  # a quarter of the tokens keep exactly their first expert
 
 

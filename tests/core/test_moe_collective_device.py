@@ -77,8 +77,10 @@ def test_a_cpu_tensor_handed_to_a_cuda_only_group_is_reported_as_a_plugin_bug_no
         ("No backend type associated with device type cpu", MoECollectiveDeviceError),
         ("Tensors must be CUDA and dense", MoECollectiveDeviceError),
         ("Expected all tensors to be on the same device, but found at least two devices", MoECollectiveDeviceError),
-        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4411",
-         comm.MoECommunicationError),
+        (
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4411",
+            comm.MoECommunicationError,
+        ),
         ("Timed out waiting 1800000ms for recv operation to complete", comm.MoECommunicationError),
     ],
 )
@@ -128,6 +130,7 @@ def _model_with_grads():
     return model
 
 
+# fmt: off
 CONTROL_PATHS = {
     "layer set-up check": lambda g: comm.check_same_on_every_rank([4, 2, 2, 8, 2], list("abcde"), "MoE layer", g),
     "counts exchange": lambda g: comm.exchange_counts(torch.tensor([[3, 1]]), g),
@@ -136,6 +139,7 @@ CONTROL_PATHS = {
     "replica gradient sum": lambda g: moe_dist.sum_expert_grads_over_replicas(_model_with_grads().parameters(), g),
     "shared-parameter fingerprints": lambda g: moe_dist.check_shared_parameters_agree(_model_with_grads(), g),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("path", list(CONTROL_PATHS))

@@ -1,6 +1,5 @@
 """Specification of the fairseq-free MoE core (fairseq_moe_ext.moe)."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow
 
 def build(group, k, cf, prioritized):
     torch.manual_seed(0)  # shared weights (the router) come from the common seed
-    return MoELayer(MoELayerConfig.of(D, H, E, k=k, capacity_factor=cf, batch_prioritized=prioritized), seed=5, group=group)
+    return MoELayer(
+        MoELayerConfig.of(D, H, E, k=k, capacity_factor=cf, batch_prioritized=prioritized), seed=5, group=group
+    )
 
 
 def batch(sizes):
@@ -101,8 +103,11 @@ def test_an_expert_count_not_divisible_by_the_world_size_is_refused():
 
 def build_extended(group):
     torch.manual_seed(0)
-    layer = MoELayer(MoELayerConfig.of(D, H, E, k=2, router_type="sigmoid", shared_expert_count=2, balance_bias_rate=0.05),
-                     seed=5, group=group)
+    layer = MoELayer(
+        MoELayerConfig.of(D, H, E, k=2, router_type="sigmoid", shared_expert_count=2, balance_bias_rate=0.05),
+        seed=5,
+        group=group,
+    )
     layer.router.balance_bias.bias.copy_(torch.tensor([0.1, -0.05, 0.0, 0.05]))  # changes some choices
     return layer
 
@@ -119,8 +124,12 @@ def extended_step(rank, world, sizes):
     shared_grads = {n: p.grad.clone() for n, p in layer.shared_experts.named_parameters()}
     for g in shared_grads.values():
         dist.all_reduce(g)
-    return {"y": y, "bias": layer.router.balance_bias.bias.clone(), "shared_grads": shared_grads,
-            "expert_grads": {n: p.grad.clone() for n, p in layer.experts.named_parameters()}}
+    return {
+        "y": y,
+        "bias": layer.router.balance_bias.bias.clone(),
+        "shared_grads": shared_grads,
+        "expert_grads": {n: p.grad.clone() for n, p in layer.experts.named_parameters()},
+    }
 
 
 def test_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one_process_with_all_experts():
@@ -149,5 +158,6 @@ def test_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one
         for name, p in reference.shared_experts.named_parameters():
             torch.testing.assert_close(r["shared_grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     for name, p in reference.experts.named_parameters():
-        torch.testing.assert_close(torch.cat([r["expert_grads"][name] for r in results]), p.grad, rtol=1e-4,
-                                   atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            torch.cat([r["expert_grads"][name] for r in results]), p.grad, rtol=1e-4, atol=1e-6, msg=name
+        )

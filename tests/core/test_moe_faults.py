@@ -129,9 +129,11 @@ def test_all_to_all_refuses_splits_that_do_not_fit_the_group_or_the_input():
 
 # Ops whose CUDA kernels add into shared rows with atomics, so that the order of additions (and the
 # rounding) changes from run to run when indices repeat.
+# fmt: off
 ATOMIC_ACCUMULATION = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
                        "scatter_reduce_", "embedding_dense_backward", "put_", "_index_put_impl_", "index_put_",
                        "index_put"}
+# fmt: on
 
 
 class RecordOps(TorchDispatchMode):

@@ -12,15 +12,49 @@ D, H, E = 8, 16, 4
 
 
 def test_flat_keywords_land_in_the_routing_or_the_layer_fields_by_their_names():
-    flat = MoELayerConfig.of(D, H, E, k=1, router_type="cosine", fp32=False, gate_noise=0.5, normalize_gates=True,
-                             batch_prioritized=True, balance_bias_rate=0.01, capacity_factor=1.5,
-                             eval_capacity_factor=-2, activation="gelu", shared_expert_count=1, shared_expert_dim=6,
-                             expert_output_masking=0.2, activation_dropout=0.1, bias=False)
-    routing = RoutingConfig(k=1, router_type="cosine", fp32=False, gate_noise=0.5, normalize_gates=True,
-                            batch_prioritized=True, balance_bias_rate=0.01)
-    assert flat == MoELayerConfig(D, H, E, routing=routing, capacity_factor=1.5, eval_capacity_factor=-2.0,
-                                  activation="gelu", shared_expert_count=1, shared_expert_dim=6,
-                                  expert_output_masking=0.2, activation_dropout=0.1, bias=False)
+    flat = MoELayerConfig.of(
+        D,
+        H,
+        E,
+        k=1,
+        router_type="cosine",
+        fp32=False,
+        gate_noise=0.5,
+        normalize_gates=True,
+        batch_prioritized=True,
+        balance_bias_rate=0.01,
+        capacity_factor=1.5,
+        eval_capacity_factor=-2,
+        activation="gelu",
+        shared_expert_count=1,
+        shared_expert_dim=6,
+        expert_output_masking=0.2,
+        activation_dropout=0.1,
+        bias=False,
+    )
+    routing = RoutingConfig(
+        k=1,
+        router_type="cosine",
+        fp32=False,
+        gate_noise=0.5,
+        normalize_gates=True,
+        batch_prioritized=True,
+        balance_bias_rate=0.01,
+    )
+    assert flat == MoELayerConfig(
+        D,
+        H,
+        E,
+        routing=routing,
+        capacity_factor=1.5,
+        eval_capacity_factor=-2.0,
+        activation="gelu",
+        shared_expert_count=1,
+        shared_expert_dim=6,
+        expert_output_masking=0.2,
+        activation_dropout=0.1,
+        bias=False,
+    )
 
 
 def test_an_unknown_layer_option_is_refused_with_its_name_and_where_the_options_are():
@@ -34,8 +68,9 @@ def test_the_layer_takes_a_config_and_says_how_to_build_one_when_given_anything_
 
 
 def test_a_built_layer_reads_its_options_from_its_frozen_config():
-    config = MoELayerConfig.of(D, H, E, k=1, capacity_factor=1.25, eval_capacity_factor=0.5,
-                               expert_output_masking=0.1, balance_bias_rate=0.01)
+    config = MoELayerConfig.of(
+        D, H, E, k=1, capacity_factor=1.25, eval_capacity_factor=0.5, expert_output_masking=0.1, balance_bias_rate=0.01
+    )
     layer = MoELayer(config)
     assert (layer.model_dim, layer.num_experts, layer.k) == (D, E, 1)
     assert (layer.capacity_factor, layer.eval_capacity_factor, layer.expert_output_masking) == (1.25, 0.5, 0.1)

@@ -30,11 +30,13 @@ def run_stack(stack, x):
 
 
 # What each worker runs: (stack, tokens) calls in its own order; worker 2 has nothing at all.
+# fmt: off
 PLANS = [
     [(0, 5), (1, 5), (1, 4), (1, 3), (1, 1), (0, 2), (1, 2)],
     [(0, 7), (1, 7), (0, 3), (1, 3), (1, 3), (1, 3), (1, 3), (1, 2), (1, 1)],
     [],
 ]
+# fmt: on
 
 
 def inputs(rank, call):

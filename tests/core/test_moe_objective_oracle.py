@@ -53,7 +53,8 @@ def test_the_closed_form_balance_loss_gradient_matches_finite_differences_of_its
     logits = random_logits().requires_grad_()
     top1 = logits.detach().argmax(-1)  # held fixed: f_e is piecewise constant in the logits
     loss = lambda x: WithClosedFormGradient.apply(
-        x, lambda l: switch_balance_loss(l, top1), lambda l: switch_balance_loss_grad(l, top1))
+        x, lambda l: switch_balance_loss(l, top1), lambda l: switch_balance_loss_grad(l, top1)
+    )
     assert torch.autograd.gradcheck(loss, (logits,), eps=1e-6, atol=1e-8)
 
 

@@ -22,7 +22,11 @@ def ffn_inputs(dtype=torch.float64, d=4, h=6, counts=COUNTS, bias=True):
     e, m = len(counts), sum(counts)
     make = lambda *shape: torch.randn(*shape, dtype=dtype, requires_grad=True)  # noqa: E731
     return (
-        make(m, d), make(e, h, d), make(e, h) if bias else None, make(e, d, h), make(e, d) if bias else None,
+        make(m, d),
+        make(e, h, d),
+        make(e, h) if bias else None,
+        make(e, d, h),
+        make(e, d) if bias else None,
     )
 
 
@@ -165,8 +169,15 @@ def test_auto_picks_grouped_mm_only_on_recent_gpus_in_bf16_with_aligned_shapes()
     pick = lambda x, w, cap=(9, 0), pref="auto": gm.select_expert_matmul(pref, x, w, cap)  # noqa: E731
     x, w = fake("cuda", bf16, 64, 512), fake("cuda", bf16, 8, 2048, 512)
     # Only the architectures torch builds the CUTLASS grouped GEMM for (sm90, sm100 family).
-    for capability, path in [((8, 0), "loop"), ((8, 9), "loop"), ((9, 0), "grouped_mm"), ((10, 0), "grouped_mm"),
-                             ((10, 3), "grouped_mm"), ((11, 0), "loop"), ((12, 0), "loop")]:
+    for capability, path in [
+        ((8, 0), "loop"),
+        ((8, 9), "loop"),
+        ((9, 0), "grouped_mm"),
+        ((10, 0), "grouped_mm"),
+        ((10, 3), "grouped_mm"),
+        ((11, 0), "loop"),
+        ((12, 0), "loop"),
+    ]:
         assert pick(x, w, cap=capability) == path, capability
     assert pick(fake("cuda", torch.float32, 64, 512), fake("cuda", torch.float32, 8, 2048, 512)) == "loop"
     assert pick(fake("cuda", bf16, 64, 500), fake("cuda", bf16, 8, 2048, 500)) == "loop"
@@ -264,10 +275,12 @@ class PromisingGroupedKernel:
             # Groups along the reduced dimension: K = 0 is a device-side assert, a hang or garbage.
             assert min(sizes) > 0, f"an empty group in the weight gradient: {sizes}"
             self.calls.append("weight gradient")
-            blocks = [a[:, s - n:s].double() @ b[s - n:s].double() for n, s in zip(sizes, ends)]
+            blocks = [a[:, s - n : s].double() @ b[s - n : s].double() for n, s in zip(sizes, ends)]
             return torch.stack(blocks).to(a.dtype)
         self.calls.append("rows")
-        return torch.cat([a[s - n:s].double() @ b[i].double() for i, (n, s) in enumerate(zip(sizes, ends))]).to(a.dtype)
+        return torch.cat([a[s - n : s].double() @ b[i].double() for i, (n, s) in enumerate(zip(sizes, ends))]).to(
+            a.dtype
+        )
 
 
 def misaligned(t):
@@ -276,6 +289,7 @@ def misaligned(t):
     return flat.view(t.shape).copy_(t)
 
 
+# fmt: off
 GROUPED_EDGE_CASES = {  # name: (counts, input maker, upstream gradient maker)
     "empty groups": ([5, 0, 8, 3], torch.clone, torch.clone),
     "every row on one expert": ([0, 16, 0, 0], torch.clone, torch.clone),
@@ -285,11 +299,11 @@ GROUPED_EDGE_CASES = {  # name: (counts, input maker, upstream gradient maker)
     "misaligned upstream gradient": ([4, 8, 2, 2], torch.clone, misaligned),
     "non-contiguous upstream gradient": ([4, 8, 2, 2], torch.clone, lambda g: torch.cat([g, g], 1)[:, ::2]),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("case", GROUPED_EDGE_CASES)
-def test_the_grouped_kernel_is_handed_only_calls_it_promises_to_handle_and_the_rest_equals_the_loop(
-        monkeypatch, case):
+def test_the_grouped_kernel_is_handed_only_calls_it_promises_to_handle_and_the_rest_equals_the_loop(monkeypatch, case):
     counts, make_input, make_upstream = GROUPED_EDGE_CASES[case]
     kernel = PromisingGroupedKernel()
     monkeypatch.setattr(torch, "_grouped_mm", kernel, raising=False)
@@ -320,17 +334,21 @@ ROWS = operand([24, 16], [16, 1])  # tokens x model dim, bf16, row-major
 WEIGHTS_T = operand([4, 16, 32], [512, 1, 16])  # experts x in x out, a transposed [E, out, in]
 
 
-@pytest.mark.parametrize("a, b, counts, takes", [
-    (ROWS, WEIGHTS_T, [8, 8, 8, 0], True),  # forward / input gradient: empty groups are fine
-    (ROWS, WEIGHTS_T, [0, 0, 0, 0], False),  # nothing to compute
-    (operand([24, 16], [16, 1], data_ptr=8), WEIGHTS_T, [8, 8, 8, 0], False),  # 8 bytes off alignment
-    (operand([24, 12], [12, 1]), operand([4, 12, 32], [384, 1, 12]), [8, 8, 8, 0], False),  # rows of 24 bytes
-    (operand([24, 16], [1, 24]), WEIGHTS_T, [8, 8, 8, 0], True),  # column-major, 48-byte leading stride
-    (operand([24, 16], [32, 2]), WEIGHTS_T, [8, 8, 8, 0], False),  # no unit stride
-    (operand([32, 24], [1, 32]), ROWS, [8, 8, 5, 3], True),  # weight gradient: grad^T x rows, busy groups
-    (operand([32, 24], [1, 32]), ROWS, [8, 8, 8, 0], False),  # ... an empty group
-    (operand([32, 24], [24, 1]), ROWS, [8, 5, 8, 3], False),  # row-major grad: group of 10 bytes
-    (operand([32, 24], [24, 1]), ROWS, [8, 8, 8, 3], True),  # ... only the last group may be ragged
-], ids=lambda v: "" if isinstance(v, gm.Operand) else str(v))
+@pytest.mark.parametrize(
+    "a, b, counts, takes",
+    [
+        (ROWS, WEIGHTS_T, [8, 8, 8, 0], True),  # forward / input gradient: empty groups are fine
+        (ROWS, WEIGHTS_T, [0, 0, 0, 0], False),  # nothing to compute
+        (operand([24, 16], [16, 1], data_ptr=8), WEIGHTS_T, [8, 8, 8, 0], False),  # 8 bytes off alignment
+        (operand([24, 12], [12, 1]), operand([4, 12, 32], [384, 1, 12]), [8, 8, 8, 0], False),  # rows of 24 bytes
+        (operand([24, 16], [1, 24]), WEIGHTS_T, [8, 8, 8, 0], True),  # column-major, 48-byte leading stride
+        (operand([24, 16], [32, 2]), WEIGHTS_T, [8, 8, 8, 0], False),  # no unit stride
+        (operand([32, 24], [1, 32]), ROWS, [8, 8, 5, 3], True),  # weight gradient: grad^T x rows, busy groups
+        (operand([32, 24], [1, 32]), ROWS, [8, 8, 8, 0], False),  # ... an empty group
+        (operand([32, 24], [24, 1]), ROWS, [8, 5, 8, 3], False),  # row-major grad: group of 10 bytes
+        (operand([32, 24], [24, 1]), ROWS, [8, 8, 8, 3], True),  # ... only the last group may be ragged
+    ],
+    ids=lambda v: "" if isinstance(v, gm.Operand) else str(v),
+)
 def test_the_grouped_kernel_takes_a_product_only_where_torch_promises_to_handle_it(a, b, counts, takes):
     assert gm.kernel_takes(a, b, counts) is takes

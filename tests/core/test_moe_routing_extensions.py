@@ -14,8 +14,17 @@ D, H, E = 12, 20, 4
 
 def make_layer(router_type="sigmoid", k=2, shared=0, bias_rate=None, num_experts=E, **kw):
     torch.manual_seed(0)
-    config = MoELayerConfig.of(D, H, num_experts, k=k, router_type=router_type, shared_expert_count=shared,
-                               shared_expert_dim=kw.pop("shared_dim", None), balance_bias_rate=bias_rate, **kw)
+    config = MoELayerConfig.of(
+        D,
+        H,
+        num_experts,
+        k=k,
+        router_type=router_type,
+        shared_expert_count=shared,
+        shared_expert_dim=kw.pop("shared_dim", None),
+        balance_bias_rate=bias_rate,
+        **kw,
+    )
     return MoELayer(config, seed=3)
 
 
@@ -29,9 +38,16 @@ def set_bias(layer, values):
 @pytest.mark.parametrize("cf", [0.0, 0.5])
 @pytest.mark.parametrize("padded", [False, True])
 def test_layer_with_shared_experts_bias_and_sigmoid_router_equals_a_per_token_reference(
-        router_type, shared, shared_dim, with_bias, cf, padded):
-    layer = make_layer(router_type, shared=shared, shared_dim=shared_dim, bias_rate=0.01 if with_bias else None,
-                       capacity_factor=cf, eval_capacity_factor=cf)
+    router_type, shared, shared_dim, with_bias, cf, padded
+):
+    layer = make_layer(
+        router_type,
+        shared=shared,
+        shared_dim=shared_dim,
+        bias_rate=0.01 if with_bias else None,
+        capacity_factor=cf,
+        eval_capacity_factor=cf,
+    )
     if with_bias:  # large enough to change choices
         set_bias(layer, [0.3, -0.2, 0.0, 0.25] if router_type == "sigmoid" else [0.2, -0.1, 0.0, 0.15])
     x = torch.randn(3, 7, D, requires_grad=True)
@@ -143,7 +159,9 @@ def imbalance_over_training(router_type, k, num_experts, bias_rate, updates=100)
     """max load / mean load of each update of a small regression trained through the real layer
     (no balance loss), with a router skewed towards expert 0."""
     torch.manual_seed(0)
-    layer = MoELayer(MoELayerConfig.of(16, 16, num_experts, k=k, router_type=router_type, balance_bias_rate=bias_rate), seed=1)
+    layer = MoELayer(
+        MoELayerConfig.of(16, 16, num_experts, k=k, router_type=router_type, balance_bias_rate=bias_rate), seed=1
+    )
     g = torch.Generator().manual_seed(2)
     direction = torch.zeros(16)
     direction[0] = 1.0
@@ -166,7 +184,8 @@ def imbalance_over_training(router_type, k, num_experts, bias_rate, updates=100)
 
 @pytest.mark.parametrize("router_type, k, num_experts", [("sigmoid", 2, 8), ("top", 1, 4)])
 def test_bias_balancing_brings_a_skewed_router_below_1_3_imbalance_within_100_updates_and_nothing_else_does(
-        router_type, k, num_experts):
+    router_type, k, num_experts
+):
     without = imbalance_over_training(router_type, k, num_experts, None)
     with_bias = imbalance_over_training(router_type, k, num_experts, 0.01)
     assert min(without) > 2, "without the bias (and no balance loss) the skew stays"

@@ -16,6 +16,7 @@ PACKAGE = "fairseq_moe_ext"
 ROOT = Path(fairseq_moe_ext.PACKAGE_DIR)
 
 # Lowest first: a module may import its own tier and the ones below.
+# fmt: off
 TIERS = (
     ("moe",),
     ("checkpoint",),
@@ -25,6 +26,7 @@ TIERS = (
     ("fairseq_integration",),
     ("__init__", "__main__"),
 )
+# fmt: on
 TIER_OF = {part: level for level, parts in enumerate(TIERS) for part in parts}
 # The tiers that must import and run where fairseq (and what comes with it) is not installed.
 WITHOUT_FAIRSEQ = ("moe", "checkpoint")
@@ -51,8 +53,13 @@ def imports_of(path: Path, root: Path = ROOT):
     statement in ``path``, at any depth (an import inside a function counts: it runs)."""
     package = module_name(path, root) if path.name == "__init__.py" else module_name(path, root).rsplit(".", 1)[0]
     tree = ast.parse(path.read_text(), filename=str(path))
-    lazy = {id(inner) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            for inner in ast.walk(node) if inner is not node}
+    lazy = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for inner in ast.walk(node)
+        if inner is not node
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name, id(node) in lazy) for alias in node.names)
@@ -77,10 +84,15 @@ def tier_violations(root: Path = ROOT):
         for line, imported, lazy in dict.fromkeys(imports_of(path, root)):
             if imported.split(".")[0] in FAIRSEQ_ONLY and own_part in WITHOUT_FAIRSEQ:
                 found.append(f"{where}{line} imports {imported}: {own_part}/ must work without fairseq")
-            elif imported.split(".")[0] == PACKAGE and tier(imported) > tier(importer) \
-                    and not (lazy and (importer, imported) in ALLOWED_UPWARD):
-                found.append(f"{where}{line} imports {imported} (tier {tier(imported)}) from tier {tier(importer)}: "
-                             f"an upward import; move the code it needs down, or the importer up")
+            elif (
+                imported.split(".")[0] == PACKAGE
+                and tier(imported) > tier(importer)
+                and not (lazy and (importer, imported) in ALLOWED_UPWARD)
+            ):
+                found.append(
+                    f"{where}{line} imports {imported} (tier {tier(imported)}) from tier {tier(importer)}: "
+                    f"an upward import; move the code it needs down, or the importer up"
+                )
     return found
 
 
@@ -89,8 +101,11 @@ def test_every_module_of_the_package_imports_only_its_own_tier_and_those_below()
 
 
 def test_every_part_of_the_package_has_a_tier_in_the_table():
-    parts = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.suffix == ".py" or
-             (p.is_dir() and (p / "__init__.py").exists())}
+    parts = {
+        p.stem if p.is_file() else p.name
+        for p in ROOT.iterdir()
+        if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())
+    }
     assert parts == set(TIER_OF)
 
 
@@ -129,8 +144,13 @@ BLOCK_FAIRSEQ = textwrap.dedent(
 
 def run_without_fairseq(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
-    return subprocess.run([sys.executable, "-c", BLOCK_FAIRSEQ + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_FAIRSEQ + textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_moe_and_checkpoint_import_and_the_checkpoint_tool_runs_where_fairseq_cannot_be_imported():
@@ -151,14 +171,20 @@ def test_moe_and_checkpoint_import_and_the_checkpoint_tool_runs_where_fairseq_ca
     assert "upcycle" in done.stdout and "merge" in done.stdout
 
 
-@pytest.mark.parametrize("first, then", [
-    ("import fairseq_moe_ext.checkpoint", "from fairseq import checkpoint_utils"),
-    ("from fairseq_moe_ext.models import moe_config", "import fairseq_cli.train"),
-])
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        ("import fairseq_moe_ext.checkpoint", "from fairseq import checkpoint_utils"),
+        ("from fairseq_moe_ext.models import moe_config", "import fairseq_cli.train"),
+    ],
+)
 def test_a_process_that_imported_the_plugin_before_fairseq_has_its_hooks_once_fairseq_loads(first, then):
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(
-            f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
             import sys
             {first}
             assert "fairseq_moe_ext.fairseq_integration" not in sys.modules
@@ -168,14 +194,24 @@ def test_a_process_that_imported_the_plugin_before_fairseq_has_its_hooks_once_fa
             assert fairseq.checkpoint_utils.load_checkpoint_to_cpu.__wrapped_by_moe_ext__
             assert fairseq.trainer.Trainer.load_checkpoint.__wrapped_by_moe_ext__
             assert "moe_transformer_lm" in ARCH_MODEL_REGISTRY
-            """)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT.parent)), capture_output=True, text=True, timeout=300)
+            """
+            ),
+        ],
+        env=dict(os.environ, PYTHONPATH=str(ROOT.parent)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("module", [f"{PACKAGE}.moe", f"{PACKAGE}.checkpoint", f"{PACKAGE}.process_state"])
 def test_importing_a_fairseq_free_module_leaves_fairseq_unimported(module):
-    done = subprocess.run([sys.executable, "-c", f"import sys, {module}; assert 'fairseq' not in sys.modules"],
-                          env=dict(os.environ, PYTHONPATH=str(ROOT.parent)), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys, {module}; assert 'fairseq' not in sys.modules"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT.parent)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr

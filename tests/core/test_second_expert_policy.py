@@ -24,8 +24,9 @@ def layer(policy, **kw):
 
 def expert(moe, e, token):
     ex = moe.experts
-    return F.linear(F.relu(F.linear(token, ex.batched_fc1_w[e], ex.batched_fc1_b[e])), ex.batched_fc2_w[e],
-                    ex.batched_fc2_b[e])
+    return F.linear(
+        F.relu(F.linear(token, ex.batched_fc1_w[e], ex.batched_fc1_b[e])), ex.batched_fc2_w[e], ex.batched_fc2_b[e]
+    )
 
 
 def test_random_policy_keeps_a_second_expert_when_a_draw_is_below_twice_its_gate_normalised_as_the_branch():
@@ -105,8 +106,9 @@ def test_all_policy_is_plain_top2_and_other_policies_need_top2_softmax_routing()
 
 def test_gates_renormalised_after_dropping_weight_a_token_that_lost_its_second_slot_by_1():
     # capacity factor 0.5 with 2 experts' worth of tokens on one expert: second slots are dropped
-    moe = layer("all", capacity_factor=0.5, eval_capacity_factor=0.5, normalize_gates=True,
-                normalize_gates_after_dropping=True)
+    moe = layer(
+        "all", capacity_factor=0.5, eval_capacity_factor=0.5, normalize_gates=True, normalize_gates_after_dropping=True
+    )
     x = torch.randn(16, D, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         y = moe(x)

@@ -18,6 +18,7 @@ from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
 from sync_census import SyncCensus
 
 D, H, E = 8, 16, 4
+# fmt: off
 PATHS = {  # name: (layer arguments, padded)
     "dropless": (dict(k=2), False),
     "dropless-padded": (dict(k=2), True),
@@ -25,11 +26,14 @@ PATHS = {  # name: (layer arguments, padded)
     "capacity-padded-prioritized": (dict(k=1, capacity_factor=0.5, batch_prioritized=True), True),
     "bounded-dropless": (dict(k=2, capacity_factor=-0.75), True),
 }
+# fmt: on
+# fmt: off
 ROUTERS = {
     "top": dict(router_type="top"),
     "top-noisy": dict(router_type="top", gate_noise=1.0),
     "cosine": dict(router_type="cosine", normalize_gates=True),
 }
+# fmt: on
 
 
 def census_of_one_step(layer, x, mask):

@@ -24,7 +24,9 @@ def test_every_private_api_is_there_in_this_torch_and_its_probe_notices_when_one
     monkeypatch.delattr(torch, "_foreach_mul_")
     monkeypatch.delattr(torch.nn.parallel.DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")
     assert torch_compat.missing_private_apis() == [
-        "torch._foreach_mul_", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"]
+        "torch._foreach_mul_",
+        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+    ]
 
 
 def test_without_grouped_mm_auto_keeps_the_loop_and_asking_for_grouped_mm_is_refused_in_one_line(monkeypatch):

@@ -38,8 +38,12 @@ SIZES = [5, 9, 0, 7]  # tokens per worker; rank 2 has none (fairseq's dummy batc
 
 def layer(group=None, statistics_group=None):
     torch.manual_seed(0)  # the shared weights (router) come from the common seed, experts from their ids
-    return MoELayer(MoELayerConfig.of(D, H, E, k=2, capacity_factor=0.75, balance_bias_rate=0.05), seed=5, group=group,
-                    statistics_group=statistics_group)
+    return MoELayer(
+        MoELayerConfig.of(D, H, E, k=2, capacity_factor=0.75, balance_bias_rate=0.05),
+        seed=5,
+        group=group,
+        statistics_group=statistics_group,
+    )
 
 
 def batch():
@@ -67,8 +71,11 @@ def layer_step_on_worker(rank, layers):
     moe_dist.sum_expert_grads_over_replicas(moe.experts.parameters(), groups.replica)
     update_balance_biases(moe)
     return {
-        "y": y, "balance": aux.balance_loss.item(), "z": aux.z_loss.item(),
-        "dropped": aux.stats["dropped_slots"].item(), "router_grad": moe.router.wg.weight.grad,
+        "y": y,
+        "balance": aux.balance_loss.item(),
+        "z": aux.z_loss.item(),
+        "dropped": aux.stats["dropped_slots"].item(),
+        "router_grad": moe.router.wg.weight.grad,
         "expert_grads": {n: p.grad for n, p in moe.experts.named_parameters()},
         "bias": moe.router.balance_bias.bias,
     }
@@ -101,11 +108,13 @@ def test_four_workers_holding_two_expert_shards_compute_the_losses_gradients_and
     for name, p in reference.experts.named_parameters():
         for rank, r in enumerate(results):  # after the replica sum: the whole world's tokens
             held = slice(LAYOUTS[rank].ep_rank * local, (LAYOUTS[rank].ep_rank + 1) * local)
-            torch.testing.assert_close(r["expert_grads"][name], p.grad[held], rtol=1e-4, atol=1e-6,
-                                       msg=f"{name} on rank {rank}")
+            torch.testing.assert_close(
+                r["expert_grads"][name], p.grad[held], rtol=1e-4, atol=1e-6, msg=f"{name} on rank {rank}"
+            )
 
 
 # --- Hook 3: expert gradients over their replicas, the gradient norm over the expert-parallel group. --
+
 
 class SharedAndExpert(torch.nn.Module):
     def __init__(self):
@@ -119,10 +128,11 @@ def wrapped_reduce_on_worker(rank, args):
     """Gradients 2**rank, wrapped for training by hook 3 (legacy_ddp), all-reduced as fairseq's
     Trainer does, then the norm that fairseq clips with (hook 4's)."""
     model = SharedAndExpert()
-    model.shared.grad = torch.full((3,), 2.0 ** rank)
-    model.expert.grad = torch.full((2, 3), 2.0 ** rank)
+    model.shared.grad = torch.full((3,), 2.0**rank)
+    model.expert.grad = torch.full((2, 3), 2.0**rank)
     wrapped = training.wrap_distributed_model(DistributedFairseqModel)(
-        args, model, torch.distributed.new_group(), torch.device("cpu"))
+        args, model, torch.distributed.new_group(), torch.device("cpu")
+    )
     wrapped.all_reduce_grads()
     norm = moe_dist.clip_grad_norm_(list(model.parameters()), 0)
     return model.shared.grad, model.expert.grad, norm
@@ -131,11 +141,11 @@ def wrapped_reduce_on_worker(rank, args):
 def test_hook_3_sums_expert_gradients_over_their_replica_group_and_the_norm_counts_each_expert_once(world):
     args = argparse.Namespace(ddp_backend="legacy_ddp", tpu=False, heartbeat_timeout=-1)
     results = world.run(wrapped_reduce_on_worker, args)
-    mean = sum(2.0 ** r for r in WORLD) / W
+    mean = sum(2.0**r for r in WORLD) / W
     # Ranks {0, 2} hold expert shard 0, ranks {1, 3} shard 1; each sum is divided by W (fairseq's
     # world_size / sample_size rescaling then treats it as it treats averaged shared gradients).
-    shard = [sum(2.0 ** r for r in LAYOUTS[e].replica_group_ranks) / W for e in range(P)]
-    norm = (3 * mean ** 2 + sum(6 * s ** 2 for s in shard)) ** 0.5
+    shard = [sum(2.0**r for r in LAYOUTS[e].replica_group_ranks) / W for e in range(P)]
+    norm = (3 * mean**2 + sum(6 * s**2 for s in shard)) ** 0.5
     for rank, (shared, expert, got_norm) in enumerate(results):
         assert torch.equal(shared, torch.full((3,), mean)), f"rank {rank}'s shared gradient"
         assert torch.equal(expert, torch.full((2, 3), shard[LAYOUTS[rank].ep_rank])), f"rank {rank}'s expert gradient"
@@ -144,13 +154,22 @@ def test_hook_3_sums_expert_gradients_over_their_replica_group_and_the_norm_coun
 
 # --- The model: every collective of a training step, by the group it runs over. --------------------
 
+
 def build_models(data_dir, world):
     """The task, its flags and, for each rank, the model and criterion that worker builds."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    flags = ["--moe-expert-count", "2", "--moe-balance", "bias", "--moe-capacity-factor", "1.0",
-             "--ddp-backend", "legacy_ddp"]
+    flags = [
+        "--moe-expert-count",
+        "2",
+        "--moe-balance",
+        "bias",
+        "--moe-capacity-factor",
+        "1.0",
+        "--ddp-backend",
+        "legacy_ddp",
+    ]
     args = options.parse_args_and_arch(options.get_training_parser(), training_args(data_dir, W, flags))
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
@@ -165,8 +184,9 @@ def build_models(data_dir, world):
 def training_step_on_worker(rank, built):
     task, args, model, criterion = built[rank]
     wrapped = training.wrap_distributed_model(DistributedFairseqModel)(
-        args, model, torch.distributed.new_group(), torch.device("cpu"))
-    loss, _, _ = criterion(wrapped, collate(task, sentence_pairs(12)[3 * rank: 3 * rank + 3]))
+        args, model, torch.distributed.new_group(), torch.device("cpu")
+    )
+    loss, _, _ = criterion(wrapped, collate(task, sentence_pairs(12)[3 * rank : 3 * rank + 3]))
     loss.backward()
     wrapped.all_reduce_grads()
     moe_dist.clip_grad_norm_(list(model.parameters()), 0.7)

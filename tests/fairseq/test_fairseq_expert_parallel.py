@@ -14,8 +14,15 @@ import torch
 
 from dist_utils import run_on_workers
 from in_process_trainer import (
-    assert_step_equals_one_process, build_trainer, collate, micro_batches, one_step, replicated_case_flags,
-    sentence_pairs, training_args, write_dictionaries,
+    assert_step_equals_one_process,
+    build_trainer,
+    collate,
+    micro_batches,
+    one_step,
+    replicated_case_flags,
+    sentence_pairs,
+    training_args,
+    write_dictionaries,
 )
 
 pytestmark = pytest.mark.slow
@@ -24,8 +31,9 @@ pytestmark = pytest.mark.slow
 def expert_parallel_worker(rank, world, data_dir, shares, backend, extra, count, steps=1):
     task, trainer = build_trainer(training_args(data_dir, world, ["--ddp-backend", backend, *extra]))
     start = sum(shares[:rank])
-    return one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, count)],
-                    steps=steps)
+    return one_step(
+        task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, count)], steps=steps
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,12 +58,15 @@ def test_one_trainer_step_on_two_workers_equals_one_process_with_all_experts(tmp
     assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size=2)
 
 
+# fmt: off
 ROUTING_EXTENSIONS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-balance", "bias",
                       "--moe-bias-update-rate", "0.05", "--update-freq", "2"]
+# fmt: on
 
 
 def test_two_trainer_steps_with_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one_process(
-        tmp_path):
+    tmp_path,
+):
     """The first update moves the bias from the load of both micro-batches on both workers, the
     second chooses experts with it; shared experts are averaged like any shared parameter."""
     data_dir = str(tmp_path / "data")
@@ -73,6 +84,7 @@ def test_two_trainer_steps_with_shared_experts_sigmoid_router_and_balance_bias_o
 # Four workers, P < W: E experts over P-worker groups, W/P replicas of each. Every (E, P) once, each
 # backend at least twice, equal and unequal token counts, with and without drops, P given and by
 # default; one spawn for all (four fairseq processes on two cores take about 20 s to start).
+# fmt: off
 REPLICATED_CASES = [
     # (E, P given or None for the default gcd(W, E), backend, shares, extra)
     (2, None, "legacy_ddp", [3, 3, 3, 3], []),
@@ -81,6 +93,7 @@ REPLICATED_CASES = [
     (2, 2, "legacy_ddp", [5, 1, 4, 2], ["--moe-capacity-factor", "0.75", "--moe-batch-prioritized-routing"]),
     (3, None, "legacy_ddp", [4, 3, 2, 3], []),  # 3 experts on 4 workers: P = 1, every worker holds all three
 ]
+# fmt: on
 
 
 def replicated_cases_worker(rank, world, data_dir):
@@ -98,8 +111,9 @@ def test_one_trainer_step_on_four_workers_with_replicated_experts_equals_one_pro
         results = [r[i] for r in by_rank]
         parallel_size = parallel or math.gcd(4, experts)  # the default
         assert results[0]["params"][results[0]["expert_names"][0]].shape[0] == experts // parallel_size
-        assert_step_equals_one_process(results, data_dir, shares, replicated_case_flags(experts, parallel, extra),
-                                       1, parallel_size)
+        assert_step_equals_one_process(
+            results, data_dir, shares, replicated_case_flags(experts, parallel, extra), 1, parallel_size
+        )
 
 
 def router_update_and_balance_gradient(data_dir, gate_loss_wt):
@@ -130,7 +144,7 @@ def router_update_and_balance_gradient(data_dir, gate_loss_wt):
     logits = tokens[real].float() @ weight.t()
     top1 = routing.expert_index[real, 0]
     assert torch.equal(top1, logits.detach().argmax(-1))
-    balance_gradient, = torch.autograd.grad(switch_balance_loss(logits, top1), weight)
+    (balance_gradient,) = torch.autograd.grad(switch_balance_loss(logits, top1), weight)
     return (before - router.wg.weight.detach()) / 0.5, balance_gradient
 
 

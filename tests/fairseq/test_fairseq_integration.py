@@ -15,6 +15,7 @@ from fairseq_moe_ext.process_state import STATE
 # argparse method hooked, from Python 3.11, and torch 2.13's GradScaler.step, whose found-inf record
 # hook 13 fills). If one of them changes, re-read it, re-check the hook in
 # fairseq_integration/ (the HOOKS table names the module), then update here.
+# fmt: off
 CHECKED_SOURCES = {
     "argparse.ArgumentParser.error": "6e52beacb0a82831",
     "fairseq.checkpoint_utils.load_checkpoint": "08e4fa03a2ab86a9",
@@ -54,6 +55,7 @@ CHECKED_SOURCES = {
     "fairseq.utils.clip_grad_norm_": "0e9a45d266e19456",
     "torch.amp.grad_scaler.GradScaler.step": "cb246ec35e769acd",
 }
+# fmt: on
 
 
 def test_every_hooked_fairseq_function_is_the_version_the_hooks_were_checked_against():

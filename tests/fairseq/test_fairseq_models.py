@@ -20,17 +20,23 @@ from tiny_fairseq_models import language_model, lm_batch, translation, translati
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 
 # Both stacks 2 layers of width 64, ffn 128: the shape of the *_tiny MoE architectures.
+# fmt: off
 TINY_TRANSLATION = [
     "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
     "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
     "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
 ]
+# fmt: on
 # transformer_lm keeps input/output dims at 512 (with projections) unless they are given too.
+# fmt: off
 TINY_LM = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-input-dim", "64",
            "--decoder-output-dim", "64", "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4"]
+# fmt: on
 # One expert, top-1, dropless: an MoE layer that must compute exactly its expert's FFN.
+# fmt: off
 ONE_EXPERT = ["--moe-expert-count", "1", "--moe-top-k", "1", "--moe-capacity-factor", "0",
               "--moe-eval-capacity-factor", "0"]
+# fmt: on
 
 
 def real_target_logits(model, sample, pad):
@@ -39,10 +45,12 @@ def real_target_logits(model, sample, pad):
 
 
 def test_raising_the_gate_loss_weight_adds_only_the_balance_term_and_its_gradient_reaches_the_routers(data):
-    built = translation(data, "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-                        "--moe-gate-loss-wt", "0")
-    heavier = translation(data, "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-                          "--moe-gate-loss-wt", "2.5").criterion
+    built = translation(
+        data, "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--moe-gate-loss-wt", "0"
+    )
+    heavier = translation(
+        data, "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--moe-gate-loss-wt", "2.5"
+    ).criterion
     model, sample = built.model, translation_batch(built.task)
     model.train()
 
@@ -70,8 +78,12 @@ def test_raising_the_gate_loss_weight_adds_only_the_balance_term_and_its_gradien
 def load_dense_weights_into_moe(dense, moe):
     """Give ``moe`` every weight of ``dense``; each MoE layer's single expert gets the dense FFN."""
     dense_state = dense.state_dict()
-    expert_source = {"batched_fc1_w": "fc1.weight", "batched_fc1_b": "fc1.bias",
-                     "batched_fc2_w": "fc2.weight", "batched_fc2_b": "fc2.bias"}
+    expert_source = {
+        "batched_fc1_w": "fc1.weight",
+        "batched_fc1_b": "fc1.bias",
+        "batched_fc2_w": "fc2.weight",
+        "batched_fc2_b": "fc2.bias",
+    }
     state, used = {}, set()
     for name, value in moe.state_dict().items():
         if name in dense_state:
@@ -116,14 +128,17 @@ def test_one_expert_top1_dropless_moe_model_computes_the_dense_transformer(data,
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("flags, encoder, decoder", [
-    (["--moe-freq", "2"], [1, 3], [1, 3]),
-    (["--moe-freq", "1"], [0, 1, 2, 3], [0, 1, 2, 3]),
-    (["--moe-freq", "3"], [2], [2]),
-    (["--moe-freq", "2", "--encoder-moe-freq", "0"], [], [1, 3]),
-    (["--moe-freq", "4", "--decoder-moe-freq", "1"], [3], [0, 1, 2, 3]),
-    (["--encoder-moe-freq", "1", "--decoder-moe-freq", "0"], [0, 1, 2, 3], []),
-])
+@pytest.mark.parametrize(
+    "flags, encoder, decoder",
+    [
+        (["--moe-freq", "2"], [1, 3], [1, 3]),
+        (["--moe-freq", "1"], [0, 1, 2, 3], [0, 1, 2, 3]),
+        (["--moe-freq", "3"], [2], [2]),
+        (["--moe-freq", "2", "--encoder-moe-freq", "0"], [], [1, 3]),
+        (["--moe-freq", "4", "--decoder-moe-freq", "1"], [3], [0, 1, 2, 3]),
+        (["--encoder-moe-freq", "1", "--decoder-moe-freq", "0"], [0, 1, 2, 3], []),
+    ],
+)
 def test_moe_layers_are_those_where_index_plus_one_is_a_multiple_of_the_frequency(data, flags, encoder, decoder):
     model = translation(data, "--encoder-layers", "4", "--decoder-layers", "4", *flags).model
     expected = [f"encoder.layers.{i}.fc1" for i in encoder] + [f"decoder.layers.{i}.fc1" for i in decoder]
@@ -134,26 +149,42 @@ def test_moe_layers_are_those_where_index_plus_one_is_a_multiple_of_the_frequenc
                 assert isinstance(layer.fc1, torch.nn.Linear), f"{side} layer {i} should stay dense"
 
 
-@pytest.mark.parametrize("flags, decoder", [([], [1, 3]), (["--decoder-moe-freq", "1"], [0, 1, 2, 3]),
-                                            (["--moe-freq", "4"], [3])])
+@pytest.mark.parametrize(
+    "flags, decoder", [([], [1, 3]), (["--decoder-moe-freq", "1"], [0, 1, 2, 3]), (["--moe-freq", "4"], [3])]
+)
 def test_language_model_moe_layers_follow_the_same_frequency_rule(data, flags, decoder):
     model = language_model(data, "--decoder-layers", "4", *flags).model
     assert moe_layer_names(model) == [f"decoder.layers.{i}.fc1" for i in decoder]
 
 
-@pytest.mark.parametrize("kind, flags, message", [
-    ("translation", ["--moe-freq", "5"], "--moe-freq 5 places no MoE layer in this model (4 encoder layers and 4 "
-                                         "decoder layers;"),
-    ("translation", ["--moe-freq", "0"], "--moe-freq 0 places no MoE layer in this model"),
-    ("translation", ["--encoder-moe-freq", "0", "--decoder-moe-freq", "9"],
-     "--encoder-moe-freq 0 / --decoder-moe-freq 9 places no MoE layer in this model"),
-    ("language_model", ["--decoder-moe-freq", "5"], "--decoder-moe-freq 5 places no MoE layer in this model "
-                                                    "(4 decoder layers;"),
-])
+@pytest.mark.parametrize(
+    "kind, flags, message",
+    [
+        (
+            "translation",
+            ["--moe-freq", "5"],
+            "--moe-freq 5 places no MoE layer in this model (4 encoder layers and 4 decoder layers;",
+        ),
+        ("translation", ["--moe-freq", "0"], "--moe-freq 0 places no MoE layer in this model"),
+        (
+            "translation",
+            ["--encoder-moe-freq", "0", "--decoder-moe-freq", "9"],
+            "--encoder-moe-freq 0 / --decoder-moe-freq 9 places no MoE layer in this model",
+        ),
+        (
+            "language_model",
+            ["--decoder-moe-freq", "5"],
+            "--decoder-moe-freq 5 places no MoE layer in this model (4 decoder layers;",
+        ),
+    ],
+)
 def test_an_moe_architecture_whose_frequencies_place_no_moe_layer_is_refused_naming_the_layer_count(
-        data, kind, flags, message):
-    build, layers = {"translation": (translation, ["--encoder-layers", "4", "--decoder-layers", "4"]),
-                     "language_model": (language_model, ["--decoder-layers", "4"])}[kind]
+    data, kind, flags, message
+):
+    build, layers = {
+        "translation": (translation, ["--encoder-layers", "4", "--decoder-layers", "4"]),
+        "language_model": (language_model, ["--decoder-layers", "4"]),
+    }[kind]
     with pytest.raises(ValueError) as error:
         build(data, *layers, *flags)
     assert str(error.value).startswith(message), str(error.value)
@@ -191,8 +222,9 @@ def test_the_activation_fn_changes_the_moe_models_output(data):
     relu.model.eval()
     gelu.model.eval()
     with torch.no_grad():
-        assert not torch.allclose(real_target_logits(relu.model, sample, pad),
-                                  real_target_logits(gelu.model, sample, pad), atol=1e-4)
+        assert not torch.allclose(
+            real_target_logits(relu.model, sample, pad), real_target_logits(gelu.model, sample, pad), atol=1e-4
+        )
 
 
 @pytest.mark.parametrize("kind", ["translation", "language_model"])

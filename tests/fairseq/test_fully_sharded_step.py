@@ -11,7 +11,12 @@ import pytest
 
 from dist_utils import run_on_workers
 from in_process_trainer import (
-    assert_step_equals_one_process, build_trainer, micro_batches, one_step, replicated_case_flags, training_args,
+    assert_step_equals_one_process,
+    build_trainer,
+    micro_batches,
+    one_step,
+    replicated_case_flags,
+    training_args,
     write_dictionaries,
 )
 
@@ -21,6 +26,7 @@ pytestmark = pytest.mark.slow
 NAG = ["--optimizer", "nag", "--momentum", "0.9", "--lr", "0.1"]
 
 # (experts, P or None for the default, token shares per worker, extra flags); every case on W workers.
+# fmt: off
 CASES = {
     2: [
         (4, None, [5, 7], []),  # P = W = 2
@@ -31,6 +37,7 @@ CASES = {
         (2, None, [3, 3, 4, 2], NAG),  # P = 2
     ],
 }
+# fmt: on
 
 
 def whole(result):
@@ -124,7 +131,8 @@ def test_one_fully_sharded_step_equals_one_process_and_each_worker_holds_1_over_
         results = [r[i] for r in by_rank]
         parallel_size = parallel or min(world, experts)
         assert results[0]["params"][results[0]["expert_names"][0]].shape[0] == experts // parallel_size
-        assert_step_equals_one_process(results, data_dir, shares, replicated_case_flags(experts, parallel, extra),
-                                       1, parallel_size)
+        assert_step_equals_one_process(
+            results, data_dir, shares, replicated_case_flags(experts, parallel, extra), 1, parallel_size
+        )
         assert_shared_state_held_once_over_the_workers(results, world)
     assert any(r[-1]["held"]["shared_optimizer"] for r in by_rank), "the NAG case should hold optimizer state"

@@ -27,8 +27,18 @@ def good(data, tmp_path_factory):
     """(args, model, an NllbMoe directory exported from it)."""
     args, _, model = build(data, *HF_FLAGS)
     root = tmp_path_factory.mktemp("good")
-    assert checkpoint_tool(["export-hf", str(write_set(args, model, root / "set" / "ck.pt", 2)), str(root / "hf"),
-                            "--max-shard-size", "40KB"]) == 0
+    assert (
+        checkpoint_tool(
+            [
+                "export-hf",
+                str(write_set(args, model, root / "set" / "ck.pt", 2)),
+                str(root / "hf"),
+                "--max-shard-size",
+                "40KB",
+            ]
+        )
+        == 0
+    )
     return args, model, root / "hf"
 
 
@@ -36,8 +46,11 @@ def fingerprint(directory):
     """sha256 of every file under ``directory``; None if it does not exist."""
     if not directory.exists():
         return None
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def flags(drop=(), **set_to):
@@ -67,6 +80,7 @@ def _fill(out):
     (out / "README").write_text("someone else's")
 
 
+# fmt: off
 BAD_EXPORTS = [
     # (id, flags to build with, change to its saved options (or None), damage to the output dir (or None), the one
     # line says)
@@ -101,15 +115,26 @@ BAD_EXPORTS = [
     ("a-language-model", None, None, None, "language model: export-hf writes translation models"),
     ("output-dir-not-empty", flags(), None, _fill, "exists and is not an empty directory; choose a new output"),
 ]
+# fmt: on
 
 
-@pytest.mark.parametrize("build_flags, damage_set, damage_out, message", [row[1:] for row in BAD_EXPORTS],
-                         ids=[row[0] for row in BAD_EXPORTS])
+@pytest.mark.parametrize(
+    "build_flags, damage_set, damage_out, message",
+    [row[1:] for row in BAD_EXPORTS],
+    ids=[row[0] for row in BAD_EXPORTS],
+)
 def test_a_set_nllb_moe_cannot_express_is_refused_in_one_line_and_nothing_is_written(
-        data, tmp_path, capsys, build_flags, damage_set, damage_out, message):
+    data, tmp_path, capsys, build_flags, damage_set, damage_out, message
+):
     if build_flags is None:
-        args, _, model = build(data, "--moe-normalize-gate", "--moe-capacity-factor", "1",
-                               arch="moe_transformer_lm_tiny", task="language_modeling")
+        args, _, model = build(
+            data,
+            "--moe-normalize-gate",
+            "--moe-capacity-factor",
+            "1",
+            arch="moe_transformer_lm_tiny",
+            task="language_modeling",
+        )
     else:
         args, _, model = build(data, *build_flags)
     if damage_set:
@@ -130,6 +155,7 @@ def _config(**changes):
         config = json.loads((d / "config.json").read_text())
         config.update(changes)
         (d / "config.json").write_text(json.dumps(config))
+
     return damage
 
 
@@ -150,6 +176,7 @@ def _index(edit):
         index = json.loads((d / "model.safetensors.index.json").read_text())
         edit(index["weight_map"], sorted(set(index["weight_map"].values())))
         (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
     return damage
 
 
@@ -171,6 +198,7 @@ def _existing_output(d):
     (d.parent / "out" / "imported.pt").write_bytes(b"an earlier import")
 
 
+# fmt: off
 BAD_IMPORTS = [
     # (id, tool, damage to the copied HF dir, what is passed instead of it (or None), the one line says)
     ("not-nllb-moe", "import-hf", _config(model_type="t5"), None, "has model_type 't5': import-hf reads"),
@@ -203,12 +231,15 @@ BAD_IMPORTS = [
      "a Hugging Face checkpoint; use import-hf"),
     ("existing-output", "import-hf", _existing_output, None, "imported.pt exists; choose another output name"),
 ]
+# fmt: on
 
 
-@pytest.mark.parametrize("tool, damage, given, message", [row[1:] for row in BAD_IMPORTS],
-                         ids=[row[0] for row in BAD_IMPORTS])
+@pytest.mark.parametrize(
+    "tool, damage, given, message", [row[1:] for row in BAD_IMPORTS], ids=[row[0] for row in BAD_IMPORTS]
+)
 def test_a_bad_hugging_face_directory_is_refused_in_one_line_and_nothing_is_written(
-        good, tmp_path, capsys, tool, damage, given, message):
+    good, tmp_path, capsys, tool, damage, given, message
+):
     args, model, hf_dir = good
     source = tmp_path / "hf"
     shutil.copytree(hf_dir, source)
@@ -217,16 +248,18 @@ def test_a_bad_hugging_face_directory_is_refused_in_one_line_and_nothing_is_writ
     if damage is not None:
         damage(source)
     before, before_out = fingerprint(tmp_path), fingerprint(tmp_path / "out")
-    code = checkpoint_tool([tool, str(tmp_path / given if given else source), str(tmp_path / "out" / "imported.pt"),
-                            "--world-size", "2"])
+    code = checkpoint_tool(
+        [tool, str(tmp_path / given if given else source), str(tmp_path / "out" / "imported.pt"), "--world-size", "2"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert fingerprint(tmp_path / "out") == before_out and fingerprint(tmp_path) == before
 
 
 @pytest.mark.parametrize("command", ["export-hf", "import-hf"])
-def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_line(good, tmp_path, capsys,
-                                                                                   monkeypatch, command):
+def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_line(
+    good, tmp_path, capsys, monkeypatch, command
+):
     """The second file written fails with ENOSPC (export: a shard; import: an output rank file)."""
     import errno
 
@@ -246,10 +279,18 @@ def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_li
     (tmp_path / "out").mkdir()
     target = tmp_path / "out" / ("hf" if command == "export-hf" else "imported.pt")
     monkeypatch.setattr(module, name, full_disk)
-    code = checkpoint_tool([command, str(source), str(target), *(["--max-shard-size", "40KB"]
-                                                                 if command == "export-hf" else ["--world-size", "2"])])
+    code = checkpoint_tool(
+        [
+            command,
+            str(source),
+            str(target),
+            *(["--max-shard-size", "40KB"] if command == "export-hf" else ["--world-size", "2"]),
+        ]
+    )
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "no space left on device" in err and "nothing was written" in err, err
+    assert (
+        code == 2 and len(err.splitlines()) == 1 and "no space left on device" in err and "nothing was written" in err
+    ), err
     assert len(calls) == 2 and list((tmp_path / "out").iterdir()) == []  # no file, no directory
 
 

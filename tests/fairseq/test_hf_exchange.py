@@ -88,8 +88,13 @@ def test_an_exported_set_gives_hf_nllb_moe_the_same_encoder_outputs_and_logits(o
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
     config = json.loads((hf_dir / "config.json").read_text())
-    assert (config["num_experts"], config["moe_token_dropout"], config["moe_eval_capacity_token_fraction"],
-            config["encoder_sparse_step"], config["second_expert_policy"]) == (EXPERTS, 0.2, 1.0, 2, "all")
+    assert (
+        config["num_experts"],
+        config["moe_token_dropout"],
+        config["moe_eval_capacity_token_fraction"],
+        config["encoder_sparse_step"],
+        config["second_expert_policy"],
+    ) == (EXPERTS, 0.2, 1.0, 2, "all")
     tokens = batch()
     for theirs, mine in zip(hf_outputs(hf_dir, tokens), our_outputs(model, tokens)):
         assert (theirs - mine).abs().max() < TOLERANCE
@@ -98,7 +103,7 @@ def test_an_exported_set_gives_hf_nllb_moe_the_same_encoder_outputs_and_logits(o
 def test_a_set_trained_dropless_exports_with_training_as_nllb_a_note_and_the_same_logits(data, tmp_path, capsys):
     # HF_FLAGS but for the training capacity: the default, dropless training
     at = HF_FLAGS.index("--moe-capacity-factor")
-    args, _, model = build(data, *HF_FLAGS[:at], *HF_FLAGS[at + 2:], "--moe-gate-noise", "0.5")
+    args, _, model = build(data, *HF_FLAGS[:at], *HF_FLAGS[at + 2 :], "--moe-gate-noise", "0.5")
     name = write_set(args, model, tmp_path / "set" / "ck.pt", 2)
     assert checkpoint_tool(["export-hf", str(name), str(tmp_path / "refused")]) == 2
     hf_dir = export(name, tmp_path / "hf", "--training-as-nllb")
@@ -111,17 +116,22 @@ def test_a_set_trained_dropless_exports_with_training_as_nllb_a_note_and_the_sam
         assert (theirs - mine).abs().max() < TOLERANCE
 
 
-@pytest.mark.parametrize("source_world, world", [(1, 1), (2, 2), (2, 1), (1, 4)],
-                         ids=["1-to-1", "2-to-2", "2-to-1", "1-to-4"])
+@pytest.mark.parametrize(
+    "source_world, world", [(1, 1), (2, 2), (2, 1), (1, 4)], ids=["1-to-1", "2-to-2", "2-to-1", "1-to-4"]
+)
 def test_import_hf_of_an_exported_set_gives_back_every_tensor_of_the_original(ours, tmp_path, source_world, world):
     args, task, model = ours
-    hf_dir = export(write_set(args, model, tmp_path / "set" / "ck.pt", source_world), tmp_path / "hf",
-                    "--max-shard-size", "64KB")
+    hf_dir = export(
+        write_set(args, model, tmp_path / "set" / "ck.pt", source_world), tmp_path / "hf", "--max-shard-size", "64KB"
+    )
     (tmp_path / "back").mkdir()
-    assert checkpoint_tool(["import-hf", str(hf_dir), str(tmp_path / "back" / "ck.pt"),
-                            "--world-size", str(world)]) == 0
+    assert (
+        checkpoint_tool(["import-hf", str(hf_dir), str(tmp_path / "back" / "ck.pt"), "--world-size", str(world)]) == 0
+    )
     files = sorted(p.name for p in (tmp_path / "back").iterdir())
-    assert files == (["ck.pt"] if world == 1 else [f"ck-rank-{r}-of-{world}.pt" for r in range(world)] + ["ck.set.json"])
+    assert files == (
+        ["ck.pt"] if world == 1 else [f"ck-rank-{r}-of-{world}.pt" for r in range(world)] + ["ck.set.json"]
+    )
     back, original = moe_ckpt.load_full(str(tmp_path / "back" / "ck.pt"))["model"], model.state_dict()
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[k], original[k]) for k in original)
@@ -133,12 +143,29 @@ def test_import_hf_of_an_exported_set_gives_back_every_tensor_of_the_original(ou
 
 def hf_model(seed=0, **changes):
     """A random NllbMoe of the tiny set's shape, as transformers itself initialises it."""
-    config = dict(vocab_size=24, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=48,
-                  decoder_ffn_dim=48, encoder_attention_heads=4, decoder_attention_heads=4, num_experts=EXPERTS,
-                  encoder_sparse_step=2, decoder_sparse_step=2, max_position_embeddings=1024, expert_capacity=None,
-                  normalize_router_prob_before_dropping=True, moe_eval_capacity_token_fraction=1.0,
-                  moe_token_dropout=0.2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                  decoder_start_token_id=2, init_std=0.2)
+    config = dict(
+        vocab_size=24,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        num_experts=EXPERTS,
+        encoder_sparse_step=2,
+        decoder_sparse_step=2,
+        max_position_embeddings=1024,
+        expert_capacity=None,
+        normalize_router_prob_before_dropping=True,
+        moe_eval_capacity_token_fraction=1.0,
+        moe_token_dropout=0.2,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        decoder_start_token_id=2,
+        init_std=0.2,
+    )
     torch.manual_seed(seed)
     model = transformers.NllbMoeForConditionalGeneration(transformers.NllbMoeConfig(**{**config, **changes}))
     with torch.no_grad():  # layer norms and biases start at 1 and 0 there: move them too
@@ -155,8 +182,12 @@ def test_an_hf_checkpoint_saved_by_transformers_imports_with_the_same_logits(our
     hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True, max_shard_size="60KB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
     (tmp_path / "ours").mkdir()
-    assert checkpoint_tool(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours" / "ck.pt"),
-                            "--world-size", str(world)]) == 0
+    assert (
+        checkpoint_tool(
+            ["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours" / "ck.pt"), "--world-size", str(world)]
+        )
+        == 0
+    )
     assert "moe_token_dropout 0.2 -> --moe-eom 0.2" in capsys.readouterr().out
     tokens = batch(seed=5)
     src, _, prev = tokens

@@ -6,8 +6,11 @@ generator does), produce the same tokens."""
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers (tests/requirements-oracle.txt) is not installed: "
-                    "bash tests/run.sh installs it into the test venv")
+pytest.importorskip(
+    "transformers",
+    reason="transformers (tests/requirements-oracle.txt) is not installed: "
+    "bash tests/run.sh installs it into the test venv",
+)
 
 from fairseq import options  # noqa: E402
 from fairseq_helpers import USER_DIR  # noqa: E402
@@ -28,19 +31,62 @@ def preprocessed(tmp_path):
     raw.mkdir()
     (raw / "test.src").write_text("".join(f"{s}\n" for s in SOURCES))
     (raw / "test.tgt").write_text("".join("w4\n" for _ in SOURCES))
-    preprocess.main(options.get_preprocessing_parser().parse_args([
-        "--source-lang", "src", "--target-lang", "tgt", f"--testpref={raw / 'test'}", f"--destdir={tmp_path / 'bin'}",
-        f"--srcdict={data / 'dict.src.txt'}", f"--tgtdict={data / 'dict.tgt.txt'}", "--workers=1"]))
+    preprocess.main(
+        options.get_preprocessing_parser().parse_args(
+            [
+                "--source-lang",
+                "src",
+                "--target-lang",
+                "tgt",
+                f"--testpref={raw / 'test'}",
+                f"--destdir={tmp_path / 'bin'}",
+                f"--srcdict={data / 'dict.src.txt'}",
+                f"--tgtdict={data / 'dict.tgt.txt'}",
+                "--workers=1",
+            ]
+        )
+    )
     return data, tmp_path / "bin"
 
 
 def fairseq_generate(data_bin, path, results):
     from fairseq_cli import generate
 
-    generate.main(options.parse_args_and_arch(options.get_generation_parser(), [
-        str(data_bin), "--path", str(path), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src",
-        "--target-lang", "tgt", "--gen-subset", "test", "--beam", "1", "--max-len-a", "0", "--max-len-b",
-        str(MAX_NEW), "--batch-size", "4", "--required-batch-size-multiple", "1", "--num-workers", "0", "--cpu", "--results-path", str(results)]))
+    generate.main(
+        options.parse_args_and_arch(
+            options.get_generation_parser(),
+            [
+                str(data_bin),
+                "--path",
+                str(path),
+                "--user-dir",
+                USER_DIR,
+                "--task",
+                "translation",
+                "--source-lang",
+                "src",
+                "--target-lang",
+                "tgt",
+                "--gen-subset",
+                "test",
+                "--beam",
+                "1",
+                "--max-len-a",
+                "0",
+                "--max-len-b",
+                str(MAX_NEW),
+                "--batch-size",
+                "4",
+                "--required-batch-size-multiple",
+                "1",
+                "--num-workers",
+                "0",
+                "--cpu",
+                "--results-path",
+                str(results),
+            ],
+        )
+    )
     hypotheses, lengths = {}, {}
     for line in (results / "generate-test.txt").read_text().splitlines():
         if line.startswith("H-"):
@@ -57,13 +103,20 @@ def hf_generate(hf):
     width = max(map(len, rows))
     src = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])  # left-padded, as fairseq batches sources
     with torch.no_grad():
-        out = hf.generate(input_ids=src, attention_mask=src.ne(PAD).long(), num_beams=1, do_sample=False,
-                          decoder_start_token_id=EOS, max_new_tokens=MAX_NEW, suppress_tokens=[PAD])
+        out = hf.generate(
+            input_ids=src,
+            attention_mask=src.ne(PAD).long(),
+            num_beams=1,
+            do_sample=False,
+            decoder_start_token_id=EOS,
+            max_new_tokens=MAX_NEW,
+            suppress_tokens=[PAD],
+        )
     hypotheses = []
     for row in out.tolist():
         tokens = row[1:]  # after decoder_start_token_id
         if EOS in tokens:
-            tokens = tokens[:tokens.index(EOS)]
+            tokens = tokens[: tokens.index(EOS)]
         hypotheses.append(tokens)
     return hypotheses
 
@@ -72,8 +125,9 @@ def test_greedy_fairseq_generate_on_an_imported_set_gives_hf_generates_tokens(tm
     data, data_bin = preprocessed(tmp_path)
     hf = hf_model()
     shared, experts = branch_state(hf)
-    prefix = write_branch_parts(tmp_path / "nllb" / "checkpoint_2_300000", shared, experts,
-                                branch_options(data, use_moe_pad_mask=True), 2)
+    prefix = write_branch_parts(
+        tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(data, use_moe_pad_mask=True), 2
+    )
     branch_import.import_branch_set(str(prefix), str(tmp_path / "imported.pt"), 1, report=lambda line: None)
     ours, lengths = fairseq_generate(data_bin, tmp_path / "imported.pt", tmp_path / "results")
     from fairseq.data import Dictionary

@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers (tests/requirements-oracle.txt) is not "
-                                   "installed: bash tests/run.sh installs it into the test venv")
+transformers = pytest.importorskip(
+    "transformers",
+    reason="transformers (tests/requirements-oracle.txt) is not "
+    "installed: bash tests/run.sh installs it into the test venv",
+)
 
 from hf_nllb_moe import EXPERTS, assert_same_as_hf, batch, hf_model, import_hf, oracle_task  # noqa: E402
 

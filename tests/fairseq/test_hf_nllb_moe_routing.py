@@ -9,8 +9,11 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers (tests/requirements-oracle.txt) is not installed: "
-                    "bash tests/run.sh installs it into the test venv")
+pytest.importorskip(
+    "transformers",
+    reason="transformers (tests/requirements-oracle.txt) is not installed: "
+    "bash tests/run.sh installs it into the test venv",
+)
 
 from hf_nllb_moe import (PAD, TOLERANCE, TorchWithoutLayerdropDraws, assert_same_as_hf, batch,  # noqa: E402
                          hf_model, import_hf, oracle_task)
@@ -28,12 +31,24 @@ def task(tmp_path_factory):
 
 
 def both(tmp_path, task, before=False, prioritized=False, policy="all", ranks=2, world=1, fraction=FRACTION):
-    hf = hf_model(normalize_router_prob_before_dropping=before, batch_prioritized_routing=prioritized,
-                  moe_eval_capacity_token_fraction=fraction, second_expert_policy=policy)
-    model, printed = import_hf(tmp_path, task, hf, ranks=ranks, world=world, use_moe_pad_mask=True,
-                               moe_normalize_gate_prob_before_dropping=before,
-                               moe_batch_prioritized_routing=prioritized, moe_eval_capacity_token_fraction=fraction,
-                               moe_second_expert_policy=policy)
+    hf = hf_model(
+        normalize_router_prob_before_dropping=before,
+        batch_prioritized_routing=prioritized,
+        moe_eval_capacity_token_fraction=fraction,
+        second_expert_policy=policy,
+    )
+    model, printed = import_hf(
+        tmp_path,
+        task,
+        hf,
+        ranks=ranks,
+        world=world,
+        use_moe_pad_mask=True,
+        moe_normalize_gate_prob_before_dropping=before,
+        moe_batch_prioritized_routing=prioritized,
+        moe_eval_capacity_token_fraction=fraction,
+        moe_second_expert_policy=policy,
+    )
     return model, hf, printed
 
 
@@ -48,8 +63,12 @@ def hf_logits(hf, src, tgt, seed=None):
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
-        return hf(input_ids=src, attention_mask=src.ne(PAD).long(), decoder_input_ids=tgt,
-                  decoder_attention_mask=tgt.ne(PAD).long()).logits
+        return hf(
+            input_ids=src,
+            attention_mask=src.ne(PAD).long(),
+            decoder_input_ids=tgt,
+            decoder_attention_mask=tgt.ne(PAD).long(),
+        ).logits
 
 
 ROUTING_FIELDS = {f.name for f in fields(RoutingConfig)}
@@ -79,7 +98,8 @@ def differ(a, b):
 @pytest.mark.parametrize("before", [False, True], ids=["normalised-after-dropping", "normalised-before"])
 @pytest.mark.parametrize("lengths", [ONE_SENTENCE, SEVERAL], ids=["one-sentence", "four-sentences"])
 def test_with_a_token_fraction_below_1_imported_models_drop_as_hf_and_compute_its_outputs(
-        tmp_path, task, before, lengths):
+    tmp_path, task, before, lengths
+):
     model, hf, printed = both(tmp_path, task, before=before)
     assert f"--moe-eval-capacity-token-fraction {FRACTION}" in printed
     assert f"--moe-normalize-gate-after-dropping {not before}" in printed
@@ -95,8 +115,13 @@ def test_with_a_token_fraction_below_1_imported_models_drop_as_hf_and_compute_it
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
             module.router.normalize_gates = not before
-    hf.model.apply(lambda m: setattr(m, "moe_eval_capacity_token_fraction", FRACTION)
-                   if hasattr(m, "moe_eval_capacity_token_fraction") else None)
+    hf.model.apply(
+        lambda m: (
+            setattr(m, "moe_eval_capacity_token_fraction", FRACTION)
+            if hasattr(m, "moe_eval_capacity_token_fraction")
+            else None
+        )
+    )
     assert differ(logits(model, src, tgt), hf_logits(hf, src, tgt))
 
 
@@ -137,8 +162,9 @@ def test_with_padding_and_drops_imported_models_match_hf_that_masks_pads_but_cou
 
 @pytest.mark.parametrize("policy", ["sampling", "random"])
 @pytest.mark.parametrize("fraction", [1.0, FRACTION], ids=["nothing-dropped", "dropping"])
-def test_second_expert_policies_draw_what_hf_draws_from_the_same_seed_in_evaluation(tmp_path, task, policy, fraction,
-                                                                                     monkeypatch):
+def test_second_expert_policies_draw_what_hf_draws_from_the_same_seed_in_evaluation(
+    tmp_path, task, policy, fraction, monkeypatch
+):
     from transformers.models.nllb_moe import modeling_nllb_moe
 
     monkeypatch.setattr(modeling_nllb_moe, "torch", TorchWithoutLayerdropDraws(torch))

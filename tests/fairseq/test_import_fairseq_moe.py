@@ -2,7 +2,6 @@
 that branch's layout, tests/support/branch_sets.py) becomes a checkpoint this project's fairseq models load
 and compute the same function with; what it cannot represent is refused in one line, writing nothing."""
 
-
 import pytest
 import torch
 from fairseq import checkpoint_utils
@@ -18,8 +17,9 @@ EXPERTS = 4
 
 @pytest.fixture(scope="module")
 def model(data):  # noqa: F811
-    built = translation(data, "--moe-expert-count", str(EXPERTS), "--moe-normalize-gate",
-                        "--moe-eval-capacity-factor", "0")
+    built = translation(
+        data, "--moe-expert-count", str(EXPERTS), "--moe-normalize-gate", "--moe-eval-capacity-factor", "0"
+    )
     built.model.eval()
     return built
 
@@ -33,9 +33,25 @@ def branch_options(data, **changes):  # noqa: F811
     from fairseq_helpers import USER_DIR
 
     parser = fairseq_options.get_training_parser()
-    args = fairseq_options.parse_args_and_arch(parser, [
-        str(data), "--user-dir", USER_DIR, "--task", "translation", "--arch", "moe_transformer_tiny", "--cpu",
-        "--source-lang", "src", "--target-lang", "tgt", "--moe-expert-count", str(EXPERTS)])
+    args = fairseq_options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--user-dir",
+            USER_DIR,
+            "--task",
+            "translation",
+            "--arch",
+            "moe_transformer_tiny",
+            "--cpu",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--moe-expert-count",
+            str(EXPERTS),
+        ],
+    )
     return branch_model_options(args, EXPERTS, **changes)
 
 
@@ -49,29 +65,48 @@ def imported_model(path, task):
     return models[0].eval()
 
 
-@pytest.mark.parametrize("ranks, workers", [(1, 1), (2, 1), (4, 2), (8, 1), (8, 4)],
-                         ids=["one-rank-file", "two-experts-per-rank", "into-2-workers", "replicas", "replicas-into-4"])
+@pytest.mark.parametrize(
+    "ranks, workers",
+    [(1, 1), (2, 1), (4, 2), (8, 1), (8, 4)],
+    ids=["one-rank-file", "two-experts-per-rank", "into-2-workers", "replicas", "replicas-into-4"],
+)
 def test_an_imported_branch_set_loads_into_moe_transformer_and_computes_the_same_logits(
-        data, model, tmp_path, capsys, ranks, workers):  # noqa: F811
-    prefix = write_branch_set(tmp_path / "nllb" / "checkpoint_best", model.model.state_dict(), branch_options(data),
-                              ranks)
+    data, model, tmp_path, capsys, ranks, workers
+):  # noqa: F811
+    prefix = write_branch_set(
+        tmp_path / "nllb" / "checkpoint_best", model.model.state_dict(), branch_options(data), ranks
+    )
     (tmp_path / "out").mkdir()
-    assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "out" / "imported.pt"),
-                            "--world-size", str(workers)]) == 0
+    assert (
+        checkpoint_tool(
+            ["import-fairseq-moe", str(prefix), str(tmp_path / "out" / "imported.pt"), "--world-size", str(workers)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"{ranks} rank files + shared" in printed and f"{EXPERTS} experts" in printed
     assert "--moe-eval-capacity-factor 0.0" in printed and "--moe-normalize-gate True" in printed
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert files == (["imported.pt"] if workers == 1 else
-                     [f"imported-rank-{r}-of-{workers}.pt" for r in range(workers)] + ["imported.set.json"])
-    assert torch.equal(logits(imported_model(tmp_path / "out" / "imported.pt", model.task), model.task),
-                       logits(model.model, model.task))
+    assert files == (
+        ["imported.pt"]
+        if workers == 1
+        else [f"imported-rank-{r}-of-{workers}.pt" for r in range(workers)] + ["imported.set.json"]
+    )
+    assert torch.equal(
+        logits(imported_model(tmp_path / "out" / "imported.pt", model.task), model.task),
+        logits(model.model, model.task),
+    )
 
 
-def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_as_notes(data, model, tmp_path,
-                                                                                       capsys):  # noqa: F811
-    options = branch_options(data, moe_second_expert_policy="sampling", moe_eval_capacity_token_fraction=0.5,
-                             encoder_moe_freq=1, moe_freq=2, moe_eom=0.2)
+def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_as_notes(data, model, tmp_path, capsys):  # noqa: F811
+    options = branch_options(
+        data,
+        moe_second_expert_policy="sampling",
+        moe_eval_capacity_token_fraction=0.5,
+        encoder_moe_freq=1,
+        moe_freq=2,
+        moe_eom=0.2,
+    )
     prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), options, 2, cfg_as_dict=False)
     assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt")]) == 0
     printed = capsys.readouterr().out
@@ -89,19 +124,36 @@ def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_
 
 
 def test_import_streams_one_rank_file_at_a_time_and_writes_each_output_file_once_complete(
-        data, model, tmp_path, monkeypatch):  # noqa: F811
+    data, model, tmp_path, monkeypatch
+):  # noqa: F811
     from fairseq_moe_ext.checkpoint import branch_import, branch_set
 
     prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), branch_options(data), 4)
     events, real_load, real_save = [], branch_set.safe_load, torch.save
-    monkeypatch.setattr(branch_import.BranchSet.__init__, "__defaults__", (lambda p: events.append(("load", p.split("-")[-1])) or real_load(p),))
-    monkeypatch.setattr(branch_import.torch, "save", lambda s, p: events.append(("save", p.split("-")[-3])) or real_save(s, p))
+    monkeypatch.setattr(
+        branch_import.BranchSet.__init__,
+        "__defaults__",
+        (lambda p: events.append(("load", p.split("-")[-1])) or real_load(p),),
+    )
+    monkeypatch.setattr(
+        branch_import.torch, "save", lambda s, p: events.append(("save", p.split("-")[-3])) or real_save(s, p)
+    )
     branch_import.import_branch_set(str(prefix), str(tmp_path / "imported.pt"), 4, report=lambda line: None)
-    assert events == [("load", "shared.pt"), ("load", "0.pt"), ("save", "0"), ("load", "1.pt"), ("save", "1"),
-                      ("load", "2.pt"), ("save", "2"), ("load", "3.pt"), ("save", "3")]
+    assert events == [
+        ("load", "shared.pt"),
+        ("load", "0.pt"),
+        ("save", "0"),
+        ("load", "1.pt"),
+        ("save", "1"),
+        ("load", "2.pt"),
+        ("save", "2"),
+        ("load", "3.pt"),
+        ("save", "3"),
+    ]
 
 
 # ---------------------------------------------------------------- bad input: one line, nothing written
+
 
 def _remove(name):
     return lambda d: (d / name).unlink()
@@ -120,6 +172,7 @@ def _edit_rank(name, edit):
         state = torch.load(d / name, weights_only=False)
         edit(state["model"])
         torch.save(state, d / name)
+
     return damage
 
 
@@ -148,6 +201,7 @@ def _fsdp_shards(d):
             f.rename(f.with_name(f.stem + "-shard0.pt"))
 
 
+# fmt: off
 BAD_BRANCH_SETS = [
     # (id, rank files, option changes, damage, prefix (default the set's), the one line says)
     ("missing-rank-file", 4, {}, _remove("ck-rank-2.pt"), None, "ck-rank-2.pt is missing (found ranks [0, 1, 3])"),
@@ -166,12 +220,17 @@ BAD_BRANCH_SETS = [
     ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),
     ("fsdp-sharded-files", 2, {}, _fsdp_shards, None, "is an FSDP-sharded branch file: consolidate the shards"),
 ]
+# fmt: on
 
 
-@pytest.mark.parametrize("ranks, changes, damage, prefix, message", [row[1:] for row in BAD_BRANCH_SETS],
-                         ids=[row[0] for row in BAD_BRANCH_SETS])
+@pytest.mark.parametrize(
+    "ranks, changes, damage, prefix, message",
+    [row[1:] for row in BAD_BRANCH_SETS],
+    ids=[row[0] for row in BAD_BRANCH_SETS],
+)
 def test_a_bad_branch_set_is_refused_in_one_line_and_nothing_is_written(
-        data, model, tmp_path, capsys, ranks, changes, damage, prefix, message):  # noqa: F811
+    data, model, tmp_path, capsys, ranks, changes, damage, prefix, message
+):  # noqa: F811
     source = tmp_path / "nllb"
     write_branch_set(source / "ck", model.model.state_dict(), branch_options(data, **changes), ranks)
     if damage is not None:
@@ -179,8 +238,9 @@ def test_a_bad_branch_set_is_refused_in_one_line_and_nothing_is_written(
     out = tmp_path / "out"
     out.mkdir()
     before = fingerprint(source)
-    code = checkpoint_tool(["import-fairseq-moe", str(source / (prefix or "ck")), str(out / "imported.pt"),
-                            "--world-size", "2"])
+    code = checkpoint_tool(
+        ["import-fairseq-moe", str(source / (prefix or "ck")), str(out / "imported.pt"), "--world-size", "2"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert fingerprint(out) == {} and fingerprint(source) == before

@@ -24,11 +24,31 @@ BRANCH_SEMANTICS = ["--moe-normalize-gate", "--moe-capacity-factor", "1", "--moe
 def trained(lm_data, tmp_path_factory):
     """A tiny moe_transformer_lm trained 6 updates by fairseq-train here: learned positions, tied embeddings."""
     save_dir = tmp_path_factory.mktemp("moe_lm") / "ck"
-    run_fairseq("train", *train_args(
-        lm_data, save_dir, "--task", "language_modeling", "--arch", "moe_transformer_lm_tiny", "--criterion",
-        "moe_cross_entropy", "--tokens-per-sample", "32", "--max-tokens", "512", "--required-batch-size-multiple",
-        "1", "--decoder-learned-pos", "--share-decoder-input-output-embed", "--disable-validation",
-        *BRANCH_SEMANTICS, max_update=6), timeout=240)
+    run_fairseq(
+        "train",
+        *train_args(
+            lm_data,
+            save_dir,
+            "--task",
+            "language_modeling",
+            "--arch",
+            "moe_transformer_lm_tiny",
+            "--criterion",
+            "moe_cross_entropy",
+            "--tokens-per-sample",
+            "32",
+            "--max-tokens",
+            "512",
+            "--required-batch-size-multiple",
+            "1",
+            "--decoder-learned-pos",
+            "--share-decoder-input-output-embed",
+            "--disable-validation",
+            *BRANCH_SEMANTICS,
+            max_update=6,
+        ),
+        timeout=240,
+    )
     return save_dir / "checkpoint_last.pt"
 
 
@@ -38,8 +58,9 @@ def eval_lm_in_process(data, path, *extra):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq_cli import eval_lm
 
-    args = options.parse_args_and_arch(options.get_eval_lm_parser(), [
-        str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", *EVAL, *extra])
+    args = options.parse_args_and_arch(
+        options.get_eval_lm_parser(), [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", *EVAL, *extra]
+    )
     results = eval_lm.main(convert_namespace_to_omegaconf(args))
     return {name: float(results[name]) for name in ("loss", "perplexity")}
 
@@ -50,8 +71,10 @@ def model_cfg(data, *flags):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from omegaconf import OmegaConf
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "moe_transformer_lm_tiny", *flags])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [str(data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "moe_transformer_lm_tiny", *flags],
+    )
     return OmegaConf.to_container(convert_namespace_to_omegaconf(args).model, resolve=True)
 
 
@@ -66,7 +89,8 @@ def printed_scores(output):
 
 
 def test_an_imported_moe_lm_set_scores_the_same_loss_and_perplexity_in_fairseq_eval_lm(
-        lm_data, trained, tmp_path, capsys):
+    lm_data, trained, tmp_path, capsys
+):
     want = eval_lm_in_process(lm_data, trained)
     assert want["perplexity"] < 60, want  # it learned something: 48-token vocabulary
     for ranks in (1, 2):
@@ -83,25 +107,31 @@ def test_an_imported_moe_lm_set_scores_the_same_loss_and_perplexity_in_fairseq_e
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=0), ranks
         assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-6, abs=0), ranks
     # The command-line tool itself, once, on the 2-rank-file import: it prints what the original scores.
-    output = run_fairseq("eval_lm", lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "imported_2.pt", "--cpu",
-                         *EVAL)
+    output = run_fairseq(
+        "eval_lm", lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "imported_2.pt", "--cpu", *EVAL
+    )
     assert printed_scores(output) == (f"{want['loss']:.4f}", f"{want['perplexity']:.2f}"), output[-1500:]
 
 
 @pytest.mark.slow
 def test_a_moe_lm_set_imported_for_two_workers_scores_on_two_eval_lm_workers_as_the_original_does(
-        lm_data, trained, tmp_path):
+    lm_data, trained, tmp_path
+):
     from multiworker_cli_runs import BIN
 
     prefix = as_branch_set(trained, tmp_path / "moe_lm" / "model", 2)
-    assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt"),
-                            "--world-size", "2"]) == 0
+    assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt"), "--world-size", "2"]) == 0
     # Each eval-lm worker scores its shard of the batches and fairseq reports rank 0's: the original's score of
     # that shard, in this process, is what rank 0 must print, holding half of the experts.
     want = eval_lm_in_process(lm_data, trained, "--num-shards", "2", "--shard-id", "0")
     log_dir = tmp_path / "logs"
-    torchrun(2, BIN / "fairseq-eval-lm", [lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "imported.pt",
-                                          "--cpu", *EVAL], log_dir=log_dir, redirects=3)
+    torchrun(
+        2,
+        BIN / "fairseq-eval-lm",
+        [lm_data, "--user-dir", USER_DIR, "--path", tmp_path / "imported.pt", "--cpu", *EVAL],
+        log_dir=log_dir,
+        redirects=3,
+    )
     rank_0 = "".join(p.read_text() for p in sorted(log_dir.glob("**/0/std*.log")))
     assert "expert-sharded inference: worker 0 of 2 holds experts 0..1" in rank_0, rank_0[-1500:]
     assert printed_scores(rank_0) == (f"{want['loss']:.4f}", f"{want['perplexity']:.2f}"), rank_0[-1500:]
@@ -127,14 +157,19 @@ def test_a_decoder_only_branch_model_imports_into_moe_transformer_lm_with_the_sa
         assert torch.equal(imported(**batch)[0], model(**batch)[0])
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"use_stable_embedding": True}, "--use-stable-embedding (bitsandbytes' StableEmbedding"),
-    ({"arch": "transformer_lm_megatron", "_name": "model_parallel_transformer_lm"},
-     "is a 'transformer_lm_megatron' language model: import-fairseq-moe imports the branch's transformer_lm"),
-    ({"arch": "lightconv_lm", "_name": "lightconv_lm"}, "is a 'lightconv_lm' language model"),
-], ids=["stable-embeddings", "model-parallel-lm", "convolutional-lm"])
-def test_a_moe_lm_set_this_project_cannot_represent_is_refused_in_one_line(lm_data, tmp_path, capsys, changes,
-                                                                          message):
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_stable_embedding": True}, "--use-stable-embedding (bitsandbytes' StableEmbedding"),
+        (
+            {"arch": "transformer_lm_megatron", "_name": "model_parallel_transformer_lm"},
+            "is a 'transformer_lm_megatron' language model: import-fairseq-moe imports the branch's transformer_lm",
+        ),
+        ({"arch": "lightconv_lm", "_name": "lightconv_lm"}, "is a 'lightconv_lm' language model"),
+    ],
+    ids=["stable-embeddings", "model-parallel-lm", "convolutional-lm"],
+)
+def test_a_moe_lm_set_this_project_cannot_represent_is_refused_in_one_line(lm_data, tmp_path, capsys, changes, message):
     built = language_model(lm_data, *BRANCH_SEMANTICS)
     options = branch_lm_options(model_cfg(lm_data, *BRANCH_SEMANTICS), 4, **changes)
     prefix = write_branch_set(tmp_path / "moe_lm" / "model", built.model.state_dict(), options, 2)

@@ -36,9 +36,11 @@ def step(built, sample, criterion):
     reals = []  # which rows each layer counts as real tokens (the router scores pads too)
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     for layer in layers:
+
         def route_tokens(tokens, real=None, _route=layer.route_tokens):
             reals.append(torch.ones(tokens.shape[0], dtype=torch.bool) if real is None else real)
             return _route(tokens, real)
+
         layer.route_tokens = route_tokens
 
     hooks = [r.register_forward_hook(record) for r in routers]
@@ -64,25 +66,42 @@ def step(built, sample, criterion):
     loss.backward()
     grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    return dict(loss=loss.item(), sample_size=sample_size, log=log, grads=dict(zip(names, grads)),
-                terms={k: v.item() for k, v in terms.items()},
-                term_grads={k: dict(zip(names, (torch.zeros_like(p) if g is None else g for g, p in zip(gs, params))))
-                            for k, gs in term_grads.items()})
+    return dict(
+        loss=loss.item(),
+        sample_size=sample_size,
+        log=log,
+        grads=dict(zip(names, grads)),
+        terms={k: v.item() for k, v in terms.items()},
+        term_grads={
+            k: dict(zip(names, (torch.zeros_like(p) if g is None else g for g, p in zip(gs, params))))
+            for k, gs in term_grads.items()
+        },
+    )
 
 
 @pytest.fixture(scope="module")
 def unweighted(data):
     """The model, a batch, and one step at weights (0, 0)."""
-    built = translation(data, "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-                        "--moe-gate-loss-wt", "0", "--moe-z-loss-wt", "0")
+    built = translation(
+        data,
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--moe-gate-loss-wt",
+        "0",
+        "--moe-z-loss-wt",
+        "0",
+    )
     sample = translation_batch(built.task)
     return built, sample, step(built, sample, built.criterion)
 
 
 def criterion_with_weights(built, gate, z):
     """The criterion fairseq builds from the same flags and these two weights."""
-    return type(built.criterion)(built.task, built.criterion.sentence_avg, built.criterion.eps,
-                                 moe_gate_loss_wt=gate, moe_z_loss_wt=z)
+    return type(built.criterion)(
+        built.task, built.criterion.sentence_avg, built.criterion.eps, moe_gate_loss_wt=gate, moe_z_loss_wt=z
+    )
 
 
 @pytest.mark.parametrize(

@@ -11,14 +11,23 @@ from tiny_fairseq_models import language_model, translation
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 
 # Every layer flag away from its default (and both capacity factors of different signs).
+# fmt: off
 FLAGS = ["--moe-expert-count", "4", "--moe-top-k", "3", "--moe-capacity-factor", "1.5",
          "--moe-eval-capacity-factor", "-2", "--moe-router", "sigmoid", "--moe-gating-no-fp32",
          "--moe-gate-noise", "0.25", "--moe-normalize-gate", "--moe-batch-prioritized-routing",
          "--moe-balance", "bias", "--moe-bias-update-rate", "0.01", "--moe-expert-ffn-dim", "48",
          "--moe-shared-expert-count", "2", "--moe-shared-expert-ffn-dim", "24", "--moe-eom", "0.2",
          "--activation-fn", "gelu", "--activation-dropout", "0.1"]
-ROUTING = RoutingConfig(k=3, router_type="sigmoid", fp32=False, gate_noise=0.25, normalize_gates=True,
-                        batch_prioritized=True, balance_bias_rate=0.01)
+# fmt: on
+ROUTING = RoutingConfig(
+    k=3,
+    router_type="sigmoid",
+    fp32=False,
+    gate_noise=0.25,
+    normalize_gates=True,
+    batch_prioritized=True,
+    balance_bias_rate=0.01,
+)
 
 
 def layer_configs(model):
@@ -27,9 +36,19 @@ def layer_configs(model):
 
 def test_every_moe_layer_flag_lands_in_each_moe_layer_s_config(data):
     configs = layer_configs(language_model(data, *FLAGS).model)
-    want = MoELayerConfig(64, 48, 4, routing=ROUTING, capacity_factor=1.5, eval_capacity_factor=-2.0,
-                          activation=utils.get_activation_fn("gelu"), activation_dropout=0.1,
-                          shared_expert_count=2, shared_expert_dim=24, expert_output_masking=0.2)
+    want = MoELayerConfig(
+        64,
+        48,
+        4,
+        routing=ROUTING,
+        capacity_factor=1.5,
+        eval_capacity_factor=-2.0,
+        activation=utils.get_activation_fn("gelu"),
+        activation_dropout=0.1,
+        shared_expert_count=2,
+        shared_expert_dim=24,
+        expert_output_masking=0.2,
+    )
     assert configs == [want]
 
 

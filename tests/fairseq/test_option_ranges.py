@@ -20,8 +20,10 @@ from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig, MoELossMixi
 from fairseq_moe_ext.models.moe_config import MoEEncoderDecoderConfig, check_moe_args, check_moe_layers_placed
 from fairseq_moe_ext.moe.capacity import expert_capacity_tensor, slots_within_capacity
 
+# fmt: off
 VALUES = {"zero": 0, "negative": -1, "nan": math.nan, "inf": math.inf, "1e39": 1e39, "huge-integer": 10 ** 40,
           "beyond-float": 10 ** 400, "tiny": 1e-50}
+# fmt: on
 OK = "accepted"
 # codes of the refusals: "type" <flag> must be <requirement>, got <value>; "high" <flag> <value> is more than
 # <holder> can hold; "small" ... is less than <holder> can hold; "placed": the frequency places no MoE layer
@@ -32,11 +34,17 @@ def row(flag, requirement, codes, context=None, parsed=None):
     """``parsed``: what the command line makes of the value's text (the tool's rows)."""
     codes = codes.split()
     assert len(codes) == len(ORDER)
-    return dict(flag=flag, requirement=requirement, outcomes=dict(zip(ORDER, codes)), context=context or {},
-                parsed=parsed or (lambda value: value))
+    return dict(
+        flag=flag,
+        requirement=requirement,
+        outcomes=dict(zip(ORDER, codes)),
+        context=context or {},
+        parsed=parsed or (lambda value: value),
+    )
 
 
 # option -> its flag, requirement, and the outcome for each value in ORDER
+# fmt: off
 MODEL = {
     "moe_expert_count": row("--moe-expert-count", "a positive integer", "type type type type type high high type"),
     "moe_expert_parallel_size": row("--moe-expert-parallel-size", "a positive integer",
@@ -65,11 +73,15 @@ MODEL = {
     "moe_upcycle_router_std": row("--moe-upcycle-router-std", "a finite number >= 0",
                                   "ok type type type high high type ok"),
 }
+# fmt: on
+# fmt: off
 CRITERION = {
     "moe_gate_loss_wt": row("--moe-gate-loss-wt", "a finite number >= 0", "ok type type type high high type ok"),
     "moe_z_loss_wt": row("--moe-z-loss-wt", "a finite number >= 0", "ok type type type high high type ok"),
 }
+# fmt: on
 # The checkpoint tool's upcycle flags; "parser": argparse itself refuses the text (an int flag given a float).
+# fmt: off
 UPCYCLE_TOOL = {
     "noise": row("--noise", "a finite number >= 0", "ok type type type high high type ok",
                  parsed=lambda v: float(as_text(v))),
@@ -78,6 +90,7 @@ UPCYCLE_TOOL = {
     "seed": row("--seed", "an integer >= 0", "ok type parser parser parser high high parser",
                 parsed=lambda v: int(as_text(v))),
 }
+# fmt: on
 
 
 def start_a_model(name, value, context):
@@ -89,8 +102,9 @@ def start_a_model(name, value, context):
 
 def start_a_criterion(name, value, context):
     weights = {"moe_gate_loss_wt": 0.01, "moe_z_loss_wt": 0.0, name: value}
-    MoELossMixin._init_moe_loss(argparse.Namespace(), moe_gate_loss_combine_method="average",
-                                moe_hide_expert_load=False, **weights)
+    MoELossMixin._init_moe_loss(
+        argparse.Namespace(), moe_gate_loss_combine_method="average", moe_hide_expert_load=False, **weights
+    )
 
 
 def as_text(value) -> str:
@@ -101,8 +115,9 @@ def run_the_upcycle_tool(name, value, context, tmp_path=None, capsys=None):
     """The tool refuses a bad flag before it looks for the (missing) checkpoint."""
     flag = "--" + name.replace("_", "-")
     text = as_text(value)
-    code = tool.main(["upcycle", str(tmp_path / "no-such-dense.pt"), str(tmp_path / "out.pt"),
-                      "--moe-expert-count", "4", flag, text])
+    code = tool.main(
+        ["upcycle", str(tmp_path / "no-such-dense.pt"), str(tmp_path / "out.pt"), "--moe-expert-count", "4", flag, text]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     if "no checkpoint named" in err[0]:
@@ -111,14 +126,17 @@ def run_the_upcycle_tool(name, value, context, tmp_path=None, capsys=None):
 
 
 STARTS = ((start_a_model, MODEL), (start_a_criterion, CRITERION), (run_the_upcycle_tool, UPCYCLE_TOOL))
+# fmt: off
 CELLS = [pytest.param(start, name, spec, value_id, id=f"{name}={value_id}")
          for start, table in STARTS
          for name, spec in table.items() for value_id in ORDER]
+# fmt: on
 
 
 @pytest.mark.parametrize("start, name, spec, value_id", CELLS)
 def test_every_numeric_option_is_refused_in_one_line_outside_what_holds_it_and_accepted_inside(
-        start, name, spec, value_id, tmp_path, capsys):
+    start, name, spec, value_id, tmp_path, capsys
+):
     value, outcome = VALUES[value_id], spec["outcomes"][value_id]
     shown = spec["parsed"](value) if outcome not in ("ok", "parser") else value
     extra = dict(tmp_path=tmp_path, capsys=capsys) if start is run_the_upcycle_tool else {}
@@ -185,9 +203,9 @@ def test_each_bound_is_where_what_holds_the_value_stops_holding_it():
     assert torch.empty(0, option_ranges.INT64_MAX).shape[1] == option_ranges.INT64_MAX
     with pytest.raises((RuntimeError, TypeError), match="Overflow"):
         torch.empty(0, option_ranges.INT64_MAX + 1)
-    torch.Generator().manual_seed(2 ** 64 - 1)
+    torch.Generator().manual_seed(2**64 - 1)
     with pytest.raises((RuntimeError, ValueError), match="Overflow"):
-        torch.Generator().manual_seed(2 ** 64)
+        torch.Generator().manual_seed(2**64)
 
 
 @pytest.mark.parametrize("factor", [1e39, -1e39, 1e300])

@@ -31,6 +31,7 @@ def count_expert_rows(model):
     """Rows each MoE layer's experts compute, call by call (appended to the returned list)."""
     seen = []
     for layer in moe_layers(model):
+
         def counted(x, counts, *args, _forward=layer.experts.forward):
             seen.append(x.shape[0])
             return _forward(x, counts, *args)
@@ -59,14 +60,14 @@ def logged_step(trainer, task, pairs):
 
 
 def step_then_run_out_of_memory(rank, world, data_dir, out_dir):
-    task, trainer = build_trainer(training_args(data_dir, world, [
-        "--ddp-backend", "legacy_ddp", "--moe-comm-timeout", str(COMM_TIMEOUT_S)]))
+    task, trainer = build_trainer(
+        training_args(data_dir, world, ["--ddp-backend", "legacy_ddp", "--moe-comm-timeout", str(COMM_TIMEOUT_S)])
+    )
     pairs = sentence_pairs(12)[6 * rank : 6 * rank + 6]
     rows = count_expert_rows(trainer.get_model())
     _, logged = logged_step(trainer, task, pairs)
     logged_rows = float(logged["moe_max_rows_received"].avg) if "moe_max_rows_received" in logged else None
-    torch.save({"rows": max(rows), "logged": logged_rows},
-               os.path.join(out_dir, f"first-step-{rank}.pt"))
+    torch.save({"rows": max(rows), "logged": logged_rows}, os.path.join(out_dir, f"first-step-{rank}.pt"))
     if rank == 1:
         run_out_of_memory_in_the_experts(trainer.get_model())
     torch.save(time.monotonic(), os.path.join(out_dir, f"second-step-{rank}.pt"))
@@ -79,16 +80,19 @@ def two_workers_one_running_out_of_memory(tmp_path_factory):
     root = tmp_path_factory.mktemp("oom")
     data_dir = str(root / "data")
     write_dictionaries(data_dir)
-    results = run_workers_through_faults(step_then_run_out_of_memory, 2, data_dir, str(root),
-                                         deadline=3 * COMM_TIMEOUT_S + 60)
-    load = lambda name: [torch.load(root / f"{name}-{r}.pt") if (root / f"{name}-{r}.pt").exists() else None
-                         for r in range(2)]
+    results = run_workers_through_faults(
+        step_then_run_out_of_memory, 2, data_dir, str(root), deadline=3 * COMM_TIMEOUT_S + 60
+    )
+    load = lambda name: [
+        torch.load(root / f"{name}-{r}.pt") if (root / f"{name}-{r}.pt").exists() else None for r in range(2)
+    ]
     return results, load("first-step"), load("second-step")
 
 
 @pytest.mark.slow
 def test_out_of_memory_on_one_of_two_workers_stops_both_at_once_with_one_line_naming_the_capacity_factor(
-        two_workers_one_running_out_of_memory):
+    two_workers_one_running_out_of_memory,
+):
     results, _, started = two_workers_one_running_out_of_memory
     assert all(r is not None and "error" in r for r in results), results
     for rank, result in enumerate(results):
@@ -101,7 +105,8 @@ def test_out_of_memory_on_one_of_two_workers_stops_both_at_once_with_one_line_na
 
 @pytest.mark.slow
 def test_every_update_logs_the_most_rows_any_workers_experts_received_in_one_moe_call(
-        two_workers_one_running_out_of_memory):
+    two_workers_one_running_out_of_memory,
+):
     _, first_step, _ = two_workers_one_running_out_of_memory
     assert all(step is not None for step in first_step), first_step
     most = max(step["rows"] for step in first_step)
@@ -122,7 +127,8 @@ def test_in_one_process_fairseq_skips_the_batch_that_ran_out_of_memory_and_train
 
 
 def test_a_validation_batch_that_runs_out_of_memory_stops_an_expert_parallel_job_naming_the_eval_capacity_factor(
-        tmp_path):
+    tmp_path,
+):
     # valid_step would retry the batch on this worker alone (its MoE calls would meet the others'
     # next ones). One process stands in for a worker: its layers are told a group crosses workers.
     from fairseq_moe_ext.fairseq_integration.training import MoEOutOfMemoryError

@@ -131,12 +131,14 @@ def test_a_nan_crash_on_two_workers_writes_one_crash_file_per_worker(tmp_path):
 
 
 # Where the NaN is put: (which parameter, which module's output it first shows up in).
+# fmt: off
 NAN_SOURCES = {
     # Expert 0's weights: the experts module's output (a tensor).
     "expert": (lambda n, p: getattr(p, "expert", False), lambda n: n.rsplit(".", 1)[0]),
     # The router's weights, which it reads with F.linear: its Routing output (a dataclass).
     "router": (lambda n, p: n.endswith("router.wg.weight"), lambda n: n[: -len(".wg.weight")]),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("source", list(NAN_SOURCES))
@@ -152,7 +154,9 @@ def test_the_nan_detector_names_the_moe_module_where_a_nan_first_appears(tmp_pat
     with caplog.at_level(logging.WARNING, logger="fairseq.nan_detector"):
         with pytest.raises(FloatingPointError):
             trainer.train_step([collate(task, sentence_pairs(12))])
-    forward = [r.getMessage() for r in caplog.records if r.name == "fairseq.nan_detector" and "forward" in r.getMessage()]
+    forward = [
+        r.getMessage() for r in caplog.records if r.name == "fairseq.nan_detector" and "forward" in r.getMessage()
+    ]
     assert forward, f"the NaN detector reported nothing: {[r.getMessage() for r in caplog.records]}"
     assert forward[0].startswith(f"NaN detected in output of {module_of(name)},"), forward[0]
     assert (tmp_path / "ck" / "crash.pt").exists()  # one process: fairseq's own name

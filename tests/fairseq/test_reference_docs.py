@@ -21,7 +21,8 @@ def test_check_exits_1_naming_the_stale_reference_file_and_the_command_that_rewr
         options.write_text(options.read_text().replace("--moe-top-k", "--moe-top-n"))
     assert reference_docs.main(["--root", str(tmp_path), "--check"]) == 1
     assert capsys.readouterr().err.strip() == (
-        f"docs/options.md is stale (it differs from the tables it is generated from): run {reference_docs.COMMAND}")
+        f"docs/options.md is stale (it differs from the tables it is generated from): run {reference_docs.COMMAND}"
+    )
 
 
 def test_every_hook_and_every_registered_moe_option_has_its_row_in_the_references():

@@ -32,6 +32,7 @@ PATH = "ck/checkpoint_last.pt"
 # option -> (what a change of it does on resume, value the checkpoint was trained with, value this run
 # has); written here, not read from the policy. Criterion options live in the criterion's section.
 FUNCTION, FREE = "refused unless overridden", "resumes, logged"
+# fmt: off
 CHANGED = {
     "moe_router": (FUNCTION, "top", "sigmoid"),
     "moe_top_k": (FUNCTION, 2, 1),
@@ -62,6 +63,7 @@ CHANGED = {
     "moe_gate_loss_combine_method": (FREE, "average", "sum"),
     "moe_hide_expert_load": (FREE, False, True),
 }
+# fmt: on
 
 
 CRITERION_OPTIONS = {name for name in MoELossConfig.__dataclass_fields__ if name.startswith("moe_")}
@@ -108,8 +110,9 @@ def test_an_option_that_changes_what_the_weights_compute_is_refused_in_one_line_
         check_resume_policy(PATH, saved, current["model"], current["criterion"], allow_function_change=False)
     line = str(refused.value)
     assert "\n" not in line
-    assert line.startswith(f"{PATH} was trained with {spelled(name, was)} and this run has {spelled(name, now)}, "
-                           f"which {CHANGES_FUNCTION}"), line
+    assert line.startswith(
+        f"{PATH} was trained with {spelled(name, was)} and this run has {spelled(name, now)}, which {CHANGES_FUNCTION}"
+    ), line
     fix = f"resume without --{name.replace('_', '-')}" if was is False else f"resume with {spelled(name, was)}"
     assert f": {fix}, or use a new --save-dir, or add {OVERRIDE_FLAG}" in line, line
     with caplog.at_level(logging.INFO):
@@ -138,19 +141,37 @@ def test_an_unchanged_option_and_one_the_checkpoint_does_not_record_log_nothing(
 
 # ------------------------------------------------------------------ options that give other parameters
 
+
 def build(data, *flags):
     """A moe_transformer_tiny model as fairseq-train builds it, and its cfg."""
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        str(data), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
-        "--arch", "moe_transformer_tiny", "--cpu", "--seed", "1", *flags,
-    ])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--user-dir",
+            USER_DIR,
+            "--task",
+            "translation",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--arch",
+            "moe_transformer_tiny",
+            "--cpu",
+            "--seed",
+            "1",
+            *flags,
+        ],
+    )
     cfg = convert_namespace_to_omegaconf(args)
     utils.set_torch_seed(cfg.common.seed)
     return tasks.setup_task(cfg.task).build_model(cfg.model), cfg
 
 
 # option -> (flags the checkpoint was trained with, this run's flags, what the refusal names)
+# fmt: off
 OTHER_PARAMETERS = {
     "moe_expert_count": ([], ["--moe-expert-count", "8"], "holds 4 experts in encoder.layers.1.fc1, this model 8: "
                          "resume with the checkpoint's --moe-expert-count"),
@@ -170,6 +191,7 @@ OTHER_PARAMETERS = {
     "moe_balance": ([], ["--moe-balance", "bias"], "was trained with --moe-balance none and this run has --moe-balance "
                     "bias, which gives the model other parameters"),
 }
+# fmt: on
 
 
 def test_every_row_that_changes_the_parameters_has_a_case_here():
@@ -198,8 +220,10 @@ def test_a_skipped_upcycle_rewords_a_checkpoint_that_cannot_load_but_not_a_polic
     with pytest.raises(ValueError) as policy:
         check_resume_policy(PATH, saved, current["model"], current["criterion"], allow_function_change=False)
     assert not refuses_the_checkpoint(policy.value)
-    assert refuses_the_checkpoint(ValueError(f"{PATH} is a dense fairseq checkpoint (no MoE layers), which this MoE "
-                                             f"model cannot load: ..."))
-    assert refuses_the_checkpoint(Exception(f"Cannot load model parameters from checkpoint {PATH}; please ensure "
-                                            f"that the architectures match."))
+    assert refuses_the_checkpoint(
+        ValueError(f"{PATH} is a dense fairseq checkpoint (no MoE layers), which this MoE model cannot load: ...")
+    )
+    assert refuses_the_checkpoint(
+        Exception(f"Cannot load model parameters from checkpoint {PATH}; please ensure that the architectures match.")
+    )
     assert not refuses_the_checkpoint(RuntimeError("MoE all-to-all of token rows across 2 workers failed"))

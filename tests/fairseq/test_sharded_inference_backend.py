@@ -17,8 +17,14 @@ class Started(Exception):
 
 
 def generate_args(**flags):
-    args = dict(path="ck/checkpoint_best.pt", distributed_world_size=2, moe_inference_experts="sharded",
-                cpu=False, beam=5, distributed_backend="nccl")
+    args = dict(
+        path="ck/checkpoint_best.pt",
+        distributed_world_size=2,
+        moe_inference_experts="sharded",
+        cpu=False,
+        beam=5,
+        distributed_backend="nccl",
+    )
     return argparse.Namespace(**{**args, **flags})
 
 
@@ -34,8 +40,7 @@ def two_torchrun_workers_on_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: started.setdefault("device", device))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kwargs: started.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: started.setdefault("backend", backend))
     monkeypatch.setattr(STATE, "sharded_inference", None)
     yield started
     STATE.sharded_inference = None
@@ -54,13 +59,15 @@ def start_sharded_generation(args):
 
 @pytest.mark.parametrize("backend", ["cuda:gloo", "gloo", "nccl"])
 def test_lock_step_generation_on_a_gpu_uses_the_distributed_backend_the_command_line_names(
-        two_torchrun_workers_on_one_gpu, backend):
+    two_torchrun_workers_on_one_gpu, backend
+):
     start_sharded_generation(generate_args(distributed_backend=backend))
     # Worker 1 of 2 on the one GPU there is: device 0 (set_device(1) would fail there).
     assert two_torchrun_workers_on_one_gpu == {"backend": backend, "device": 0}
 
 
 def test_lock_step_generation_on_cpus_uses_gloo_and_no_gpu_whatever_the_backend_flag_says(
-        two_torchrun_workers_on_one_gpu):
+    two_torchrun_workers_on_one_gpu,
+):
     start_sharded_generation(generate_args(cpu=True, distributed_backend="nccl"))
     assert two_torchrun_workers_on_one_gpu == {"backend": "gloo"}

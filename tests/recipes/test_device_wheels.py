@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from paths import REPO_ROOT as ROOT
+
 sys.path.insert(0, str(ROOT / "benchmarks" / "device"))
 import wheelset  # noqa: E402
 
@@ -37,16 +38,19 @@ def test_a_set_with_two_versions_of_one_package_is_refused_naming_both_files(tmp
     assert "omegaconf-2.3.0-py3-none-any.whl" in problems[0] and "omegaconf-2.3.1-py3-none-any.whl" in problems[0]
 
 
-@pytest.mark.parametrize("tags, ok", [
-    ("cp312-cp312-manylinux_2_28_x86_64", True),
-    ("cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64", True),
-    ("cp38-abi3-manylinux_2_17_x86_64", True),
-    ("py2.py3-none-any", True),
-    ("cp311-cp311-manylinux_2_28_x86_64", False),  # another interpreter
-    ("cp312-cp312-manylinux_2_34_x86_64", False),  # a newer glibc than the downloads assume
-    ("cp312-cp312-manylinux_2_28_aarch64", False),
-    ("cp312-cp312-macosx_11_0_arm64", False),
-])
+@pytest.mark.parametrize(
+    "tags, ok",
+    [
+        ("cp312-cp312-manylinux_2_28_x86_64", True),
+        ("cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64", True),
+        ("cp38-abi3-manylinux_2_17_x86_64", True),
+        ("py2.py3-none-any", True),
+        ("cp311-cp311-manylinux_2_28_x86_64", False),  # another interpreter
+        ("cp312-cp312-manylinux_2_34_x86_64", False),  # a newer glibc than the downloads assume
+        ("cp312-cp312-manylinux_2_28_aarch64", False),
+        ("cp312-cp312-macosx_11_0_arm64", False),
+    ],
+)
 def test_only_wheels_cpython_312_on_x86_64_manylinux_up_to_glibc_2_28_installs_are_accepted(tmp_path, tags, ok):
     make_wheel(tmp_path, "bitarray", "3.12.3", tags=tags)
     problems, _ = check(tmp_path)
@@ -54,11 +58,18 @@ def test_only_wheels_cpython_312_on_x86_64_manylinux_up_to_glibc_2_28_installs_a
 
 
 def test_a_requirement_neither_carried_nor_on_the_machine_is_refused_only_when_the_wheel_imports_it(tmp_path):
-    make_wheel(tmp_path, "ve-fairseq", "0.12.3", requires=["cffi", "numpy>=1.21", "regex"],
-               sources={"fairseq/__init__.py": "import numpy\n", "fairseq/tok.py": "def f():\n    import regex\n"})
+    make_wheel(
+        tmp_path,
+        "ve-fairseq",
+        "0.12.3",
+        requires=["cffi", "numpy>=1.21", "regex"],
+        sources={"fairseq/__init__.py": "import numpy\n", "fairseq/tok.py": "def f():\n    import regex\n"},
+    )
     problems, notes = check(tmp_path)
-    assert problems == ["ve-fairseq needs regex and imports it, but neither the set nor the machine has it: "
-                        "add it to benchmarks/device/wheels.txt"]
+    assert problems == [
+        "ve-fairseq needs regex and imports it, but neither the set nor the machine has it: "
+        "add it to benchmarks/device/wheels.txt"
+    ]
     assert notes == ["ve-fairseq declares cffi, which no file of it imports: not carried"]
     assert check(tmp_path, on_device=("numpy", "regex"))[0] == []
 
@@ -72,8 +83,16 @@ def test_a_carried_requirement_at_a_version_its_dependent_excludes_is_refused(tm
 
 
 def test_requirements_are_read_for_the_machines_python_3_12_without_extras(tmp_path):
-    make_wheel(tmp_path, "hydra-core", "1.3.8", requires=[
-        'importlib-resources; python_version < "3.9"', 'pytest; extra == "dev"', 'tomli; sys_platform == "win32"'])
+    make_wheel(
+        tmp_path,
+        "hydra-core",
+        "1.3.8",
+        requires=[
+            'importlib-resources; python_version < "3.9"',
+            'pytest; extra == "dev"',
+            'tomli; sys_platform == "win32"',
+        ],
+    )
     assert check(tmp_path) == ([], [])
 
 
@@ -86,19 +105,30 @@ def test_the_size_limit_counts_the_tree_that_travels_with_the_wheels(tmp_path):
 
 def test_the_carried_pins_are_the_versions_the_test_suite_runs_with():
     assert wheelset.pins_not_installed(wheelset.carried_pins()) == []
-    assert set(wheelset.carried_pins()) == {"ve-fairseq", "hydra-core", "omegaconf", "bitarray",
-                                            "antlr4-python3-runtime"}
+    assert set(wheelset.carried_pins()) == {
+        "ve-fairseq",
+        "hydra-core",
+        "omegaconf",
+        "bitarray",
+        "antlr4-python3-runtime",
+    }
     assert not set(wheelset.carried_pins()) & wheelset.device_packages(), "carried what the machine has"
 
 
 def test_under_the_machines_package_list_an_unlisted_distribution_cannot_be_imported_and_a_listed_one_can(tmp_path):
     refused_log = tmp_path / "refused.txt"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks" / "device" / "device_site"),
-               DEVICE_SITE_LOG=str(refused_log), DEVICE_SITE_MISSING="pytest")
-    code = ("import importlib\n"
-            "for name in ('cffi', 'pytest', 'numpy', 'omegaconf'):\n"
-            "    try:\n        importlib.import_module(name); print(name, 'ok')\n"
-            "    except ModuleNotFoundError as e:\n        print(name, 'refused')\n")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "benchmarks" / "device" / "device_site"),
+        DEVICE_SITE_LOG=str(refused_log),
+        DEVICE_SITE_MISSING="pytest",
+    )
+    code = (
+        "import importlib\n"
+        "for name in ('cffi', 'pytest', 'numpy', 'omegaconf'):\n"
+        "    try:\n        importlib.import_module(name); print(name, 'ok')\n"
+        "    except ModuleNotFoundError as e:\n        print(name, 'refused')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split("\n")[:4] == ["cffi refused", "pytest refused", "numpy ok", "omegaconf ok"], done.stderr
     assert refused_log.read_text().splitlines() == ["cffi (cffi)", "pytest (pytest)"]
@@ -106,6 +136,7 @@ def test_under_the_machines_package_list_an_unlisted_distribution_cannot_be_impo
 
 def test_the_wheel_script_parses_and_says_what_it_proves():
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks/device/prepare_wheels.sh")]).returncode == 0
-    usage = subprocess.run(["bash", str(ROOT / "benchmarks/device/prepare_wheels.sh"), "--help"],
-                           capture_output=True, text=True)
+    usage = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/device/prepare_wheels.sh"), "--help"], capture_output=True, text=True
+    )
     assert usage.returncode == 0 and "--no-index --no-deps --target" in usage.stdout and "3.12" in usage.stdout

@@ -136,15 +136,18 @@ def test_every_bad_input_case_the_docs_cite_is_a_case_of_the_bad_input_tests():
     assert not problems, "cited bad-input cases that no test defines:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("heading, slug", [
-    ("Quickstart", "quickstart"),
-    ("Reliability: what is guaranteed", "reliability-what-is-guaranteed"),
-    ("The GPU one-shot (`benchmarks/gpu_oneshot.sh`)", "the-gpu-one-shot-benchmarksgpu_oneshotsh"),
-    ("torch >= 2.6 and `weights_only`", "torch--26-and-weights_only"),
-    ("Dead and stalled workers: the knobs", "dead-and-stalled-workers-the-knobs"),
-    ("Sparse upcycling: a dense checkpoint becomes an MoE", "sparse-upcycling-a-dense-checkpoint-becomes-an-moe"),
-    ("A [linked](x.md) **bold** heading", "a-linked-bold-heading"),
-])
+@pytest.mark.parametrize(
+    "heading, slug",
+    [
+        ("Quickstart", "quickstart"),
+        ("Reliability: what is guaranteed", "reliability-what-is-guaranteed"),
+        ("The GPU one-shot (`benchmarks/gpu_oneshot.sh`)", "the-gpu-one-shot-benchmarksgpu_oneshotsh"),
+        ("torch >= 2.6 and `weights_only`", "torch--26-and-weights_only"),
+        ("Dead and stalled workers: the knobs", "dead-and-stalled-workers-the-knobs"),
+        ("Sparse upcycling: a dense checkpoint becomes an MoE", "sparse-upcycling-a-dense-checkpoint-becomes-an-moe"),
+        ("A [linked](x.md) **bold** heading", "a-linked-bold-heading"),
+    ],
+)
 def test_heading_anchors_follow_githubs_slug_rule(heading, slug):
     assert github_slug(heading) == slug
 
@@ -155,6 +158,7 @@ def test_a_repeated_heading_gets_a_numbered_anchor_and_fenced_lines_are_no_headi
 
 
 # Each bad reference the checks exist for, in a throwaway repository: (doc text, what is reported).
+# fmt: off
 BAD_REFERENCES = [
     ("see [a](docs/nowhere.md)", broken_links, "docs/nowhere.md (no file docs/nowhere.md)"),
     ("see [a](docs/real.md#no-such-heading)", broken_links, "(no heading with anchor #no-such-heading"),
@@ -165,6 +169,7 @@ BAD_REFERENCES = [
     ("backed by `test_a_promise_nob...`", None, "test_a_promise_nob..."),
     ("| input | line | case |\n| --- | --- | --- |\n| x | y | `no-such-case` |", missing_case_ids, "no-such-case"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("text, check, reported", BAD_REFERENCES, ids=[r[2][:40] for r in BAD_REFERENCES])
@@ -188,12 +193,14 @@ def test_good_references_links_anchors_and_code_spans_are_not_reported(tmp_path)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "real.md").write_text("# Real\n\n## A heading\n")
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_x.py").write_text("def test_a_promise_kept():\n    pass\n# Case(\"a-case\")\n")
+    (tmp_path / "tests" / "test_x.py").write_text('def test_a_promise_kept():\n    pass\n# Case("a-case")\n')
     doc = tmp_path / "README.md"
-    doc.write_text("| input | case |\n| --- | --- |\n| x | `a-case`, `tests/test_x.py` |\n\n"
-                   "# Title\n\n[a](docs/real.md#a-heading) [b](#title) [c](https://example.org/x)\n"
-                   "`[f](nowhere.md)` in a code span\n"
-                   "`tests/test_x.py::test_a_promise_kept`, `test_a_promise...`, `tests/`\n")
+    doc.write_text(
+        "| input | case |\n| --- | --- |\n| x | `a-case`, `tests/test_x.py` |\n\n"
+        "# Title\n\n[a](docs/real.md#a-heading) [b](#title) [c](https://example.org/x)\n"
+        "`[f](nowhere.md)` in a code span\n"
+        "`tests/test_x.py::test_a_promise_kept`, `test_a_promise...`, `tests/`\n"
+    )
     assert broken_links(doc, tmp_path) == []
     assert missing_paths(doc, tmp_path) == []
     assert missing_test_names(doc, defined_test_names(tmp_path / "tests")) == []

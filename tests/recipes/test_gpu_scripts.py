@@ -11,13 +11,15 @@ import tarfile
 import pytest
 
 from paths import REPO_ROOT as ROOT
+
 ONESHOT = ROOT / "benchmarks" / "gpu_oneshot.sh"
 
 
 def oneshot(tmp_path, timeout=600, **env):
     out = tmp_path / "out"
-    values = dict(os.environ, OUT=str(out), ONESHOT_WORK=str(tmp_path / "work"), PYTHON=sys.executable,
-                  CUDA_VISIBLE_DEVICES="")
+    values = dict(
+        os.environ, OUT=str(out), ONESHOT_WORK=str(tmp_path / "work"), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES=""
+    )
     values.update(env)
     done = subprocess.run(["bash", str(ONESHOT)], cwd=ROOT, env=values, capture_output=True, text=True, timeout=timeout)
     summary = (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").exists() else []
@@ -38,18 +40,39 @@ def test_the_cpu_dry_run_passes_every_check_a_cpu_can_run_and_skips_only_what_ne
     assert summary[-1].startswith("DONE oneshot: ") and " 0 FAIL" in summary[-1]
     # The plugin is imported and a model built before anything else runs.
     assert next(s for s in summary if s.startswith(("PASS", "FAIL"))).startswith("PASS env_plugin_model")
-    must_pass = ["env_versions", "env_imports", "layer_precision[pure_bf16]", "layer_bitwise_repeat[fp32,loop]",
-                 "grouped_mm[E=8,0,1,7]", "grouped_mm[E=16,all_empty]", "groups_one_rank[padding]",
-                 "groups_two_ranks[expert_parallel_capacity]", "groups_two_ranks[replicas]",
-                 "groups_two_ranks[pad_only_rank]", "groups_two_ranks[lockstep_uneven]", "bench_layer[E=64]",
-                 "fairseq_fp32", "fairseq_bf16", "fairseq_combined_bf16", "fairseq_deterministic",
-                 "fairseq_two_ranks_gloo", "fairseq_generate"]
-    must_pass += [f"layer_reference[{r},{m}]" for r in ("top", "cosine", "sigmoid")
-                  for m in ("dropless", "capacity", "padding", "batch_prioritized", "shared_bias")]
+    must_pass = [
+        "env_versions",
+        "env_imports",
+        "layer_precision[pure_bf16]",
+        "layer_bitwise_repeat[fp32,loop]",
+        "grouped_mm[E=8,0,1,7]",
+        "grouped_mm[E=16,all_empty]",
+        "groups_one_rank[padding]",
+        "groups_two_ranks[expert_parallel_capacity]",
+        "groups_two_ranks[replicas]",
+        "groups_two_ranks[pad_only_rank]",
+        "groups_two_ranks[lockstep_uneven]",
+        "bench_layer[E=64]",
+        "fairseq_fp32",
+        "fairseq_bf16",
+        "fairseq_combined_bf16",
+        "fairseq_deterministic",
+        "fairseq_two_ranks_gloo",
+        "fairseq_generate",
+    ]
+    must_pass += [
+        f"layer_reference[{r},{m}]"
+        for r in ("top", "cosine", "sigmoid")
+        for m in ("dropless", "capacity", "padding", "batch_prioritized", "shared_bias")
+    ]
     assert {name: status.get(name) for name in must_pass} == {name: "PASS" for name in must_pass}
     cuda_only = [s for s in summary if s.startswith("SKIP") and "(cuda)" in s]
     assert {s.split(" ")[1].rstrip(":") for s in cuda_only} == {
-        "env_nvidia_smi", "layer_host_syncs", "fairseq_fp16", "fairseq_amp"}
+        "env_nvidia_smi",
+        "layer_host_syncs",
+        "fairseq_fp16",
+        "fairseq_amp",
+    }
     # What comes back from the machine: at most 8 files, no checkpoints, figures for every line.
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and {p.name for p in files} == {"summary.txt", "figures.json", "logs.tar.gz"}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from paths import REPO_ROOT
+
 RECIPES = REPO_ROOT / "recipes"
 sys.path.insert(0, str(RECIPES))
 import make_dialects  # noqa: E402
@@ -33,8 +34,21 @@ def source_words_by_dialect(outdir: Path) -> dict:
 
 def test_more_synonyms_put_more_distinct_source_words_in_the_same_number_of_sentences(tmp_path):
     for synonyms in (1, 3):
-        make_dialects.main([str(tmp_path / str(synonyms)), "--train", "300", "--valid", "2", "--test", "2",
-                            "--dialects", "2", "--synonyms", str(synonyms)])
+        make_dialects.main(
+            [
+                str(tmp_path / str(synonyms)),
+                "--train",
+                "300",
+                "--valid",
+                "2",
+                "--test",
+                "2",
+                "--dialects",
+                "2",
+                "--synonyms",
+                str(synonyms),
+            ]
+        )
     one, three = source_words_by_dialect(tmp_path / "1"), source_words_by_dialect(tmp_path / "3")
     for dialect in one:
         assert len(three[dialect]) > 2 * len(one[dialect])

@@ -24,8 +24,15 @@ def run_recipe(script: str, work: Path, *args: str, timeout: float = 240, **env:
         environment["MOE_VENV"] = sys.prefix
     command = ["bash", str(ROOT / "recipes" / script), *args]
     try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, env=environment, cwd=ROOT)
+        done = subprocess.run(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            env=environment,
+            cwd=ROOT,
+        )
     except subprocess.TimeoutExpired as timed_out:
         output = timed_out.stdout.decode(errors="replace") if isinstance(timed_out.stdout, bytes) else timed_out.stdout
         pytest.fail(f"{script} ran past {timeout}s\n{tail(output or '', 60)}", pytrace=False)
@@ -152,9 +159,13 @@ def test_nllb_moe_dry_run_imports_a_tiny_nllb_layout_set_generates_and_fine_tune
 
 
 def test_nllb_moe_without_the_downloaded_files_says_where_to_get_them(tmp_path):
-    done = subprocess.run(["bash", str(ROOT / "recipes" / "nllb_moe.sh")], capture_output=True, text=True,
-                          env=dict(fairseq_env(), WORK=str(tmp_path / "w"), MODEL_DIR=str(tmp_path / "none"),
-                                   MOE_VENV=sys.prefix), cwd=ROOT)
+    done = subprocess.run(
+        ["bash", str(ROOT / "recipes" / "nllb_moe.sh")],
+        capture_output=True,
+        text=True,
+        env=dict(fairseq_env(), WORK=str(tmp_path / "w"), MODEL_DIR=str(tmp_path / "none"), MOE_VENV=sys.prefix),
+        cwd=ROOT,
+    )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "checkpoint_2_300000-shared.pt is missing: download https://tinyurl.com/nllb200moe54bmodel" in done.stderr
 

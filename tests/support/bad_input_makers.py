@@ -17,6 +17,7 @@ from fairseq_helpers import USER_DIR
 
 # ---------------------------------------------------------------- damage done to a copy
 
+
 def flip_bytes_in_the_middle(path: Path) -> None:
     """Corruption that keeps the size: 64 bytes inverted in the middle of the file (tensor data)."""
     data = bytearray(path.read_bytes())
@@ -41,6 +42,7 @@ def pickle_a_disallowed_type(path: Path) -> None:
 
 # ---------------------------------------------------------------- what each case runs on
 
+
 def fresh_training(*flags, **model) -> Make:
     """fairseq-train into a new save dir, which must stay empty."""
 
@@ -58,8 +60,19 @@ def fresh_lm_training(*flags) -> Make:
 
     def make(inputs, work):
         save_dir = work / "ck"
-        args = train_args(inputs.lm_data, save_dir, "--task", "language_modeling", "--tokens-per-sample", "32",
-                          "--max-update", "2", *flags, arch="moe_transformer_lm", criterion="moe_cross_entropy")
+        args = train_args(
+            inputs.lm_data,
+            save_dir,
+            "--task",
+            "language_modeling",
+            "--tokens-per-sample",
+            "32",
+            "--max-update",
+            "2",
+            *flags,
+            arch="moe_transformer_lm",
+            criterion="moe_cross_entropy",
+        )
         return args, [save_dir]
 
     make.needs_checkpoints = False
@@ -83,8 +96,18 @@ def generate_from(source: str, damage: Callable[[Path], None], path: str = "chec
     def make(inputs, work):
         directory = copy_of(getattr(inputs, source), work)
         damage(directory)
-        return [str(inputs.data), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--beam", "2",
-                "--path", str(directory / path)], [directory]
+        return [
+            str(inputs.data),
+            "--user-dir",
+            USER_DIR,
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--beam",
+            "2",
+            "--path",
+            str(directory / path),
+        ], [directory]
 
     return make
 
@@ -103,8 +126,9 @@ def checkpoint_tool_on(command: str, *flags, existing: Optional[str] = None) -> 
     return make
 
 
-def upcycle(*flags, damage: Callable[[Path], None] = lambda directory: None, source="dense",
-            existing: Optional[str] = None) -> Make:
+def upcycle(
+    *flags, damage: Callable[[Path], None] = lambda directory: None, source="dense", existing: Optional[str] = None
+) -> Make:
     """``python -m fairseq_moe_ext.checkpoint upcycle in/checkpoint_last.pt out/checkpoint_last.pt
     --moe-expert-count 4`` from a (damaged) copy of a save dir, into ``out`` holding ``existing``'s files
     (or nothing); neither directory may change."""
@@ -139,8 +163,13 @@ def drop_the_ffn_blocks(directory: Path) -> None:
     torch.save(state, path)
 
 
-def tool_on_copy(command: str, source: str, damage: Callable[[Path], None], path: str = "checkpoint_last.pt",
-                 output: Optional[str] = None) -> Make:
+def tool_on_copy(
+    command: str,
+    source: str,
+    damage: Callable[[Path], None],
+    path: str = "checkpoint_last.pt",
+    output: Optional[str] = None,
+) -> Make:
     """``python -m fairseq_moe_ext.checkpoint <command>`` on a damaged copy of a checkpoint dir, writing
     (``output``) into ``out/checkpoint_last.pt`` of an existing (``"existing"``) or missing (``"missing"``)
     directory; neither may change (a missing one must not appear)."""
@@ -201,7 +230,9 @@ def lock_held_by_this_test_runner(directory: Path) -> None:
     """The save dir's lock, as a job that is still running (this pytest process) holds it."""
     from fairseq_moe_ext.training import save_dir_lock
 
-    holder = dict(host=save_dir_lock.this_job().host, pid=os.getpid(), started=save_dir_lock.this_job().started, job="first")
+    holder = dict(
+        host=save_dir_lock.this_job().host, pid=os.getpid(), started=save_dir_lock.this_job().started, job="first"
+    )
     (directory / save_dir_lock.LOCK_NAME).write_text(json.dumps(holder))
 
 

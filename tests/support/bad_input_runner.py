@@ -33,6 +33,8 @@ NOT_A_CHECKPOINT = moe_ckpt.NotACheckpointError.__module__ + ".NotACheckpointErr
 
 # ---------------------------------------------------------------- inputs
 
+
+# fmt: off
 @dataclass
 class Inputs:
     data: Path  # the translation corpus, binarized
@@ -41,18 +43,39 @@ class Inputs:
     set: Optional[Path] = None  # the same checkpoint as a 2-worker set: checkpoint_last-rank-{0,1}-of-2.pt + manifest
     other_set: Optional[Path] = None  # "another run's" set: the same model with other expert weights
     dense: Optional[Path] = None  # save dir of a dense `transformer` of moe_transformer_tiny's shape (1 update)
+# fmt: on
 
 
 def train_args(data, save_dir, *extra, arch="moe_transformer_tiny", criterion="moe_label_smoothed_cross_entropy"):
-    return [str(data), "--user-dir", USER_DIR, "--cpu", "--arch", arch, "--num-workers", "0",
-            "--criterion", criterion, "--optimizer", "adam", "--lr", "1e-3",
-            "--max-tokens", "500", "--save-dir", str(save_dir), *extra]
+    return [
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--arch",
+        arch,
+        "--num-workers",
+        "0",
+        "--criterion",
+        criterion,
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--max-tokens",
+        "500",
+        "--save-dir",
+        str(save_dir),
+        *extra,
+    ]
 
 
 # moe_transformer_tiny's shape, for the dense model that is upcycled into it
+# fmt: off
 TINY_SHAPE = ["--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
               "--encoder-attention-heads", "4", "--decoder-layers", "2", "--decoder-embed-dim", "64",
               "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4"]
+# fmt: on
 
 
 def train_checkpoints(inputs: Inputs, root: Path) -> Inputs:
@@ -69,10 +92,26 @@ def train_checkpoints(inputs: Inputs, root: Path) -> Inputs:
     for name, state in (("set", full), ("other_set", other)):
         (root / name).mkdir()
         moe_ckpt.save_set(state, str(root / name / "checkpoint_last"), 2)
-    run_fairseq("train", *train_args(inputs.data, root / "dense", "--max-update", "1", *TINY_SHAPE, arch="transformer",
-                                     criterion="label_smoothed_cross_entropy"))
-    return Inputs(inputs.data, inputs.lm_data, single=root / "run", set=root / "set", other_set=root / "other_set",
-                  dense=root / "dense")
+    run_fairseq(
+        "train",
+        *train_args(
+            inputs.data,
+            root / "dense",
+            "--max-update",
+            "1",
+            *TINY_SHAPE,
+            arch="transformer",
+            criterion="label_smoothed_cross_entropy",
+        ),
+    )
+    return Inputs(
+        inputs.data,
+        inputs.lm_data,
+        single=root / "run",
+        set=root / "set",
+        other_set=root / "other_set",
+        dense=root / "dense",
+    )
 
 
 def copy_of(source: Path, work: Path, name="ck") -> Path:
@@ -85,11 +124,15 @@ def fingerprint(directory: Path) -> Dict[str, str]:
     """sha256 of every file under ``directory`` (none if it does not exist)."""
     if not directory.exists():
         return {}
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ---------------------------------------------------------------- the tools, each expected to fail
+
 
 def fairseq_train(args):
     return run_fairseq("train", *args, expect_failure=True)
@@ -115,14 +158,16 @@ def two_workers_one_running_out_of_memory(args):
 
 
 def two_workers_without_world_size(args):
-    return torchrun(2, BIN / "fairseq-train", ["--ddp-backend", "legacy_ddp", *args], expect_failure=True,
-                    world_size_flag=False)
+    return torchrun(
+        2, BIN / "fairseq-train", ["--ddp-backend", "legacy_ddp", *args], expect_failure=True, world_size_flag=False
+    )
 
 
 def checkpoint_tool(args):
     command = [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150,
-                          env=fairseq_env())
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150, env=fairseq_env()
+    )
     if done.returncode == 0:
         pytest.fail(f"expected {' '.join(command)} to fail:\n{tail(done.stdout)}", pytrace=False)
     return done.stdout
@@ -133,6 +178,7 @@ def checkpoint_tool(args):
 Make = Callable[[Inputs, Path], Tuple[List[str], List[Path]]]  # -> (arguments, directories that must not change)
 
 
+# fmt: off
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -148,6 +194,7 @@ class Case:
 
     def __str__(self):
         return self.id
+# fmt: on
 
 
 # ---------------------------------------------------------------- checking one run
@@ -168,7 +215,7 @@ def last_error_line(output: str) -> Tuple[str, str]:
     assert found, f"no error line in:\n{tail(output, 60)}"
     i, match = found[-1]
     following = lines[i + 1] if i + 1 < len(lines) else ""
-    return lines[i][match.start(1):], following
+    return lines[i][match.start(1) :], following
 
 
 @dataclass

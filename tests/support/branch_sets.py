@@ -21,14 +21,18 @@ OUR_EXPERT = re.compile(r"^(?P<layer>.*)\.fc1\.experts\.batched_(?P<name>fc1_w|f
 BRANCH_NAME = {"fc1_w": "fc1.weight", "fc1_b": "fc1.bias", "fc2_w": "fc2.weight", "fc2_b": "fc2.bias"}
 
 # What the branch's TransformerConfig holds for an NLLB-200-MoE-like run (besides the transformer's own).
+# fmt: off
 BRANCH_MOE_OPTIONS = dict(moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=0, moe_second_expert_policy="all",
                           moe_normalize_gate_prob_before_dropping=False, moe_eval_capacity_token_fraction=1.0,
                           moe_gating_use_fp32=True, moe_eom=0.0, moe_fom=0.0, moe_cmr=False, moe_top1_expert=False,
                           moe_local_drop=0.0, moe_normalize_expert_grad="sqrt_world_size", use_moe_pad_mask=False,
                           moe_batch_prioritized_routing=False, alternate_ffn_embed_dim=0,
                           alternate_decoder_ffn_embed_dim=0, base_layers=0, use_tutel_moe=False)
+# fmt: on
+# fmt: off
 OUR_ONLY = ("moe_top_k", "moe_capacity_factor", "moe_eval_capacity_factor", "moe_normalize_gate", "moe_router",
             "moe_gate_noise", "moe_gating_no_fp32")
+# fmt: on
 
 
 def branch_model_options(our_model_args, experts: int, **changes) -> argparse.Namespace:
@@ -41,6 +45,7 @@ def branch_model_options(our_model_args, experts: int, **changes) -> argparse.Na
 
 # The MoE options of the moe branch's TransformerLanguageModelConfig (fairseq/models/transformer_lm.py there),
 # as a moe_lm run (examples/moe_lm, README.moe.md there) sets them, with an eval capacity that drops nothing.
+# fmt: off
 BRANCH_LM_MOE_OPTIONS = dict(moe_freq=2, moe_gating_use_fp32=True, moe_second_expert_policy="all",
                              moe_normalize_gate_prob_before_dropping=False, moe_expert_ffn_dim=None,
                              moe_top1_expert=False, moe_eval_capacity_token_fraction=1.0,
@@ -49,6 +54,7 @@ BRANCH_LM_MOE_OPTIONS = dict(moe_freq=2, moe_gating_use_fp32=True, moe_second_ex
                              use_stable_embedding=False, alternate_decoder_ffn_embed_dim=0, base_layers=0,
                              base_sublayers=1, base_shuffle=1, fp16_no_flatten_grads=False, world_size=1,
                              distributed_rank=0)
+# fmt: on
 
 
 def branch_lm_options(our_model_cfg: Dict, experts: int, **changes) -> Dict:
@@ -58,8 +64,13 @@ def branch_lm_options(our_model_cfg: Dict, experts: int, **changes) -> Dict:
 
     ours = {f.name for f in dataclasses.fields(MoEEncoderDecoderConfig)}
     options = {k: v for k, v in dict(our_model_cfg).items() if k not in ours}
-    options.update(BRANCH_LM_MOE_OPTIONS, _name="transformer_lm", arch="transformer_lm_gpt", moe_expert_count=experts,
-                   moe_freq=our_model_cfg["moe_freq"])
+    options.update(
+        BRANCH_LM_MOE_OPTIONS,
+        _name="transformer_lm",
+        arch="transformer_lm_gpt",
+        moe_expert_count=experts,
+        moe_freq=our_model_cfg["moe_freq"],
+    )
     options.update(changes)
     return options
 
@@ -78,9 +89,16 @@ def branch_model_state(model_state: Dict[str, torch.Tensor]):
     return shared, experts
 
 
-def write_branch_set(prefix: Path, model_state, options: argparse.Namespace, ranks: int, num_updates: int = 300,
-                     cfg_as_dict: bool = True, declared_world: Optional[int] = None, task: Optional[Dict] = None
-                     ) -> Path:
+def write_branch_set(
+    prefix: Path,
+    model_state,
+    options: argparse.Namespace,
+    ranks: int,
+    num_updates: int = 300,
+    cfg_as_dict: bool = True,
+    declared_world: Optional[int] = None,
+    task: Optional[Dict] = None,
+) -> Path:
     """Write ``<prefix>-shared.pt`` and ``<prefix>-rank-<r>.pt`` for ``ranks`` workers; returns the prefix.
 
     ``options`` is a translation model's Namespace, or a language model's dict (``branch_lm_options``):
@@ -89,9 +107,17 @@ def write_branch_set(prefix: Path, model_state, options: argparse.Namespace, ran
     return write_branch_parts(prefix, shared, experts, options, ranks, num_updates, cfg_as_dict, declared_world, task)
 
 
-def write_branch_parts(prefix: Path, shared: Dict[str, torch.Tensor], experts, options: argparse.Namespace, ranks: int,
-                       num_updates: int = 300, cfg_as_dict: bool = True, declared_world: Optional[int] = None,
-                       task: Optional[Dict] = None) -> Path:
+def write_branch_parts(
+    prefix: Path,
+    shared: Dict[str, torch.Tensor],
+    experts,
+    options: argparse.Namespace,
+    ranks: int,
+    num_updates: int = 300,
+    cfg_as_dict: bool = True,
+    declared_world: Optional[int] = None,
+    task: Optional[Dict] = None,
+) -> Path:
     """``write_branch_set`` from the branch's own names: ``shared`` (every non-expert tensor) and
     ``experts`` ({(layer, "fc1.weight" ...): [one tensor per global expert]})."""
     count = len(next(iter(experts.values())))
@@ -100,22 +126,41 @@ def write_branch_parts(prefix: Path, shared: Dict[str, torch.Tensor], experts, o
     criterion = {"_name": "moe_cross_entropy", "moe_gate_loss_wt": 0.01, "moe_gate_loss_combine_method": "sum"}
     if not lm:
         criterion.update(_name="moe_label_smoothed_cross_entropy", label_smoothing=0.1, moe_cmr_loss_wt=0.0)
-    cfg = {"_name": None, "common": {"seed": 2}, "model": options,
-           "task": task or {"_name": "translation_multi_simple_epoch"}, "criterion": criterion,
-           "distributed_training": {"distributed_world_size": world}}
-    head = {"cfg": cfg if cfg_as_dict else None, "args": None if cfg_as_dict else argparse.Namespace(
-                **{**(options if lm else vars(options)), "distributed_world_size": world}),
-            # numpy scalars, as the branch's meters leave them in extra_state
-            "extra_state": {"train_iterator": {"epoch": 3, "iterations_in_epoch": 0, "shuffle": True, "version": 2},
-                            "best": numpy.float64(2.5)},
-            "optimizer_history": [{"criterion_name": "MoELabelSmoothedCrossEntropyCriterion",
-                                   "optimizer_name": "FairseqAdam", "lr_scheduler_state": {"best": 2.5},
-                                   "num_updates": num_updates}]}
+    cfg = {
+        "_name": None,
+        "common": {"seed": 2},
+        "model": options,
+        "task": task or {"_name": "translation_multi_simple_epoch"},
+        "criterion": criterion,
+        "distributed_training": {"distributed_world_size": world},
+    }
+    head = {
+        "cfg": cfg if cfg_as_dict else None,
+        "args": None
+        if cfg_as_dict
+        else argparse.Namespace(**{**(options if lm else vars(options)), "distributed_world_size": world}),
+        # numpy scalars, as the branch's meters leave them in extra_state
+        "extra_state": {
+            "train_iterator": {"epoch": 3, "iterations_in_epoch": 0, "shuffle": True, "version": 2},
+            "best": numpy.float64(2.5),
+        },
+        "optimizer_history": [
+            {
+                "criterion_name": "MoELabelSmoothedCrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "lr_scheduler_state": {"best": 2.5},
+                "num_updates": num_updates,
+            }
+        ],
+    }
     prefix.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"model": shared, "last_optimizer_state": {"state": {}, "param_groups": []}}, f"{prefix}-shared.pt")
     for rank in range(ranks):
         ids = [rank * (count // ranks) + j for j in range(count // ranks)] if count >= ranks else [rank % count]
-        model = {f"{layer}.moe_layer.experts.{j}.{name}": tensors[gid].clone()
-                 for (layer, name), tensors in experts.items() for j, gid in enumerate(ids)}
+        model = {
+            f"{layer}.moe_layer.experts.{j}.{name}": tensors[gid].clone()
+            for (layer, name), tensors in experts.items()
+            for j, gid in enumerate(ids)
+        }
         torch.save({**head, "model": model}, f"{prefix}-rank-{rank}.pt")
     return prefix

@@ -42,9 +42,7 @@ def free_port() -> int:
 
 def _worker(rank, world_size, port, fn, args, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -62,8 +60,7 @@ def run_on_workers(fn, world_size, *args):
 def _recording_worker(rank, world_size, port, fn, args, out_dir, timeout_s=None):
     torch.set_num_threads(1)
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            **timeout)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout)
     try:
         result = {"returned": fn(rank, world_size, *args)}
     except Exception as error:  # the outcome under test: recorded, not raised

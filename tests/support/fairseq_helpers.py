@@ -93,7 +93,11 @@ def fairseq_env() -> Dict[str, str]:
 
 
 def run_fairseq(
-    tool: str, *args: str, timeout: float = 150, input: Optional[str] = None, expect_failure: bool = False,
+    tool: str,
+    *args: str,
+    timeout: float = 150,
+    input: Optional[str] = None,
+    expect_failure: bool = False,
     cwd: Optional[Path] = None,
 ) -> str:
     """Run ``fairseq_cli.<tool>`` with ``args`` in a fresh interpreter and return its combined output.
@@ -104,8 +108,14 @@ def run_fairseq(
     command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
     try:
         done = subprocess.run(
-            command, input=input, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            timeout=timeout, env=fairseq_env(), cwd=cwd,
+            command,
+            input=input,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            env=fairseq_env(),
+            cwd=cwd,
         )
     except subprocess.TimeoutExpired as timed_out:
         output = timed_out.stdout or ""
@@ -122,8 +132,9 @@ def run_fairseq(
     return done.stdout
 
 
-def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True,
-             redirects=1):
+def torchrun(
+    workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True, redirects=1
+):
     """Run ``program args`` on ``workers`` CPU workers under torchrun (gloo) and return the output.
 
     ``--distributed-world-size workers`` is appended unless ``world_size_flag`` is False (fairseq
@@ -135,14 +146,23 @@ def torchrun(workers, program, args, timeout=240, expect_failure=False, log_dir=
 
     redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect,
-        "--master_port", str(free_port()), str(program), *map(str, args),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(workers),
+        *redirect,
+        "--master_port",
+        str(free_port()),
+        str(program),
+        *map(str, args),
     ]
     if workers > 1 and world_size_flag:
         command += ["--distributed-world-size", str(workers)]
     try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, env=fairseq_env())
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=fairseq_env()
+        )
     except subprocess.TimeoutExpired as timed_out:
         output = timed_out.stdout or ""
         output = output.decode(errors="replace") if isinstance(output, bytes) else output
@@ -159,10 +179,28 @@ def tail(output: str, lines: int = 40) -> str:
 def train_args(data: Path, save_dir: Path, *extra: str, max_update: int = 40) -> List[str]:
     """The flags every training run shares: CPU, json logs every few updates, no epoch checkpoints."""
     return [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-update", str(max_update),
-        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--num-workers", "0",
-        "--log-format", "json", "--log-interval", "5", *extra,
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--seed",
+        "1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "3e-3",
+        "--max-update",
+        str(max_update),
+        "--save-dir",
+        str(save_dir),
+        "--no-epoch-checkpoints",
+        "--num-workers",
+        "0",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "5",
+        *extra,
     ]
 
 

@@ -19,8 +19,10 @@ def main():
 
         def out_of_memory_once(self, *args, **kwargs):
             BatchedExperts.forward = forward
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.10 GiB total "
-                                         "capacity; 77.95 GiB already allocated)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.10 GiB total "
+                "capacity; 77.95 GiB already allocated)"
+            )
 
         BatchedExperts.forward = out_of_memory_once
     from fairseq_cli import train

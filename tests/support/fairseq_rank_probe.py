@@ -17,7 +17,10 @@ def main():
     # fairseq-train's own log format, on stdout (an import may already have configured logging).
     logging.basicConfig(
         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stdout, force=True,
+        datefmt="%Y-%m-%d %H:%M:%S",
+        level=logging.INFO,
+        stream=sys.stdout,
+        force=True,
     )
     from fairseq import trainer as trainer_module
     from fairseq_cli import train
@@ -39,8 +42,15 @@ def main():
     state = {k: v.detach().cpu().clone() for k, v in trainer.get_model().state_dict().items()}
     expert = [n for n, p in trainer.get_model().named_parameters() if getattr(p, "expert", False)]
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({"model": state, "expert_keys": expert, "grad_norms": seen["grad_norms"],
-                "optimizer": optimizer_facts(trainer.optimizer)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "model": state,
+            "expert_keys": expert,
+            "grad_norms": seen["grad_norms"],
+            "optimizer": optimizer_facts(trainer.optimizer),
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
 
 
 def optimizer_facts(optimizer):

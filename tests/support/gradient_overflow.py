@@ -3,11 +3,13 @@
 
 import torch
 
+# fmt: off
 PRECISIONS = {
     "amp": ["--amp", "--amp-batch-retries", "0"],
     "fp16 (not flattened)": ["--fp16", "--fp16-no-flatten-grads"],
     "memory-efficient fp16": ["--memory-efficient-fp16"],
 }
+# fmt: on
 
 
 # Loss-free balancing on: a skipped step must neither move the bias nor keep the load it counted.

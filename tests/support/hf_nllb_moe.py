@@ -34,22 +34,44 @@ EOM = 0.2
 PAD, EOS = 1, 2
 TOLERANCE = dict(atol=1e-5, rtol=0)  # fp32, eval: measured differences are below 1e-6
 EXPERT = re.compile(r"^(?P<layer>.*)\.ffn\.experts\.expert_(?P<id>\d+)\.(?P<name>fc[12]\.(weight|bias))$")
+# fmt: off
 RENAMES = ((".ffn.router.classifier.", ".moe_layer.gate.wg."), (".ffn.fc1.", ".fc1."), (".ffn.fc2.", ".fc2."),
            (".cross_attention_layer_norm.", ".encoder_attn_layer_norm."), (".cross_attention.", ".encoder_attn."),
            (".ff_layer_norm.", ".final_layer_norm."))
+# fmt: on
 
 
 def hf_config(**changes):
     from transformers import NllbMoeConfig
 
-    options = dict(vocab_size=VOCAB, d_model=D_MODEL, encoder_layers=LAYERS, decoder_layers=LAYERS,
-                   encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, encoder_attention_heads=HEADS,
-                   decoder_attention_heads=HEADS, num_experts=EXPERTS, encoder_sparse_step=2, decoder_sparse_step=2,
-                   moe_token_dropout=EOM, router_dtype="float32", second_expert_policy="all",
-                   normalize_router_prob_before_dropping=False, batch_prioritized_routing=False,
-                   moe_eval_capacity_token_fraction=1.0, expert_capacity=None, max_position_embeddings=MAX_POSITIONS,
-                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
-                   decoder_layerdrop=0.0, scale_embedding=True, attn_implementation="eager")
+    options = dict(
+        vocab_size=VOCAB,
+        d_model=D_MODEL,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_ffn_dim=FFN,
+        decoder_ffn_dim=FFN,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        num_experts=EXPERTS,
+        encoder_sparse_step=2,
+        decoder_sparse_step=2,
+        moe_token_dropout=EOM,
+        router_dtype="float32",
+        second_expert_policy="all",
+        normalize_router_prob_before_dropping=False,
+        batch_prioritized_routing=False,
+        moe_eval_capacity_token_fraction=1.0,
+        expert_capacity=None,
+        max_position_embeddings=MAX_POSITIONS,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+        scale_embedding=True,
+        attn_implementation="eager",
+    )
     options.update(changes)
     return NllbMoeConfig(**options)
 
@@ -77,7 +99,7 @@ def branch_state(model) -> Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], 
     for key, tensor in model.state_dict().items():
         if key in ("lm_head.weight", "model.shared.weight") or key.endswith("embed_tokens.weight"):
             continue
-        key = key[len("model."):]
+        key = key[len("model.") :]
         match = EXPERT.match(key)
         if match:
             # write_branch_parts names it <layer>.moe_layer.experts.<local j>.<name>
@@ -112,17 +134,59 @@ def branch_options(data: Path, **moe) -> argparse.Namespace:
     from fairseq import options
 
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        str(data), "--task", "translation", "--arch", "transformer", "--source-lang", "src", "--target-lang", "tgt",
-        "--encoder-embed-dim", str(D_MODEL), "--decoder-embed-dim", str(D_MODEL), "--encoder-ffn-embed-dim",
-        str(FFN), "--decoder-ffn-embed-dim", str(FFN), "--encoder-layers", str(LAYERS), "--decoder-layers",
-        str(LAYERS), "--encoder-attention-heads", str(HEADS), "--decoder-attention-heads", str(HEADS),
-        "--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings", "--dropout", "0",
-        "--attention-dropout", "0", "--activation-dropout", "0", "--max-source-positions", str(MAX_POSITIONS),
-        "--max-target-positions", str(MAX_POSITIONS), "--cpu"])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--task",
+            "translation",
+            "--arch",
+            "transformer",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--encoder-embed-dim",
+            str(D_MODEL),
+            "--decoder-embed-dim",
+            str(D_MODEL),
+            "--encoder-ffn-embed-dim",
+            str(FFN),
+            "--decoder-ffn-embed-dim",
+            str(FFN),
+            "--encoder-layers",
+            str(LAYERS),
+            "--decoder-layers",
+            str(LAYERS),
+            "--encoder-attention-heads",
+            str(HEADS),
+            "--decoder-attention-heads",
+            str(HEADS),
+            "--encoder-normalize-before",
+            "--decoder-normalize-before",
+            "--share-all-embeddings",
+            "--dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            "--activation-dropout",
+            "0",
+            "--max-source-positions",
+            str(MAX_POSITIONS),
+            "--max-target-positions",
+            str(MAX_POSITIONS),
+            "--cpu",
+        ],
+    )
     values = dict(vars(args), **BRANCH_MOE_OPTIONS)
-    values.update(moe_expert_count=EXPERTS, moe_freq=2, moe_eom=EOM, moe_eval_capacity_token_fraction=1.0,
-                  moe_second_expert_policy="all", moe_normalize_gate_prob_before_dropping=False)
+    values.update(
+        moe_expert_count=EXPERTS,
+        moe_freq=2,
+        moe_eom=EOM,
+        moe_eval_capacity_token_fraction=1.0,
+        moe_second_expert_policy="all",
+        moe_normalize_gate_prob_before_dropping=False,
+    )
     values.update(moe)
     return argparse.Namespace(**values)
 
@@ -134,9 +198,23 @@ def oracle_task(directory: Path):
     from fairseq_helpers import USER_DIR
 
     data = write_dictionary(directory)
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(data), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
-        "--arch", "transformer", "--cpu"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            str(data),
+            "--user-dir",
+            USER_DIR,
+            "--task",
+            "translation",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--arch",
+            "transformer",
+            "--cpu",
+        ],
+    )
     built = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
     built.data_dir = data
     return built
@@ -150,7 +228,7 @@ def batch(lengths, target_lengths=None, seed=0):
     src = torch.full((len(lengths), max(lengths)), PAD)
     tgt = torch.full((len(lengths), max(target_lengths)), PAD)
     for row, (n, m) in enumerate(zip(lengths, target_lengths)):
-        src[row, src.shape[1] - n:] = torch.cat([torch.randint(4, VOCAB, (n - 1,), generator=g), torch.tensor([EOS])])
+        src[row, src.shape[1] - n :] = torch.cat([torch.randint(4, VOCAB, (n - 1,), generator=g), torch.tensor([EOS])])
         tgt[row, :m] = torch.cat([torch.tensor([EOS]), torch.randint(4, VOCAB, (m - 1,), generator=g)])
     return src, tgt
 
@@ -159,8 +237,9 @@ def import_hf(tmp_path, task, hf, ranks=2, world=1, **branch_moe):
     """hf -> the branch's layout (``ranks`` rank files) -> import-fairseq-moe (``world`` output files) ->
     fairseq's load_model_ensemble, in eval; returns (model, what the import printed)."""
     shared, experts = branch_state(hf)
-    prefix = write_branch_parts(tmp_path / "nllb" / "checkpoint_2_300000", shared, experts,
-                                branch_options(task.data_dir, **branch_moe), ranks)
+    prefix = write_branch_parts(
+        tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(task.data_dir, **branch_moe), ranks
+    )
     from fairseq import checkpoint_utils
     from fairseq_moe_ext.checkpoint import branch_import
 
@@ -176,11 +255,17 @@ def outputs_of_both(model, hf, src, tgt):
         lengths = src.ne(PAD).sum(1)
         encoder = model.encoder(src, lengths)["encoder_out"][0].transpose(0, 1)
         logits = model(src, lengths, tgt)[0]
-        theirs = hf(input_ids=src, attention_mask=src.ne(PAD).long(), decoder_input_ids=tgt,
-                    decoder_attention_mask=tgt.ne(PAD).long())
+        theirs = hf(
+            input_ids=src,
+            attention_mask=src.ne(PAD).long(),
+            decoder_input_ids=tgt,
+            decoder_attention_mask=tgt.ne(PAD).long(),
+        )
     real_src, real_tgt = src.ne(PAD).unsqueeze(-1), tgt.ne(PAD).unsqueeze(-1)
-    return ((encoder * real_src, logits * real_tgt),
-            (theirs.encoder_last_hidden_state * real_src, theirs.logits * real_tgt))
+    return (
+        (encoder * real_src, logits * real_tgt),
+        (theirs.encoder_last_hidden_state * real_src, theirs.logits * real_tgt),
+    )
 
 
 def assert_same_as_hf(model, hf, src, tgt):

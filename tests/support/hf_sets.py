@@ -19,11 +19,13 @@ from fairseq_moe_ext import checkpoint as moe_ckpt
 EXPERTS = 4
 # What NllbMoe can express: top-2, gates renormalised, dropless evaluation (fraction 1.0), NllbMoe's
 # training capacity, pre-norm, one shared embedding table; a dense and a sparse layer on each side.
+# fmt: off
 HF_FLAGS = ["--share-all-embeddings", "--encoder-normalize-before", "--decoder-normalize-before",
             "--moe-normalize-gate", "--moe-capacity-factor", "1", "--moe-eval-capacity-factor", "0",
             "--moe-expert-count", str(EXPERTS), "--moe-freq", "2", "--moe-eom", "0.2",
             "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
             "--encoder-ffn-embed-dim", "48", "--decoder-ffn-embed-dim", "48"]
+# fmt: on
 
 
 def joined_data(root: Path, symbols: int = 20) -> Path:
@@ -38,9 +40,27 @@ def joined_data(root: Path, symbols: int = 20) -> Path:
 
 def parse(data: Path, *flags, arch="moe_transformer_tiny", task="translation"):
     languages = ["--source-lang", "src", "--target-lang", "tgt"] if task == "translation" else []
-    return options.parse_args_and_arch(options.get_training_parser(), [
-        str(data), "--user-dir", USER_DIR, "--task", task, "--arch", arch, "--cpu", "--seed", "1",
-        "--dropout", "0", "--attention-dropout", "0", *languages, *flags])
+    return options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            str(data),
+            "--user-dir",
+            USER_DIR,
+            "--task",
+            task,
+            "--arch",
+            arch,
+            "--cpu",
+            "--seed",
+            "1",
+            "--dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            *languages,
+            *flags,
+        ],
+    )
 
 
 def build(data: Path, *flags, arch="moe_transformer_tiny", task="translation", seed=1):
@@ -63,10 +83,21 @@ def write_set(args, model, name: Path, world: int = 1) -> Path:
     state = model.state_dict()
     keys = [k for k in state if ".fc1.experts." in k]
     experts = int(state[keys[0]].shape[0])
-    full = {"args": args, "model": state, "extra_state": {}, "task_state": {},
-            "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "none",
-                                   "lr_scheduler_state": {"best": None}, "num_updates": 0}],
-            "moe": moe_ckpt.moe_metadata([], keys, 1, 0, 0, experts_per_worker=experts)}
+    full = {
+        "args": args,
+        "model": state,
+        "extra_state": {},
+        "task_state": {},
+        "optimizer_history": [
+            {
+                "criterion_name": "CrossEntropyCriterion",
+                "optimizer_name": "none",
+                "lr_scheduler_state": {"best": None},
+                "num_updates": 0,
+            }
+        ],
+        "moe": moe_ckpt.moe_metadata([], keys, 1, 0, 0, experts_per_worker=experts),
+    }
     name.parent.mkdir(parents=True, exist_ok=True)
     if world == 1:
         torch.save(full, name)

@@ -115,6 +115,7 @@ def reference_bias_update(bias, choices, num_experts, rate):
 def assert_layer_matches_reference(layer, x, mask, upstream):
     """The layer's output and every gradient (parameters and input, through ``(y * upstream).sum()``)
     equal the reference's; returns the layer's (y, aux) and the reference's kept slots."""
+
     def grads():
         named = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
         named["input"] = x.grad.clone()

@@ -18,12 +18,39 @@ BIN = Path(sys.executable).parent
 
 def moe_args(data, save_dir, max_update, *extra):
     return [
-        str(data), "--user-dir", USER_DIR, "--cpu", "--seed", "1", "--num-workers", "0",
-        "--arch", "moe_transformer_tiny", "--moe-expert-count", "4",
-        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "300", "--clip-norm", "1.0",
-        "--max-update", str(max_update), "--save-dir", str(save_dir),
-        "--log-format", "json", "--log-interval", "1", *extra,
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--seed",
+        "1",
+        "--num-workers",
+        "0",
+        "--arch",
+        "moe_transformer_tiny",
+        "--moe-expert-count",
+        "4",
+        "--criterion",
+        "moe_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "3e-3",
+        "--max-tokens",
+        "300",
+        "--clip-norm",
+        "1.0",
+        "--max-update",
+        str(max_update),
+        "--save-dir",
+        str(save_dir),
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        *extra,
     ]
 
 
@@ -33,8 +60,21 @@ def generate(data, path, workers=1, extra=(), log_dir=None, in_process=True):
     its output written with --results-path): these tests compare what is generated, and a fresh
     interpreter would add only fairseq's import; ``in_process=False`` runs the real command line
     (tests/cli/test_fairseq_cli.py and test_sharded_inference_cli.py keep it covered)."""
-    args = [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", "--beam", "2",
-            "--max-tokens", "2000", "--num-workers", "0", *extra]
+    args = [
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        str(path),
+        "--cpu",
+        "--beam",
+        "2",
+        "--max-tokens",
+        "2000",
+        "--num-workers",
+        "0",
+        *extra,
+    ]
     if workers > 1:
         torchrun(workers, BIN / "fairseq-generate", args, log_dir=log_dir)
         output = "\n".join(Path(p).read_text() for p in glob.glob(f"{log_dir}/**/stdout.log", recursive=True))

@@ -12,6 +12,7 @@ import torch
 
 E = 4  # experts: the definitions count top-1 choices over this many
 
+
 def log_sum_exp(logits):
     top = logits.max(-1, keepdim=True).values
     return (top + (logits - top).exp().sum(-1, keepdim=True).log()).squeeze(-1)

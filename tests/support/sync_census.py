@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 # Ops that are a host sync (or a data-dependent size, which is one) whatever their arguments.
+# fmt: off
 ALWAYS = {
     aten._local_scalar_dense.default: "item",
     aten.nonzero.default: "nonzero",
@@ -30,6 +31,7 @@ ALWAYS = {
     aten.lift_fresh.default: "host-to-device copy",
     aten.lift_fresh_copy.default: "host-to-device copy",
 }
+# fmt: on
 HOST_READS = ("tolist", "cpu", "numpy")
 
 

@@ -125,8 +125,9 @@ class ThreadWorld:
         for out, value in zip(tensor_list, self._group(group).exchange(tensor.detach().clone()), strict=True):
             out.copy_(value)
 
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
+    def all_to_all_single(
+        self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
         group = self._group(group)
         n = len(group.ranks)
         sent = input.detach().clone().split(input_split_sizes or [input.shape[0] // n] * n)

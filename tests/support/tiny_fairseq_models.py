@@ -17,10 +17,26 @@ Built = namedtuple("Built", "task model criterion")
 
 def build(data, task, arch, *flags, seed=1):
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        str(data), "--user-dir", USER_DIR, "--task", task, "--arch", arch, "--cpu", "--seed", str(seed),
-        "--dropout", "0", "--attention-dropout", "0", *flags,
-    ])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--user-dir",
+            USER_DIR,
+            "--task",
+            task,
+            "--arch",
+            arch,
+            "--cpu",
+            "--seed",
+            str(seed),
+            "--dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            *flags,
+        ],
+    )
     cfg = convert_namespace_to_omegaconf(args)
     utils.set_torch_seed(cfg.common.seed)  # what fairseq_cli.train does right before building
     built_task = tasks.setup_task(cfg.task)
@@ -46,7 +62,12 @@ def translation_batch(task, seed=0, lengths=(7, 3, 5, 9)):
     src = [torch.cat([s, torch.tensor([eos])]) for s in random_sentences(task.src_dict, lengths, seed)]
     tgt = [torch.cat([s, torch.tensor([eos])]) for s in random_sentences(task.tgt_dict, lengths[::-1], seed + 1)]
     dataset = LanguagePairDataset(
-        src, [len(s) for s in src], task.src_dict, tgt, [len(t) for t in tgt], task.tgt_dict,
+        src,
+        [len(s) for s in src],
+        task.src_dict,
+        tgt,
+        [len(t) for t in tgt],
+        task.tgt_dict,
     )
     return dataset.collater([dataset[i] for i in range(len(src))])
 
@@ -56,8 +77,12 @@ def lm_batch(task, seed=0, lengths=(9, 4, 6)):
     sentences = random_sentences(d, lengths, seed)
     target = collate_tokens([s[1:] for s in sentences], d.pad())
     return {
-        "id": torch.arange(len(sentences)), "nsentences": len(sentences),
-        "ntokens": int(target.ne(d.pad()).sum()), "target": target,
-        "net_input": {"src_tokens": collate_tokens([s[:-1] for s in sentences], d.pad()),
-                      "src_lengths": torch.tensor([len(s) - 1 for s in sentences])},
+        "id": torch.arange(len(sentences)),
+        "nsentences": len(sentences),
+        "ntokens": int(target.ne(d.pad()).sum()),
+        "target": target,
+        "net_input": {
+            "src_tokens": collate_tokens([s[:-1] for s in sentences], d.pad()),
+            "src_lengths": torch.tensor([len(s) - 1 for s in sentences]),
+        },
     }
