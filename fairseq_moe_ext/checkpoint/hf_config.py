@@ -167,8 +167,10 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
     notes += routing_notes
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
-        notes.append(f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
-                     f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs")
+        notes.append(
+            f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
+            f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs"
+        )
     config = {
         "model_type": MODEL_TYPE,
         "architectures": ["NllbMoeForConditionalGeneration"],
@@ -183,12 +185,21 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "dropout": float(_get(options, "dropout", 0.1)),
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
-        "num_experts": int(_get(options, "moe_expert_count")), "expert_capacity": None,
-        "router_bias": False, "router_dtype": "float32", "router_ignore_padding_tokens": False,
+        "num_experts": int(_get(options, "moe_expert_count")),
+        "expert_capacity": None,
+        "router_bias": False,
+        "router_dtype": "float32",
+        "router_ignore_padding_tokens": False,
         "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_token_dropout": eom, **routing,
-        "pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS, "decoder_start_token_id": EOS,
-        "is_encoder_decoder": True, "tie_word_embeddings": True, "use_cache": True,
+        "moe_token_dropout": eom,
+        **routing,
+        "pad_token_id": PAD,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "decoder_start_token_id": EOS,
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
     }
     for side in SIDES:
         config[f"{side}_layers"] = int(_get(options, f"{side}_layers"))
@@ -216,15 +227,37 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         )
     config = {**HF_DEFAULTS, **config}
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
-    _need(config, path, "tie_word_embeddings", True, "a separate output projection",
-          "here the output projection is the shared embedding table")
-    _need(config, path, "router_dtype", "float32", "routing in lower precision",
-          "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway")
+    _need(
+        config,
+        path,
+        "tie_word_embeddings",
+        True,
+        "a separate output projection",
+        "here the output projection is the shared embedding table",
+    )
+    _need(
+        config,
+        path,
+        "router_dtype",
+        "float32",
+        "routing in lower precision",
+        "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway",
+    )
     routing, notes = imported_routing(config, path)  # policy, normalisation order, eval capacity, batch-major
-    for name, wanted in (("pad_token_id", PAD), ("bos_token_id", BOS), ("eos_token_id", EOS),
-                         ("decoder_start_token_id", EOS)):
-        _need(config, path, name, wanted, "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding "
-              "from </s>", "convert the vocabulary to fairseq's dictionary order first")
+    for name, wanted in (
+        ("pad_token_id", PAD),
+        ("bos_token_id", BOS),
+        ("eos_token_id", EOS),
+        ("decoder_start_token_id", EOS),
+    ):
+        _need(
+            config,
+            path,
+            name,
+            wanted,
+            "fairseq's dictionary has <s> 0, <pad> 1, </s> 2 and starts decoding from </s>",
+            "convert the vocabulary to fairseq's dictionary order first",
+        )
     activation = config.get("activation_function", "relu")
     if activation not in ACTIVATIONS_BACK:
         raise CheckpointSetError(
@@ -233,12 +266,16 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         )
     steps = {side: int(config.get(f"{side}_sparse_step", 4)) for side in SIDES}
     if not any(steps[side] > 0 and steps[side] <= int(config[f"{side}_layers"]) for side in SIDES):
-        raise CheckpointSetError(f"{path} has no sparse layer (encoder/decoder_sparse_step {steps['encoder']}/"
-                                 f"{steps['decoder']}): a dense model, which moe_transformer does not hold; use "
-                                 f"fairseq's transformer (nothing was written)")
+        raise CheckpointSetError(
+            f"{path} has no sparse layer (encoder/decoder_sparse_step {steps['encoder']}/"
+            f"{steps['decoder']}): a dense model, which moe_transformer does not hold; use "
+            f"fairseq's transformer (nothing was written)"
+        )
     if config.get("expert_capacity") is not None:
-        notes.append(f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
-                     f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only")
+        notes.append(
+            f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
+            f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only"
+        )
     if config.get("router_ignore_padding_tokens", False):
         notes.append(
             "router_ignore_padding_tokens true: pads were routed there; never here (real tokens' outputs are "
@@ -273,9 +310,14 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         dropout=float(config.get("dropout", 0.1)),
         attention_dropout=float(config.get("attention_dropout", 0.1)),
         activation_dropout=float(config.get("activation_dropout", 0.1)),
-        moe_expert_count=int(config["num_experts"]), moe_top_k=2, moe_router="top",
-        moe_capacity_factor=1.0, moe_gating_use_fp32=True, **routing,
-        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)), moe_eom=eom,
+        moe_expert_count=int(config["num_experts"]),
+        moe_top_k=2,
+        moe_router="top",
+        moe_capacity_factor=1.0,
+        moe_gating_use_fp32=True,
+        **routing,
+        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)),
+        moe_eom=eom,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
     for side in SIDES:

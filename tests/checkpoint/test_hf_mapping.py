@@ -125,13 +125,26 @@ def options(**changes):
 
 def test_config_json_carries_every_option_nllb_moe_has_and_import_reads_them_back():
     config, notes = hf_config(options(), "ck.pt", vocab=30, dtype="float32")
-    assert (config["d_model"], config["encoder_layers"], config["decoder_attention_heads"], config["encoder_ffn_dim"],
-            config["decoder_ffn_dim"], config["num_experts"], config["encoder_sparse_step"],
-            config["decoder_sparse_step"]) == (16, 3, 4, 40, 24, 8, 1, 2)
-    assert (config["moe_token_dropout"], config["activation_function"], config["scale_embedding"],
-            config["max_position_embeddings"], config["vocab_size"], config["batch_prioritized_routing"],
-            config["moe_eval_capacity_token_fraction"], config["expert_capacity"]) == (0.1, "gelu", False, 512, 30,
-                                                                                        True, 1.0, None)
+    assert (
+        config["d_model"],
+        config["encoder_layers"],
+        config["decoder_attention_heads"],
+        config["encoder_ffn_dim"],
+        config["decoder_ffn_dim"],
+        config["num_experts"],
+        config["encoder_sparse_step"],
+        config["decoder_sparse_step"],
+    ) == (16, 3, 4, 40, 24, 8, 1, 2)
+    assert (
+        config["moe_token_dropout"],
+        config["activation_function"],
+        config["scale_embedding"],
+        config["max_position_embeddings"],
+        config["vocab_size"],
+        config["batch_prioritized_routing"],
+        config["moe_eval_capacity_token_fraction"],
+        config["expert_capacity"],
+    ) == (0.1, "gelu", False, 512, 30, True, 1.0, None)
     assert len(notes) == 1  # EOM trains differently there (batch priority ranks by the top-1 probability in both)
     back, _ = imported_options(json.loads(json.dumps(config)), "config.json")
     for name in (
@@ -155,15 +168,28 @@ def test_config_json_carries_every_option_nllb_moe_has_and_import_reads_them_bac
 
 @pytest.mark.parametrize("policy, after", [("sampling", False), ("random", True), ("all", True)])
 def test_the_nllb_routing_options_become_nllb_moe_fields_and_come_back_as_the_same_flags(policy, after):
-    ours = options(moe_second_expert_policy=policy, moe_normalize_gate=not after,
-                   moe_normalize_gate_after_dropping=after, moe_eval_capacity_token_fraction=0.25,
-                   moe_eval_capacity_factor=1.0, moe_batch_major_routing=True)  # the fraction replaces the factor
+    ours = options(
+        moe_second_expert_policy=policy,
+        moe_normalize_gate=not after,
+        moe_normalize_gate_after_dropping=after,
+        moe_eval_capacity_token_fraction=0.25,
+        moe_eval_capacity_factor=1.0,
+        moe_batch_major_routing=True,
+    )  # the fraction replaces the factor
     config, _ = hf_config(ours, "ck.pt", vocab=30, dtype="float32")
-    assert (config["second_expert_policy"], config["normalize_router_prob_before_dropping"],
-            config["moe_eval_capacity_token_fraction"]) == (policy, not after, 0.25)
+    assert (
+        config["second_expert_policy"],
+        config["normalize_router_prob_before_dropping"],
+        config["moe_eval_capacity_token_fraction"],
+    ) == (policy, not after, 0.25)
     back, notes = imported_options(json.loads(json.dumps(config)), "config.json")
-    assert (back.moe_second_expert_policy, back.moe_normalize_gate_after_dropping, back.moe_normalize_gate,
-            back.moe_eval_capacity_token_fraction, back.moe_batch_major_routing) == (policy, after, True, 0.25, True)
+    assert (
+        back.moe_second_expert_policy,
+        back.moe_normalize_gate_after_dropping,
+        back.moe_normalize_gate,
+        back.moe_eval_capacity_token_fraction,
+        back.moe_batch_major_routing,
+    ) == (policy, after, True, 0.25, True)
     assert (policy != "all") == any("drawn in evaluation too" in line for line in notes)
 
 

@@ -298,16 +298,22 @@ ACCEPTED_IMPORTS = [
     # (id, change to config.json, the imported option and its value): refused before the nllb routing options landed
     ("second-expert-sampling", _config(second_expert_policy="sampling"), "moe_second_expert_policy", "sampling"),
     ("eval-capacity-fraction", _config(moe_eval_capacity_token_fraction=0.5), "moe_eval_capacity_token_fraction", 0.5),
-    ("normalised-after-dropping", _config(normalize_router_prob_before_dropping=False),
-     "moe_normalize_gate_after_dropping", True),
+    (
+        "normalised-after-dropping",
+        _config(normalize_router_prob_before_dropping=False),
+        "moe_normalize_gate_after_dropping",
+        True,
+    ),
     ("no-eval-fraction-capacity-unset", _config(moe_eval_capacity_token_fraction=0), "moe_eval_capacity_factor", 1.0),
 ]
 
 
-@pytest.mark.parametrize("damage, option, value", [row[1:] for row in ACCEPTED_IMPORTS],
-                         ids=[row[0] for row in ACCEPTED_IMPORTS])
-def test_an_hf_config_with_the_nllb_routing_options_imports_with_the_matching_flag(good, tmp_path, damage, option,
-                                                                                    value):
+@pytest.mark.parametrize(
+    "damage, option, value", [row[1:] for row in ACCEPTED_IMPORTS], ids=[row[0] for row in ACCEPTED_IMPORTS]
+)
+def test_an_hf_config_with_the_nllb_routing_options_imports_with_the_matching_flag(
+    good, tmp_path, damage, option, value
+):
     from fairseq_moe_ext import checkpoint as moe_ckpt
 
     _, _, hf_dir = good

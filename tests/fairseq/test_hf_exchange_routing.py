@@ -9,8 +9,11 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers (tests/requirements-oracle.txt) is not installed: "
-                    "bash tests/run.sh installs it into the test venv")
+pytest.importorskip(
+    "transformers",
+    reason="transformers (tests/requirements-oracle.txt) is not installed: "
+    "bash tests/run.sh installs it into the test venv",
+)
 
 from hf_nllb_moe import TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task  # noqa: E402
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool  # noqa: E402
@@ -78,7 +81,8 @@ def test_an_hf_model_that_drops_imports_and_exports_back_with_hf_logits_both_way
 
 @pytest.mark.parametrize("fraction", [1.0, FRACTION], ids=["nothing-dropped", "dropping"])
 def test_a_sampling_policy_model_draws_what_hf_draws_from_the_same_seed_after_import_and_export(
-        tmp_path, task, monkeypatch, fraction):
+    tmp_path, task, monkeypatch, fraction
+):
     from transformers.models.nllb_moe import modeling_nllb_moe
 
     # HF draws torch.rand([]) for layerdrop before every layer, in evaluation too: answered without the generator

@@ -15,8 +15,16 @@ pytest.importorskip(
     "bash tests/run.sh installs it into the test venv",
 )
 
-from hf_nllb_moe import (PAD, TOLERANCE, TorchWithoutLayerdropDraws, assert_same_as_hf, batch,  # noqa: E402
-                         hf_model, import_hf, oracle_task)
+from hf_nllb_moe import (
+    PAD,
+    TOLERANCE,
+    TorchWithoutLayerdropDraws,
+    assert_same_as_hf,
+    batch,  # noqa: E402
+    hf_model,
+    import_hf,
+    oracle_task,
+)
 from fairseq_moe_ext.models.moe_layers import MoEFeedForward  # noqa: E402
 from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig  # noqa: E402
 
