@@ -1,12 +1,10 @@
 """A set's model options as Hugging Face's ``NllbMoeConfig`` (``config.json``), and back.
 
-NllbMoe's sparse block is the nllb branch's: a top-2 softmax router in fp32 (the second expert the
-best of the others under ``second_expert_policy "all"``), the two gates renormalised to sum to 1,
-each expert ``fc1 -> activation -> fc2``, Expert Output Masking as ``moe_token_dropout`` (evaluation
-multiplies expert outputs by 1 - p, as ``--moe-eom`` does), and an evaluation capacity of
-``ceil(moe_eval_capacity_token_fraction * S)`` slots, which drops nothing at 1.0: our dropless
-evaluation (``--moe-eval-capacity-factor 0``). Around it, a pre-norm transformer with sinusoidal
-positions and one embedding table shared by both sides and the output projection.
+NllbMoe's sparse block is the nllb branch's: a top-2 softmax router in fp32, the two gates renormalised to
+sum to 1, each expert ``fc1 -> activation -> fc2``, Expert Output Masking as ``moe_token_dropout``
+(evaluation multiplies expert outputs by 1 - p, as ``--moe-eom`` does); its second-expert policy,
+normalisation order and evaluation capacity are mapped by ``hf_routing.py``. Around it, a pre-norm
+transformer with sinusoidal positions and one embedding table shared by both sides and the output projection.
 
 What NllbMoe cannot express is refused in one line naming the option and the fix; what differs in
 training only comes back as NOTE lines. Torch-free: plain dicts and Namespaces.
@@ -17,7 +15,7 @@ from typing import Dict, List, Tuple
 
 from ..moe.placement import side_moe_freq
 from .errors import CheckpointSetError
-from .branch_options import SECOND_EXPERT_POLICIES
+from .hf_routing import exported_routing, imported_routing
 
 # fmt: off
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
@@ -63,13 +61,8 @@ NOT_EXPRESSIBLE = (
      "export a model without --moe-shared-expert-count"),
     ("moe_balance", "none", lambda v: str(v) != "none", "NllbMoe has no balance bias on its router",
      "export a model trained without --moe-balance bias"),
-    ("moe_normalize_gate", False, lambda v: not v, "NllbMoe always renormalises the two gates to sum to 1",
-     "export a model trained with --moe-normalize-gate"),
     ("moe_gating_no_fp32", False, bool, "NllbMoe's router_dtype float32 is what is exported",
      "export a model trained with fp32 routing (without --moe-gating-no-fp32)"),
-    ("moe_eval_capacity_factor", 0.0, lambda v: float(v) != 0.0,
-     "NllbMoe's evaluation capacity is ceil(fraction * S) slots, which no fraction makes 2*int(cf*ceil(S/E)) for "
-     "every S", "only dropless evaluation (--moe-eval-capacity-factor 0, fraction 1.0) is exported"),
     ("moe_capacity_factor", 0.0, lambda v: float(v) != 1.0,
      "NllbMoe trains with 2*ceil(S/E) slots per expert (expert_capacity unset), which is --moe-capacity-factor 1",
      "pass --training-as-nllb to export it for NllbMoe's training capacity (evaluation is unchanged)"),
@@ -170,31 +163,13 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
                     "export a model whose expert and dense hidden sizes are equal",
                 )
             ffn[side] = int(expert_dim)
+    routing, routing_notes = exported_routing(options, path)  # policy, normalisation order, eval capacity
+    notes += routing_notes
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
         notes.append(
             f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
             f"NllbMoe trains with element-wise dropout instead of masking whole expert outputs"
-        )
-    fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.0))
-    if 0 < fraction < 1 and not _get(options, "moe_batch_major_routing", False):
-        notes.append(
-            f"--moe-eval-capacity-token-fraction {fraction:g} without --moe-batch-major-routing: NllbMoe "
-            f"queues tokens sentence by sentence, this set time step by time step; where slots are dropped, "
-            f"other slots are"
-        )
-    if str(_get(options, "moe_second_expert_policy", "all")) == "random" and not _get(
-        options, "moe_normalize_gate_after_dropping", False
-    ):
-        # NllbMoe (4.57.1) then overwrites the second gate with the raw probability it drew against, so
-        # its output differs from the nllb branch's (and this project's) normalised second gate.
-        _refuse(
-            path,
-            "--moe-second-expert-policy",
-            "random",
-            "with gates normalised before dropping NllbMoe weights the second expert by its raw probability, "
-            "not by the normalised gate this model uses",
-            "export a model with --moe-normalize-gate-after-dropping, or another policy",
         )
     config = {
         "model_type": MODEL_TYPE,
@@ -215,12 +190,9 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "router_bias": False,
         "router_dtype": "float32",
         "router_ignore_padding_tokens": False,
-        # the nllb branch's routing options (imported sets carry them): NllbMoe has the same ones
-        "second_expert_policy": str(_get(options, "moe_second_expert_policy", "all")),
-        "normalize_router_prob_before_dropping": not _get(options, "moe_normalize_gate_after_dropping", False),
         "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_eval_capacity_token_fraction": fraction if fraction > 0 else 1.0,
         "moe_token_dropout": eom,
+        **routing,
         "pad_token_id": PAD,
         "bos_token_id": BOS,
         "eos_token_id": EOS,
@@ -254,12 +226,6 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
             f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
         )
     config = {**HF_DEFAULTS, **config}
-    policy = config.get("second_expert_policy", "all")
-    if policy not in SECOND_EXPERT_POLICIES:
-        raise CheckpointSetError(
-            f"{path} has second_expert_policy {policy!r}, which NllbMoe does not define (all, "
-            f"sampling, random) (nothing was written)"
-        )
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
     _need(
         config,
@@ -277,14 +243,7 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         "routing in lower precision",
         "routing runs in fp32 here: set router_dtype float32 in config.json to import anyway",
     )
-    fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
-    if fraction <= 0:
-        raise CheckpointSetError(
-            f"{path}: moe_eval_capacity_token_fraction is {fraction:g}, so NllbMoe evaluates with "
-            f"its fixed expert_capacity (or the first batch's 2*ceil(S/E), kept), which this "
-            f"project does not represent; set a fraction > 0 (1.0: dropless) in config.json to "
-            f"import anyway (nothing was written)"
-        )
+    routing, notes = imported_routing(config, path)  # policy, normalisation order, eval capacity, batch-major
     for name, wanted in (
         ("pad_token_id", PAD),
         ("bos_token_id", BOS),
@@ -312,30 +271,10 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
             f"{steps['decoder']}): a dense model, which moe_transformer does not hold; use "
             f"fairseq's transformer (nothing was written)"
         )
-    notes = []
     if config.get("expert_capacity") is not None:
         notes.append(
             f"expert_capacity {config['expert_capacity']}: NllbMoe's fixed training capacity; imported as "
             f"--moe-capacity-factor 1 (2*ceil(S/E) slots, NllbMoe's own when it is unset); training only"
-        )
-    before = bool(config.get("normalize_router_prob_before_dropping", False))
-    if policy == "random" and before:
-        raise CheckpointSetError(
-            f"{path} has second_expert_policy random with normalize_router_prob_before_dropping true: NllbMoe then "
-            f"weights the second expert by its raw probability, which the nllb branch's gate (and this project's) "
-            f"does not; set normalize_router_prob_before_dropping false, or another policy, in config.json to "
-            f"import anyway (nothing was written)"
-        )
-    if policy != "all":
-        notes.append(
-            f"second_expert_policy {policy}: the second expert is drawn at random, in evaluation too, as "
-            f"there"
-            + (
-                "; the random draw meets the gate normalised over the two here (the nllb branch's "
-                "rule), the raw probability there"
-                if policy == "random" and before
-                else ""
-            )
         )
     if config.get("router_ignore_padding_tokens", False):
         notes.append(
@@ -373,17 +312,12 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         activation_dropout=float(config.get("activation_dropout", 0.1)),
         moe_expert_count=int(config["num_experts"]),
         moe_top_k=2,
-        moe_normalize_gate=True,
         moe_router="top",
         moe_capacity_factor=1.0,
-        moe_eval_capacity_factor=0.0,
         moe_gating_use_fp32=True,
+        **routing,
         moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)),
         moe_eom=eom,
-        moe_eval_capacity_token_fraction=fraction,
-        moe_second_expert_policy=policy,
-        moe_normalize_gate_after_dropping=not before,
-        moe_batch_major_routing=True,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
     for side in SIDES:

@@ -166,6 +166,42 @@ def test_config_json_carries_every_option_nllb_moe_has_and_import_reads_them_bac
     assert back.decoder_moe_freq == 2 and back.max_target_positions == 512
 
 
+@pytest.mark.parametrize("policy, after", [("sampling", False), ("random", True), ("all", True)])
+def test_the_nllb_routing_options_become_nllb_moe_fields_and_come_back_as_the_same_flags(policy, after):
+    ours = options(
+        moe_second_expert_policy=policy,
+        moe_normalize_gate=not after,
+        moe_normalize_gate_after_dropping=after,
+        moe_eval_capacity_token_fraction=0.25,
+        moe_eval_capacity_factor=1.0,
+        moe_batch_major_routing=True,
+    )  # the fraction replaces the factor
+    config, _ = hf_config(ours, "ck.pt", vocab=30, dtype="float32")
+    assert (
+        config["second_expert_policy"],
+        config["normalize_router_prob_before_dropping"],
+        config["moe_eval_capacity_token_fraction"],
+    ) == (policy, not after, 0.25)
+    back, notes = imported_options(json.loads(json.dumps(config)), "config.json")
+    assert (
+        back.moe_second_expert_policy,
+        back.moe_normalize_gate_after_dropping,
+        back.moe_normalize_gate,
+        back.moe_eval_capacity_token_fraction,
+        back.moe_batch_major_routing,
+    ) == (policy, after, True, 0.25, True)
+    assert (policy != "all") == any("drawn in evaluation too" in line for line in notes)
+
+
+def test_hf_fractions_of_1_or_more_and_unset_fractions_without_fixed_capacity_import_as_the_same_capacity():
+    dropless, _ = imported_options(hf_config(options(), "ck.pt", vocab=30, dtype="float32")[0], "config.json")
+    assert (dropless.moe_eval_capacity_token_fraction, dropless.moe_eval_capacity_factor) == (0.0, 0.0)
+    config = dict(hf_config(options(), "ck.pt", vocab=30, dtype="float32")[0], moe_eval_capacity_token_fraction=0)
+    branch_like, notes = imported_options(config, "config.json")  # expert_capacity None: 2*ceil(S/E), as the branch
+    assert (branch_like.moe_eval_capacity_token_fraction, branch_like.moe_eval_capacity_factor) == (0.0, 1.0)
+    assert any("keeps that count" in line for line in notes)
+
+
 def test_the_shard_writer_keeps_each_shard_within_the_size_unless_one_tensor_is_larger(tmp_path):
     writer = ShardWriter(str(tmp_path), 100)
     sizes = {"a": 10, "b": 10, "c": 5, "big": 40, "d": 3}  # float32: 4 bytes each

@@ -85,8 +85,6 @@ BAD_EXPORTS = [
     # (id, flags to build with, change to its saved options (or None), damage to the output dir (or None), the one
     # line says)
     ("top-k-1", flags(moe_top_k=1), None, None, "--moe-top-k 1: NllbMoe routes every token to exactly 2 experts"),
-    ("random-policy-normalised-before", flags(moe_second_expert_policy="random"), None, None,
-     "--moe-second-expert-policy random: with gates normalised before dropping NllbMoe weights the second expert"),
     ("shared-experts", flags(moe_shared_expert_count=1), None, None, "--moe-shared-expert-count 1: NllbMoe has no"),
     ("balance-bias", flags(moe_balance="bias"), None, None, "--moe-balance bias: NllbMoe has no balance bias"),
     ("cosine-router", flags(moe_router="cosine"), None, None, "--moe-router cosine: NllbMoe's router is a plain"),
@@ -103,6 +101,10 @@ BAD_EXPORTS = [
     ("embedding-layer-norm", flags(layernorm_embedding=True), None, None, "--layernorm-embedding True"),
     ("eval-capacity-factor", flags(moe_eval_capacity_factor=1), None, None,
      "--moe-eval-capacity-factor 1.0: NllbMoe's evaluation capacity is ceil(fraction * S)"),
+    ("eval-fraction-time-major", flags(moe_eval_capacity_token_fraction=0.25), None, None,
+     "--moe-eval-capacity-token-fraction 0.25 without --moe-batch-major-routing: NllbMoe queues tokens"),
+    ("random-policy-normalised-before", flags(moe_second_expert_policy="random"), None, None,
+     "--moe-second-expert-policy random with gates normalised before dropping: NllbMoe then weights"),
     ("dropless-training", flags(moe_capacity_factor=0), None, None,
      "--moe-capacity-factor 0.0: NllbMoe trains with 2*ceil(S/E) slots per expert (expert_capacity unset), which "
      "is --moe-capacity-factor 1; pass --training-as-nllb"),
@@ -200,14 +202,14 @@ def _existing_output(d):
 BAD_IMPORTS = [
     # (id, tool, damage to the copied HF dir, what is passed instead of it (or None), the one line says)
     ("not-nllb-moe", "import-hf", _config(model_type="t5"), None, "has model_type 't5': import-hf reads"),
-    ("unknown-second-expert-policy", "import-hf", _config(second_expert_policy="third"), None,
-     "has second_expert_policy 'third', which NllbMoe does not define (all, sampling, random)"),
-    ("router-bias", "import-hf", _config(router_bias=True), None, "router_bias is True (a bias on the router)"),
+    ("unknown-second-expert-policy", "import-hf", _config(second_expert_policy="top3"), None,
+     "second_expert_policy is 'top3', which NllbMoe's router does not define"),
     ("random-policy-normalised-before", "import-hf",
      _config(second_expert_policy="random", normalize_router_prob_before_dropping=True), None,
-     "second_expert_policy random with normalize_router_prob_before_dropping true: NllbMoe then weights"),
-    ("eval-capacity-fraction-0", "import-hf", _config(moe_eval_capacity_token_fraction=0.0), None,
-     "moe_eval_capacity_token_fraction is 0, so NllbMoe evaluates with its fixed expert_capacity"),
+     "second_expert_policy 'random' with normalize_router_prob_before_dropping true weights the second expert"),
+    ("router-bias", "import-hf", _config(router_bias=True), None, "router_bias is True (a bias on the router)"),
+    ("no-eval-fraction-fixed-capacity", "import-hf", _config(moe_eval_capacity_token_fraction=0, expert_capacity=8),
+     None, "moe_eval_capacity_token_fraction is 0 with expert_capacity 8: NllbMoe then evaluates with a fixed 8"),
     ("untied-output-projection", "import-hf", _config(tie_word_embeddings=False), None,
      "tie_word_embeddings is False (a separate output projection)"),
     ("another-vocabulary-order", "import-hf", _config(pad_token_id=0), None,
@@ -290,3 +292,34 @@ def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_li
         code == 2 and len(err.splitlines()) == 1 and "no space left on device" in err and "nothing was written" in err
     ), err
     assert len(calls) == 2 and list((tmp_path / "out").iterdir()) == []  # no file, no directory
+
+
+ACCEPTED_IMPORTS = [
+    # (id, change to config.json, the imported option and its value): refused before the nllb routing options landed
+    ("second-expert-sampling", _config(second_expert_policy="sampling"), "moe_second_expert_policy", "sampling"),
+    ("eval-capacity-fraction", _config(moe_eval_capacity_token_fraction=0.5), "moe_eval_capacity_token_fraction", 0.5),
+    (
+        "normalised-after-dropping",
+        _config(normalize_router_prob_before_dropping=False),
+        "moe_normalize_gate_after_dropping",
+        True,
+    ),
+    ("no-eval-fraction-capacity-unset", _config(moe_eval_capacity_token_fraction=0), "moe_eval_capacity_factor", 1.0),
+]
+
+
+@pytest.mark.parametrize(
+    "damage, option, value", [row[1:] for row in ACCEPTED_IMPORTS], ids=[row[0] for row in ACCEPTED_IMPORTS]
+)
+def test_an_hf_config_with_the_nllb_routing_options_imports_with_the_matching_flag(
+    good, tmp_path, damage, option, value
+):
+    from fairseq_moe_ext import checkpoint as moe_ckpt
+
+    _, _, hf_dir = good
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    damage(tmp_path / "hf")
+    (tmp_path / "out").mkdir()
+    assert checkpoint_tool(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out" / "ck.pt")]) == 0
+    args = moe_ckpt.load_full(str(tmp_path / "out" / "ck.pt"))["args"]
+    assert getattr(args, option) == value and args.moe_batch_major_routing

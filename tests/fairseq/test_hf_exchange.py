@@ -136,7 +136,9 @@ def test_import_hf_of_an_exported_set_gives_back_every_tensor_of_the_original(ou
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[k], original[k]) for k in original)
     tokens = batch(seed=3)
-    assert torch.equal(our_outputs(loaded(tmp_path / "back" / "ck.pt", task), tokens)[1], our_outputs(model, tokens)[1])
+    back_model = loaded(tmp_path / "back" / "ck.pt", task)
+    assert back_model.args.moe_batch_major_routing  # HF's queue order: the same slots, rows summed in another order
+    torch.testing.assert_close(our_outputs(back_model, tokens)[1], our_outputs(model, tokens)[1], atol=1e-6, rtol=0)
 
 
 def hf_model(seed=0, **changes):

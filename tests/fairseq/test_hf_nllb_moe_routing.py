@@ -15,7 +15,16 @@ pytest.importorskip(
     "bash tests/run.sh installs it into the test venv",
 )
 
-from hf_nllb_moe import PAD, TOLERANCE, assert_same_as_hf, batch, hf_model, import_hf, oracle_task  # noqa: E402
+from hf_nllb_moe import (
+    PAD,
+    TOLERANCE,
+    TorchWithoutLayerdropDraws,
+    assert_same_as_hf,
+    batch,  # noqa: E402
+    hf_model,
+    import_hf,
+    oracle_task,
+)
 from fairseq_moe_ext.models.moe_layers import MoEFeedForward  # noqa: E402
 from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig  # noqa: E402
 
@@ -159,21 +168,6 @@ def test_with_padding_and_drops_imported_models_match_hf_that_masks_pads_but_cou
     assert_same_as_hf(model, hf, *batch([7, 3, 5, 9], [4, 8, 2, 6]))
 
 
-class _TorchWithoutLayerdropDraws:
-    """HF's encoder and decoder draw ``torch.rand([])`` before every layer for layerdrop, in evaluation too (it
-    only skips layers in training): that shifts the generator between its routers' draws. This stands in for
-    ``torch`` in HF's module and answers those draws with 1 (never below layerdrop 0) without the generator."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def rand(self, *args, **kwargs):
-        return self._real.ones([]) if args == ([],) else self._real.rand(*args, **kwargs)
-
-
 @pytest.mark.parametrize("policy", ["sampling", "random"])
 @pytest.mark.parametrize("fraction", [1.0, FRACTION], ids=["nothing-dropped", "dropping"])
 def test_second_expert_policies_draw_what_hf_draws_from_the_same_seed_in_evaluation(
@@ -181,7 +175,7 @@ def test_second_expert_policies_draw_what_hf_draws_from_the_same_seed_in_evaluat
 ):
     from transformers.models.nllb_moe import modeling_nllb_moe
 
-    monkeypatch.setattr(modeling_nllb_moe, "torch", _TorchWithoutLayerdropDraws(torch))
+    monkeypatch.setattr(modeling_nllb_moe, "torch", TorchWithoutLayerdropDraws(torch))
     model, hf, printed = both(tmp_path, task, policy=policy, fraction=fraction)
     assert f"--moe-second-expert-policy {policy}" in printed.split("flags: ")[1]
     src, tgt = batch(*SEVERAL)
