@@ -12,6 +12,7 @@ import torch
 
 from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
+from multiworker_cli_runs import moe_args
 from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -19,43 +20,7 @@ TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
 
 
 def train_args(data, save_dir, max_update, backend):
-    return [
-        str(data),
-        "--user-dir",
-        USER_DIR,
-        "--cpu",
-        "--seed",
-        "1",
-        "--num-workers",
-        "0",
-        "--arch",
-        "moe_transformer_tiny",
-        "--moe-expert-count",
-        "4",
-        "--criterion",
-        "moe_label_smoothed_cross_entropy",
-        "--label-smoothing",
-        "0.1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "3e-3",
-        "--max-tokens",
-        "300",
-        "--clip-norm",
-        "1.0",
-        "--max-update",
-        str(max_update),
-        "--save-dir",
-        str(save_dir),
-        "--no-epoch-checkpoints",
-        "--log-format",
-        "json",
-        "--log-interval",
-        "1",
-        "--ddp-backend",
-        backend,
-    ]
+    return moe_args(data, save_dir, max_update, "--no-epoch-checkpoints", "--ddp-backend", backend)
 
 
 def losses_by_update(output):
