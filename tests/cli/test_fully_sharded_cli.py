@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, torchrun
+from fairseq_helpers import fairseq_env, json_logs, torchrun
 from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import moe_args
+from multiworker_cli_runs import generate, moe_args
 from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_a_fully_sharded_set_is_an_ordinary_set_that_generates_like_legacy_ddp_a
     assert slots.keys() == states[1]["last_optimizer_state"]["state"].keys()
     assert all(not hasattr(v, "device_mesh") for s in slots.values() for v in s.values())
 
-    hypotheses = [generate(runs["data"], d / "checkpoint_last.pt") for d in (fs, legacy)]
+    hypotheses = [generate(runs["data"], d / "checkpoint_last.pt", in_process=False)[0] for d in (fs, legacy)]
     assert hypotheses[0].keys() == hypotheses[1].keys() and len(hypotheses[0]) > 10
     same = sum(hypotheses[0][i][1] == hypotheses[1][i][1] for i in hypotheses[0])
     assert same >= 0.9 * len(hypotheses[0]), f"{same} of {len(hypotheses[0])} hypotheses alike"
@@ -92,27 +92,6 @@ def test_a_fully_sharded_set_is_an_ordinary_set_that_generates_like_legacy_ddp_a
     assert "VERDICT OK: shared parameters are stored once (rank 0)" in inspected
     assert "VERDICT OK: every expert is distinct" in inspected
     assert torch.load(merged, weights_only=False)["model"].keys() == states[0]["model"].keys()
-
-
-def generate(data, path):
-    import re
-
-    output = run_fairseq(
-        "generate",
-        str(data),
-        "--user-dir",
-        USER_DIR,
-        "--path",
-        str(path),
-        "--cpu",
-        "--beam",
-        "2",
-        "--max-tokens",
-        "2000",
-        "--num-workers",
-        "0",
-    )
-    return {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", output, flags=re.M)}
 
 
 def checkpoint_tool(*args):
