@@ -19,13 +19,15 @@ pytestmark = pytest.mark.slow
 
 SHARES = [5, 7]
 SQRT = ["--moe-normalize-expert-grad", "sqrt_world_size"]
-# (backend, extra flags); pytorch_ddp is fairseq's alias of c10d.
+# (backend, extra flags, P); pytorch_ddp is fairseq's alias of c10d. P = 1: both workers hold every expert
+# (2 replicas), where the branch divides by sqrt(W / replicas) = 1, so the gradient stays exact.
 CASES = [
-    ("legacy_ddp", []),
-    ("legacy_ddp", SQRT),
-    ("c10d", SQRT),
-    ("no_c10d", SQRT),
-    ("fully_sharded", SQRT),
+    ("legacy_ddp", [], 2),
+    ("legacy_ddp", SQRT, 2),
+    ("c10d", SQRT, 2),
+    ("no_c10d", SQRT, 2),
+    ("fully_sharded", SQRT, 2),
+    ("legacy_ddp", [*SQRT, "--moe-expert-parallel-size", "1"], 1),
 ]
 
 
@@ -41,7 +43,7 @@ def gradients_after_one_step(data_dir, world, pairs, flags):
 def cases_worker(rank, world, data_dir):
     (batch,) = micro_batches(SHARES, 1)
     mine = batch[sum(SHARES[:rank]) : sum(SHARES[: rank + 1])]
-    return [gradients_after_one_step(data_dir, world, mine, ["--ddp-backend", b, *f]) for b, f in CASES]
+    return [gradients_after_one_step(data_dir, world, mine, ["--ddp-backend", b, *f]) for b, f, _ in CASES]
 
 
 def test_sqrt_world_size_leaves_expert_gradients_sqrt_p_times_the_exact_ones_on_every_backend(tmp_path):
@@ -55,12 +57,14 @@ def test_sqrt_world_size_leaves_expert_gradients_sqrt_p_times_the_exact_ones_on_
         assert torch.equal(one_process["grads"][name], want), f"{name}: the option changed one process's gradient"
     experts = set(exact["expert_names"])
     assert experts and experts == set(by_rank[0][0]["expert_names"])
-    for i, (backend, flags) in enumerate(CASES):
+    for i, (backend, flags, parallel) in enumerate(CASES):
         results = [r[i] for r in by_rank]
-        factor = math.sqrt(2) if flags else 1.0
+        factor = math.sqrt(parallel) if flags else 1.0
         for name, want in exact["grads"].items():
-            if name in experts:  # by global id: rank r holds experts 2r, 2r+1
-                got, scale = torch.cat([r["grads"][name] for r in results]), factor
+            if name in experts:  # by global id: with P = 2 rank r holds experts 2r, 2r+1
+                got, scale = torch.cat([r["grads"][name] for r in results[:parallel]]), factor
+                if parallel == 1:
+                    assert torch.equal(results[1]["grads"][name], got), f"{name} differs between replicas"
             else:
                 got, scale = results[0]["grads"][name], 1.0
                 assert torch.equal(results[1]["grads"][name], got), f"{backend}: {name} differs between workers"
