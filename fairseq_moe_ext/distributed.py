@@ -10,6 +10,9 @@ gradient is the sum over that group's tokens. Consequences, handled here:
 * Summing it over the replica group makes it the sum over every worker's tokens. fairseq then
   multiplies every gradient by ``world_size / sample_size`` (shared ones were averaged), so expert
   gradients are first divided by ``world_size``. The update then equals the single-process update.
+  ``--moe-normalize-expert-grad sqrt_world_size`` (the nllb branch's option) divides them by
+  ``world_size / sqrt(P)`` instead: sqrt(P) times the exact gradient, as in that branch, where P is
+  the expert-parallel size (1 on one process, so the option changes nothing there).
 * The gradient norm used for clipping and logging is the global one: shared norm squared plus each
   expert's norm squared counted once (all-reduced over the expert-parallel group only: the
   replicas hold the same gradients by then). Every worker computes the same number, so clipping
@@ -19,6 +22,7 @@ gradient is the sum over that group's tokens. Consequences, handled here:
 """
 
 import atexit
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +42,14 @@ from .moe.torch_compat import foreach_mul_
 from .process_state import STATE
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp", "fully_sharded")
+EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
+
+
+def expert_grad_factor(normalization: str, parallel_size: int) -> float:
+    """What expert gradients are multiplied by relative to the exact (one-process) gradient:
+    1 for ``world_size``, sqrt(P) for ``sqrt_world_size`` (the nllb branch divides them by
+    sqrt(W / replicas) = sqrt(P) where ``world_size`` divides by P)."""
+    return math.sqrt(parallel_size) if str(normalization) == "sqrt_world_size" else 1.0
 
 
 def set_comm_timeout(seconds: float) -> None:
@@ -283,13 +295,15 @@ class ExpertParallelModel(ModuleProxyWrapper):
 
     Attribute access, ``state_dict`` and ``load_state_dict`` go to the fairseq model, as with
     fairseq's own wrappers. ``replica_group``: ``expert_replica_group()`` when the model was
-    wrapped (None: no replicas).
+    wrapped (None: no replicas). ``expert_grad_factor``: ``expert_grad_factor(...)``, 1 for the
+    exact gradient.
     """
 
-    def __init__(self, module: torch.nn.Module, world_size: int, replica_group=None):
+    def __init__(self, module: torch.nn.Module, world_size: int, replica_group=None, expert_grad_factor=1.0):
         super().__init__(module)
         self.world_size = world_size
         self.replica_group = replica_group
+        self.expert_grad_factor = float(expert_grad_factor)
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
@@ -306,7 +320,7 @@ class ExpertParallelModel(ModuleProxyWrapper):
             sum_expert_grads_over_replicas(experts, self.replica_group)
         grads = [p.grad for p in experts if p.grad is not None]
         if grads:
-            foreach_mul_(grads, 1.0 / self.world_size)
+            foreach_mul_(grads, self.expert_grad_factor / self.world_size)
 
 
 def unsupported_backend_error(backend: str) -> ValueError:

@@ -19,7 +19,7 @@ VALUED = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embe
           "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
           "max_target_positions", "activation_fn", "moe_expert_count", "moe_freq", "encoder_moe_freq",
           "decoder_moe_freq", "moe_top_k", "moe_expert_ffn_dim", "moe_capacity_factor", "moe_eval_capacity_factor",
-          "moe_eom", "moe_eval_capacity_token_fraction", "moe_second_expert_policy")
+          "moe_eom", "moe_eval_capacity_token_fraction", "moe_second_expert_policy", "moe_normalize_expert_grad")
 # fmt: on
 # fmt: off
 SWITCHES = ("encoder_normalize_before", "decoder_normalize_before", "share_all_embeddings",

@@ -111,7 +111,7 @@ else
 fi
 echo "    $(grep -c '^H-' "$WORK/generate.out") hypotheses; $(grep -E 'BLEU' "$WORK/generate.out" | tail -1)"
 
-stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0)"
+stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0, --moe-normalize-expert-grad sqrt_world_size)"
 if [ "$FINETUNE" != 1 ]; then
   echo "    skipped (FINETUNE=$FINETUNE)"
   finish
@@ -121,9 +121,11 @@ fi
 read -r -a model_args <<< "$(python recipes/checkpoint_flags.py "$imported")"
 # NLLB's fine-tuning (README "Finetuning NLLB models", MoE; sweep_mmt.py's optimisation flags), mapped here:
 # --moe-gate-loss-wt 0 as the README; fairseq's adam with NLLB's betas and eps, inverse_sqrt from 1e-7, no
-# clipping, label smoothing 0.1; reset_all = fairseq's four --reset-* flags.
+# clipping, label smoothing 0.1; reset_all = fairseq's four --reset-* flags; sweep_mmt.py gives every MoE run
+# --moe-normalize-expert-grad sqrt_world_size (expert gradients sqrt(P) times the exact ones).
 train_args=(
   "${task_args[@]}" --arch moe_transformer "${model_args[@]}" --dropout "$DROPOUT"
+  --moe-normalize-expert-grad sqrt_world_size
   --criterion moe_label_smoothed_cross_entropy --label-smoothing 0.1 --moe-gate-loss-wt 0
   --moe-gate-loss-combine-method sum --sampling-method temperature --sampling-temperature 1
   --optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-06 --weight-decay 0.0 --clip-norm 0.0

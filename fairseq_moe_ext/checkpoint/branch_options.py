@@ -167,10 +167,11 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
     eom = float(_get(options, "moe_eom", 0.0))
     if eom:
         flags["moe_eom"] = eom  # Expert Output Masking: the same per-slot mask and 1 - p scaling here
-    grad = str(_get(options, "moe_normalize_expert_grad", "world_size"))
+    # The branch divides expert gradients by sqrt(W / replicas) for these names, else by W / replicas.
+    if str(_get(options, "moe_normalize_expert_grad", "world_size")) in ("sqrt_world_size", "sqrt_num_experts"):
+        flags["moe_normalize_expert_grad"] = "sqrt_world_size"
     notes.append(
-        f"training only: the branch's balance loss mean(me*ce)*E^2 (here E*sum(me*ce), the same value), "
-        f"--moe-normalize-expert-grad {grad} and --moe-local-drop are not reproduced; dropout after the MoE "
-        f"block is fairseq's --dropout here (the branch applied it inside each expert)"
+        "training only: --moe-local-drop is not reproduced; dropout after the MoE block is fairseq's --dropout "
+        "here (the branch applied it inside each expert)"
     )
     return flags, notes

@@ -62,10 +62,13 @@ def wrap_distributed_model(original):
         if not moe:
             return wrapped
         STATE.expert_parallel_training = True
+        layout = moe_dist.model_layout(model)
+        normalization = getattr(model, "moe_normalize_expert_grad", "world_size")  # MoEModelMixin records it
         return moe_dist.ExpertParallelModel(
             wrapped,
             torch.distributed.get_world_size(process_group),
-            replica_group=moe_dist.expert_replica_group(moe_dist.model_layout(model)),
+            replica_group=moe_dist.expert_replica_group(layout),
+            expert_grad_factor=moe_dist.expert_grad_factor(normalization, layout.parallel_size),
         )
 
     return distributed_fairseq_model

@@ -10,6 +10,7 @@ import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..distributed import (
+    EXPERT_GRAD_NORMALIZATIONS,
     SUPPORTED_DDP_BACKENDS,
     default_expert_parallel_size,
     expert_world_size,
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
 MOE_BALANCE_CHOICES = ChoiceEnum(["none", "bias"])
 MOE_SECOND_EXPERT_CHOICES = ChoiceEnum(list(SECOND_EXPERT_POLICIES))
+MOE_EXPERT_GRAD_CHOICES = ChoiceEnum(list(EXPERT_GRAD_NORMALIZATIONS))
 
 
 # fmt: off
@@ -46,6 +48,13 @@ class MoEConfig(FairseqDataclass):
                   "replicas whose expert gradients are summed; must divide both the number of workers and "
                   "--moe-expert-count. Larger P: less expert memory per worker, all-to-alls over more workers "
                   "(keep a group within a node) (default: the largest such P, gcd(workers, experts))"},
+    )
+    moe_normalize_expert_grad: MOE_EXPERT_GRAD_CHOICES = field(
+        default="world_size",
+        metadata={"help": "world_size: expert gradients equal the one-process gradient, as shared ones do; "
+                  "sqrt_world_size (the nllb branch's option): sqrt(P) times it, P the expert-parallel size, "
+                  "before clipping, like a sqrt(P) larger learning rate on experts; no change on one worker "
+                  "(default world_size)"},
     )
     moe_freq: int = field(
         default=2,

@@ -15,7 +15,7 @@ from fairseq.models.transformer.transformer_config import TransformerConfig
 from ..checkpoint.config_value import config_value
 from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
-from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed
+from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed, moe_option
 from .moe_layers import install_moe_layers
 
 # Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.
@@ -81,6 +81,8 @@ class MoEModelMixin:
             )
         model.moe_cache = attach_moe_cache(model)
         model.moe_layout = layout
+        # Read when the model is wrapped for training (fairseq hands the wrapper only its distributed options).
+        model.moe_normalize_expert_grad = str(moe_option(args, "moe_normalize_expert_grad"))
         return model
 
     @classmethod

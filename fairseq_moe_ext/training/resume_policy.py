@@ -77,6 +77,8 @@ POLICY: Dict[str, Rule] = {
     "moe_eval_capacity_token_fraction": Rule(MAY_CHANGE, "validation and inference routing capacity, a choice of "
                                                          "each run"),
     "moe_gate_noise": Rule(MAY_CHANGE, "exploration noise in training; " + TRAINING_ONLY),
+    "moe_normalize_expert_grad": Rule(MAY_CHANGE, "the expert gradients' scale, like a learning rate on experts; "
+                                                  + TRAINING_ONLY),
     "moe_bias_update_rate": Rule(MAY_CHANGE, "how fast the bias moves from now on, like a learning rate",
                                  effective=_bias_rate),
     "moe_gating_no_fp32": Rule(MAY_CHANGE, "the router's precision, not its function"),

@@ -2,6 +2,8 @@
 that branch's layout, tests/support/branch_sets.py) becomes a checkpoint this project's fairseq models load
 and compute the same function with; what it cannot represent is refused in one line, writing nothing."""
 
+import argparse
+
 import pytest
 import torch
 from fairseq import checkpoint_utils
@@ -10,6 +12,7 @@ from branch_sets import branch_model_options, write_branch_set
 from fake_checkpoints import fingerprint
 from tiny_fairseq_models import translation, translation_batch
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from fairseq_moe_ext.checkpoint.branch_options import branch_flags
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EXPERTS = 4
@@ -117,9 +120,16 @@ def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_
     assert "--moe-batch-major-routing True" in printed
     assert "--encoder-moe-freq 2" in printed  # max(encoder_moe_freq, moe_freq), as the branch's encoder reads it
     assert "--moe-eom 0.2" in printed  # Expert Output Masking, as NLLB-200 MoE was trained with it
+    assert "--moe-normalize-expert-grad sqrt_world_size" in printed.split("flags: ")[1]  # the NLLB-like set's
+    assert "NOTE training only: --moe-local-drop is not reproduced" in printed and "balance loss" not in printed
     state = torch.load(tmp_path / "imported.pt", weights_only=False)
     assert state["args"].arch == "moe_transformer" and state["args"].moe_eval_capacity_token_fraction == 0.5
-    assert state["args"].moe_eom == 0.2
+    assert state["args"].moe_eom == 0.2 and state["args"].moe_normalize_expert_grad == "sqrt_world_size"
+    # The branch's other value is this project's default: no flag.
+    exact, _ = branch_flags(
+        argparse.Namespace(**{**vars(options), "moe_normalize_expert_grad": "world_size"}), "ck", {}
+    )
+    assert "moe_normalize_expert_grad" not in exact
     assert "last_optimizer_state" not in state and state["moe"]["num_updates"] == 300
 
 

@@ -47,6 +47,7 @@ CHANGED = {
     "moe_batch_major_routing": (FREE, False, True),
     "moe_eval_capacity_token_fraction": (FREE, 0.0, 0.25),
     "moe_gate_noise": (FREE, 0.0, 1.0),
+    "moe_normalize_expert_grad": (FREE, "world_size", "sqrt_world_size"),
     "moe_bias_update_rate": (FREE, None, 0.01),  # None: the default rate, 0.001
     "moe_gating_no_fp32": (FREE, False, True),
     "moe_gating_use_fp32": (FREE, False, True),
