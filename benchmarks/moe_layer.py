@@ -28,14 +28,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from contenders import Shape, build_contender, fits_fairscale, import_fairscale  # noqa: E402
-from measure import (  # noqa: E402
-    machine_summary,
-    median,
-    memory_in_subprocess,
-    peak_step_memory,
-    spread,
-    time_interleaved,
-)
+from measure import machine_summary, median, spread, time_interleaved  # noqa: E402
+from moe_layer_memory import memory_probe, memory_section  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -298,74 +292,13 @@ def capacity_section(args, device, dtype, report):
     del contenders
 
 
-def memory_section(args, device, report):
-    names = ["floor"] + [f"moe:{m}" for m in args.matmuls] + ["dense"]
-    if fairscale_skip_reason(args, shape_of(args)) is None:
-        names.append("fairscale")
-    names.append(f"moe:{args.matmuls[0]}:skew")
-    print(
-        f"\n## Peak memory of one forward+backward step (growth over the built model and inputs; "
-        f"{'GPU allocated' if device.type == 'cuda' else 'resident set, fresh process per row'})"
-    )
-    print(f"{'contender':<24}{'peak MiB':>10}{'x floor':>9}")
-    script = os.path.abspath(__file__)
-    common = [
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--threads",
-        str(args.threads),
-        "--d-model",
-        str(args.d_model),
-        "--hidden",
-        str(args.hidden),
-        "--experts",
-        str(args.experts),
-        "--top-k",
-        str(args.top_k),
-        "--tokens",
-        str(args.tokens),
-        "--skew",
-        str(args.skew),
-    ]
-    rows = {}
-    for name in names:
-        probe = memory_in_subprocess(script, common + ["--memory-probe", name])
-        rows[name] = probe
-        if "error" in probe:
-            print(f"{name:<24}  failed: {probe['error']}")
-            continue
-        floor = rows.get("floor", {}).get("bytes")
-        ratio = f"{probe['bytes'] / floor:>9.2f}" if floor else f"{'-':>9}"
-        print(f"{probe['name']:<24}{probe['bytes'] / 2**20:>10.0f}{ratio}")
-    report["memory"] = rows
-
-
-def memory_probe(args, device, dtype):
-    kind, _, rest = args.memory_probe.partition(":")
-    matmul, _, skew = rest.partition(":")
-    kw = {}
-    if kind == "moe":
-        kw = {"expert_matmul": matmul or "auto", "skew": args.skew if skew else None}
-    if kind == "fairscale":
-        import_fairscale()
-    # Warm libraries up (thread pools, BLAS buffers, process group) on a tiny instance first, so
-    # the measured growth is the step's own.
-    tiny = build_contender(kind, shape_of(args, tokens=args.experts * 4), device, dtype, **kw)
-    tiny.step()
-    del tiny
-    contender = build_contender(kind, shape_of(args), device, dtype, **kw)
-    print(json.dumps({"name": contender.name, "bytes": peak_step_memory(contender.step, device)}))
-
-
 def main(argv=None):
     args = parse_args(argv)
     device = check_device(args)
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     if args.memory_probe:
-        return memory_probe(args, device, dtype)
+        return memory_probe(args, device, dtype, shape_of)
     print(f"# MoE layer benchmark, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(machine_summary(device))
     report = {"args": {k: v for k, v in vars(args).items()}, "machine": machine_summary(device)}
@@ -379,7 +312,8 @@ def main(argv=None):
         skew_section(args, device, dtype, report)
         capacity_section(args, device, dtype, report)
     if not args.no_memory:
-        memory_section(args, device, report)
+        with_fairscale = fairscale_skip_reason(args, shape_of(args)) is None
+        memory_section(args, device, report, os.path.abspath(__file__), with_fairscale)
     print(
         f"\nload average at the end: {os.getloadavg()[0]:.2f} (above {os.cpu_count()} means other work shared the cores)"
     )

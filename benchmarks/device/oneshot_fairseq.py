@@ -64,43 +64,15 @@ def env():
 def train_flags(data, save_dir, *extra, seed=1):
     import fairseq_moe_ext
 
+    fixed = (
+        "--arch moe_transformer_tiny --criterion moe_label_smoothed_cross_entropy --label-smoothing 0.1 "
+        "--optimizer adam --lr 3e-3 --lr-scheduler inverse_sqrt --warmup-updates 30 --clip-norm 1.0 "
+        "--num-workers 0 --no-epoch-checkpoints --log-format json"
+    ).split()
     return [
-        str(data),
-        "--user-dir",
-        fairseq_moe_ext.PACKAGE_DIR,
-        "--arch",
-        "moe_transformer_tiny",
-        "--criterion",
-        "moe_label_smoothed_cross_entropy",
-        "--label-smoothing",
-        "0.1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "3e-3",
-        "--lr-scheduler",
-        "inverse_sqrt",
-        "--warmup-updates",
-        "30",
-        "--clip-norm",
-        "1.0",
-        "--max-tokens",
-        str(sized(2000, 400)),
-        "--max-update",
-        str(UPDATES),
-        "--seed",
-        str(seed),
-        "--num-workers",
-        "0",
-        "--save-dir",
-        str(save_dir),
-        "--no-epoch-checkpoints",
-        "--log-format",
-        "json",
-        "--log-interval",
-        str(sized(20, 4)),
-        *(["--cpu"] if DRY_RUN else []),
-        *extra,
+        *[str(data), "--user-dir", fairseq_moe_ext.PACKAGE_DIR, *fixed, "--save-dir", str(save_dir)],
+        *["--max-tokens", str(sized(2000, 400)), "--max-update", str(UPDATES), "--seed", str(seed)],
+        *["--log-interval", str(sized(20, 4)), *(["--cpu"] if DRY_RUN else []), *extra],
     ]
 
 
@@ -291,27 +263,11 @@ def two_ranks(data):
         name = f"two_ranks_{backend.replace(':', '_').replace(',', '+')}"
         if out_of_time(f"fairseq_{name}", 40):
             return None
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "fairseq_cli.train",
-            *train_flags(
-                data,
-                RUNS / name,
-                "--distributed-world-size",
-                "2",
-                "--ddp-backend",
-                "legacy_ddp",
-                "--bf16",
-                *([] if DRY_RUN else ["--distributed-backend", backend]),
-            ),
-        ]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        two = ["--distributed-world-size", "2", "--ddp-backend", "legacy_ddp", "--bf16"]
+        backend_flags = [] if DRY_RUN else ["--distributed-backend", backend]
+        command = [*launcher, "--master_port", str(free_port()), "-m", "fairseq_cli.train"]
+        command += train_flags(data, RUNS / name, *two, *backend_flags)
         status = wait_all([start(name, command)])[name]
         result = outcome(name, status)
         label = (
@@ -346,23 +302,9 @@ def generate(data, save_dir):
         return emit("SKIP", f"fairseq_{name}", "no two-rank set was saved to generate from")
     if out_of_time(f"fairseq_{name}", 15):
         return
-    command = [
-        sys.executable,
-        "-m",
-        "fairseq_cli.generate",
-        str(data),
-        "--user-dir",
-        str(ROOT / "fairseq_moe_ext"),
-        "--path",
-        str(save_dir / "checkpoint_last.pt"),
-        "--beam",
-        "2",
-        "--max-tokens",
-        "2000",
-        "--num-workers",
-        "0",
-        *(["--cpu"] if DRY_RUN else []),
-    ]
+    command = [sys.executable, "-m", "fairseq_cli.generate", str(data), "--user-dir", str(ROOT / "fairseq_moe_ext")]
+    command += ["--path", str(save_dir / "checkpoint_last.pt"), "--beam", "2", "--max-tokens", "2000"]
+    command += ["--num-workers", "0", *(["--cpu"] if DRY_RUN else [])]
     status = wait_all([start(name, command)], margin=5)[name]
     text = read_log(name)
     hypotheses = len(re.findall(r"^H-\d+", text, re.MULTILINE))

@@ -24,5 +24,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   "$venv/bin/python" -c "import fairseq, torch, fairseq_moe_ext" >/dev/null
   printf '%s\n' "$wanted" > "$stamp"
 fi
+# A venv shared between checkouts (MOE_VENV, git worktrees) imports the package from the checkout that last
+# installed it, which may since have been deleted: point the editable install at this one (run from / so that
+# the current directory cannot answer the import).
+installed=$(cd / && "$venv/bin/python" -c "import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec('fairseq_moe_ext').origin)))" 2>/dev/null || true)
+if [ "$installed" != "$repo_root" ]; then
+  echo "[venv] pointing the editable install of fairseq_moe_ext at $repo_root (it was: ${installed:-not importable})" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo_root" \
+      2>&1 | grep -v "is ignored: it is neither" >&2 || true
+fi
 # shellcheck disable=SC1091
 source "$venv/bin/activate"

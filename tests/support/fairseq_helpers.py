@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import pytest
 
 import fairseq_moe_ext
+from paths import REPO_ROOT
 
 USER_DIR = fairseq_moe_ext.PACKAGE_DIR
 CONFIG_DIR = os.path.join(USER_DIR, "config")
@@ -86,8 +87,9 @@ def fairseq_env() -> Dict[str, str]:
     env = dict(os.environ)
     # Two cores: one intra-op thread per run keeps runs from fighting each other and pytest.
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # scikit-learn and scipy.stats imported on first use only (see lean_imports/sitecustomize.py).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_IMPORTS, env.get("PYTHONPATH")) if p)
+    # scikit-learn and scipy.stats imported on first use only (see lean_imports/sitecustomize.py); the package
+    # from this checkout, whichever checkout a shared venv's editable install points at.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_IMPORTS, str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
