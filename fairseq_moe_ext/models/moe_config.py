@@ -1,26 +1,17 @@
 """The ``--moe-*`` model options, named after fairseq's ``moe`` branch where it had them."""
 
 import logging
-import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
-import torch
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..distributed import (
     EXPERT_GRAD_NORMALIZATIONS,
-    SUPPORTED_DDP_BACKENDS,
-    default_expert_parallel_size,
-    expert_world_size,
-    set_comm_timeout,
-    set_expert_parallel_size,
-    unsupported_backend_error,
 )
 from ..checkpoint.config_value import config_value
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
-from ..fully_sharded import refused_options, zero_sharding_error
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.placement import places_moe_layer, side_moe_freq
 from ..moe.router import ROUTER_TYPES
@@ -308,58 +299,3 @@ def check_moe_layers_placed(args, sides) -> None:
         f"multiple of the frequency): use a frequency between 1 and {most}, or a dense --arch (transformer, "
         f"transformer_lm) for a model without experts"
     )
-
-
-def expert_parallel_size(args, world: int) -> int:
-    """P for ``world`` workers: --moe-expert-parallel-size, checked, or by default the largest P
-    dividing both the workers and the experts (P = W wherever E is a multiple of W)."""
-    experts = moe_option(args, "moe_expert_count")
-    size = moe_option(args, "moe_expert_parallel_size")
-    if size is None:
-        return default_expert_parallel_size(world, experts)
-    check_expert_parallel_size(size, world, experts)
-    return size
-
-
-def check_expert_parallel_size(size: int, world: int, experts: int) -> None:
-    """P must divide the ``world`` workers (W/P replica groups) and the experts (E/P per worker)."""
-    choices = [str(d) for d in range(1, world + 1) if world % d == 0 and experts % d == 0]
-    listed = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
-    fix = f"use a P dividing both {world} and --moe-expert-count {experts} ({listed})"
-    if world % size:
-        raise ValueError(f"--moe-expert-parallel-size {size} does not divide the {world} workers: {fix}")
-    if experts % size:
-        raise ValueError(f"--moe-expert-parallel-size {size} does not divide --moe-expert-count {experts}: {fix}")
-
-
-def check_ddp_backend(args) -> None:
-    """fairseq builds fully_sharded models differently before any MoE code runs, so the backend is
-    checked while the command line is parsed (the architecture functions see every flag)."""
-    backend = config_value(args, "ddp_backend")
-    if backend is not None and str(backend) not in SUPPORTED_DDP_BACKENDS:
-        raise unsupported_backend_error(str(backend))
-    if str(config_value(args, "zero_sharding")) == "os":
-        raise zero_sharding_error()
-    refused = refused_options(args) if str(backend) == "fully_sharded" else []
-    if refused:
-        raise ValueError(refused[0])
-
-
-def apply_runtime_options(args) -> None:
-    """Process-wide settings the MoE flags ask for; called when a model is built, before any
-    expert-parallel group exists."""
-    set_comm_timeout(float(moe_option(args, "moe_comm_timeout")))
-    world = expert_world_size()
-    if world > 1:  # one process (or every expert local): P is 1 whatever the flag says
-        set_expert_parallel_size(expert_parallel_size(args, world))
-    if moe_option(args, "moe_deterministic"):
-        # cuBLAS picks reduction orders per workspace unless told otherwise; the variable must be
-        # set before its first use, which is after model construction.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        logger.info(
-            "--moe-deterministic: torch.use_deterministic_algorithms(True), "
-            f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}"
-        )

@@ -15,7 +15,8 @@ from fairseq.models.transformer.transformer_config import TransformerConfig
 from ..checkpoint.config_value import config_value
 from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
-from .moe_config import apply_runtime_options, check_moe_args, check_moe_layers_placed, moe_option
+from .moe_config import check_moe_args, check_moe_layers_placed, moe_option
+from .moe_runtime import apply_runtime_options
 from .moe_layers import install_moe_layers
 
 # Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.

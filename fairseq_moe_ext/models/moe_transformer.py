@@ -21,7 +21,8 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from ..checkpoint.config_value import config_value
-from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_ddp_backend, check_moe_args, moe_option
+from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_moe_args, moe_option
+from .moe_runtime import check_ddp_backend
 
 # Re-exported: tests and user code import these from this module, where they used to live.
 from .moe_model import (  # noqa: F401

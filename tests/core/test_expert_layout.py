@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext.distributed import ExpertLayout, default_expert_parallel_size
-from fairseq_moe_ext.models.moe_config import apply_runtime_options, expert_parallel_size
+from fairseq_moe_ext.models.moe_runtime import apply_runtime_options, expert_parallel_size
 from fairseq_moe_ext.process_state import STATE
 
 
