@@ -239,3 +239,22 @@ def test_a_dtype_the_exchange_cannot_write_is_refused_in_one_line_and_nothing_is
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert fingerprint(tmp_path / "out") in (None, {}) and fingerprint(inputs) == before
+
+
+def test_a_rank_file_in_another_dtype_than_rank_0_is_refused_as_it_is_streamed(ours, tmp_path, capsys):
+    from fairseq_moe_ext.checkpoint.manifest import describe_file
+
+    args, _, model = ours
+    write_set(args, model, tmp_path / "set" / "ck.pt", 2)
+    rank1, manifest = tmp_path / "set" / "ck-rank-1-of-2.pt", tmp_path / "set" / "ck.set.json"
+    state = torch.load(rank1, weights_only=False)
+    state["model"] = {k: v.half() if ".fc1.experts." in k else v for k, v in state["model"].items()}
+    torch.save(state, rank1)
+    listed = json.loads(manifest.read_text())  # a hand-edited set, consistent with its manifest
+    listed["files"] = [describe_file(str(rank1)) | {"rank": 1} if f["rank"] == 1 else f for f in listed["files"]]
+    manifest.write_text(json.dumps(listed))
+    capsys.readouterr()
+    assert checkpoint_tool(["export-hf", str(tmp_path / "set" / "ck.pt"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ck-rank-1-of-2.pt: encoder.layers.1.fc1.experts.batched_fc1_w is float16, rank 0's weights float32" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "hf").exists()
