@@ -3,7 +3,8 @@
 A moe/nllb-branch run with ``--ddp-backend fully_sharded --use-sharded-state`` saves, on every rank r,
 ``<P>-rank-<r>-shard<r>.pt`` (its experts, FSDP flat parameters) and ``<P>-shared-shard<r>.pt`` (its
 slice of every other parameter, flattened), each with a ``shard_metadata`` entry. The branch's
-``consolidate_fsdp_shards(P)`` (``fairseq/distributed/fully_sharded_data_parallel.py`` there) un-flattens
+``consolidate_fsdp_shards(P)`` (``fairseq/distributed/fully_sharded_data_parallel.py`` there; read in
+two copies of the branch code, an nllb-based fork and a moe-branch copy, identical here) un-flattens
 them with fairscale's ``FSDP.consolidate_shard_weights`` and writes ``<P>_consolidated-shared.pt`` (the
 dense slices joined, under the module's own parameter names: fairscale's metadata holds the cleaned
 paths, no ``_fsdp_wrapped_module``) and one ``<P>_consolidated-rank-<r>.pt`` per rank (that rank's
