@@ -1,6 +1,7 @@
 """Peak memory of ``export-hf`` and ``import-hf`` on a synthetic 16-rank set.
 
     python benchmarks/hf_exchange_memory.py [--ranks 16] [--layers 4] [--dim 256] [--hidden 2048] [--shard-mb 16]
+                                            [--cast float16]
 
 Writes a set of this project's format (16 rank files, one expert each in every MoE layer, fp32, rank 0
 also holding the shared parameters), exports it with ``--max-shard-size`` of ``--shard-mb`` MB, then
@@ -8,7 +9,8 @@ imports the export into W = 1, 4 and 16 output files, each step in a fresh proce
 process's peak resident memory (VmHWM, reset first) above what it held before (torch and the package imported), beside
 the bound each should stay near: export, one rank file (rank 0, the largest) plus one output shard;
 import, one output file (rank 0's holds the shared parameters too). W = 1 writes every expert into
-one file, so its peak is the whole model by construction.
+one file, so its peak is the whole model by construction. ``--cast`` also exports with ``--dtype`` (each tensor
+cast as it is streamed): the same bound (a cast copy lives only in the pending shard), never the whole model.
 """
 
 import argparse
@@ -99,12 +101,14 @@ def peak_growth(run) -> float:
 
 
 def measure(step: str, source: str, output: str, value: int) -> None:
-    """In a fresh process: print the peak RSS growth (MiB) of one export or import."""
+    """In a fresh process: print the peak RSS growth (MiB) of one export (``export:<dtype>`` casts) or import."""
+    from fairseq_moe_ext.checkpoint.hf_dtype import cast_dtype
     from fairseq_moe_ext.checkpoint.hf_export import export_hf
     from fairseq_moe_ext.checkpoint.hf_import import import_hf
 
-    if step == "export":
-        print(f"{peak_growth(lambda: export_hf(source, output, value, report=lambda line: None)):.1f}")
+    if step.startswith("export"):
+        dtype = cast_dtype(step.split(":")[1], "export-hf") if ":" in step else None
+        print(f"{peak_growth(lambda: export_hf(source, output, value, report=lambda line: None, dtype=dtype)):.1f}")
     else:
         print(f"{peak_growth(lambda: import_hf(source, output, value, report=lambda line: None)):.1f}")
 
@@ -123,6 +127,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--shard-mb", type=int, default=16)
+    parser.add_argument("--cast", default=None, help="also export with --dtype CAST (e.g. float16)")
     parser.add_argument("--measure", nargs=4, metavar=("STEP", "SOURCE", "OUTPUT", "VALUE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -145,6 +150,10 @@ def main() -> None:
         peak = fresh("export", name + ".pt", os.path.join(root, "hf"), shard)
         bound = first + shard / MB
         print(f"{'export':>12} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} {peak / whole:>10.2f}")
+        if args.cast:
+            peak = fresh(f"export:{args.cast}", name + ".pt", os.path.join(root, "hf-" + args.cast), shard)
+            label = "export " + args.cast
+            print(f"{label:>12} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} {peak / whole:>10.2f}")
         for workers in (1, 4, 16):
             out = os.path.join(root, f"out{workers}")
             os.mkdir(out)

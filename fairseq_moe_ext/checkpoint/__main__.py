@@ -17,6 +17,7 @@ from .config_value import config_value
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
 from .hf_export import export_hf, shard_size
+from .hf_dtype import cast_dtype
 from .hf_import import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
@@ -87,6 +88,12 @@ def main(argv=None) -> int:
         "factor other than 1, gate noise): NllbMoe's own training settings are written, with a NOTE; "
         "evaluation is unchanged",
     )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="cast every tensor to float32, float16 or bfloat16 as it is written (config.json's torch_dtype says "
+        "so); default: the set's own dtype",
+    )
     p = sub.add_parser(
         "import-hf", help="import a Hugging Face NLLB-MoE checkpoint directory as this project's checkpoint"
     )
@@ -95,6 +102,11 @@ def main(argv=None) -> int:
         "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
     )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="cast every tensor to float32, float16 or bfloat16; default: keep the dtype the Hugging Face files hold",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "export-hf":
@@ -103,11 +115,12 @@ def main(argv=None) -> int:
                 args.output_dir,
                 shard_size(args.max_shard_size),
                 training_as_nllb=args.training_as_nllb,
+                dtype=cast_dtype(args.dtype, "export-hf"),
             )
             return 0
         if args.command == "import-hf":
             _refuse_overwrite(args.output)
-            import_hf(args.hf_dir, args.output, args.world_size)
+            import_hf(args.hf_dir, args.output, args.world_size, dtype=cast_dtype(args.dtype, "import-hf"))
             return 0
         if args.command == "import-fairseq-moe":
             _refuse_overwrite(args.output)

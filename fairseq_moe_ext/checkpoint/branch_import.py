@@ -168,7 +168,7 @@ def import_branch_set(
         else f"{branch.world // branch.experts} replicas each"
     )
     report(
-        f"found {prefix}: {branch.world} rank files + shared, arch {config_value(branch.options, 'arch', '?')}, "
+        f"found {branch.prefix}: {branch.world} rank files + shared, arch {config_value(branch.options, 'arch', '?')}, "
         f"{branch.experts} experts ({held}), "
         f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}"
     )

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .branch_consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
 from .branch_options import branch_flags, is_language_model, model_options
 from .config_value import config_value
 from .errors import CheckpointSetError
@@ -38,12 +39,12 @@ def branch_files(prefix: str) -> Tuple[str, List[str]]:
         match = RANK_FILE.search(path)
         if match and path == f"{prefix}-rank-{int(match.group(1))}.pt":  # not -rank-01.pt, -rank-0-shard0.pt
             found[int(match.group(1))] = path
-    escaped = glob.escape(prefix)
-    sharded = sorted(glob.glob(escaped + "-shared-shard*.pt") + glob.glob(escaped + "-rank-*-shard*.pt"))
+    sharded = sharded_files(prefix)
     if not found and sharded:
         raise CheckpointSetError(
             f"{sharded[0]} is an FSDP-sharded branch file: consolidate the shards with the branch's "
-            f"consolidate_fsdp_shards first and import its <prefix>_consolidated files (nothing was written)"
+            f"consolidate_fsdp_shards({prefix!r}) first, then pass {prefix} again (it reads the "
+            f"{os.path.basename(prefix)}_consolidated files) (nothing was written)"
         )
     if not found:
         hint = (
@@ -60,7 +61,7 @@ def branch_files(prefix: str) -> Tuple[str, List[str]]:
     if missing:
         raise CheckpointSetError(
             f"{prefix}-rank-{missing[0]}.pt is missing (found ranks {_ranges(ranks)}): every rank file of the run is "
-            f"needed; copy it beside the others (nothing was written)"
+            f"needed; copy it beside the others{missing_rank_hint(prefix, missing[0])} (nothing was written)"
         )
     if not os.path.isfile(shared):
         raise CheckpointSetError(
@@ -83,6 +84,7 @@ class BranchSet:
     """What the shared file and rank 0 say about the set: options, MoE layers, expert count, shapes."""
 
     def __init__(self, prefix: str, load: Callable[[str], Dict] = safe_load):
+        prefix, consolidated = resolve_prefix(prefix)
         self.prefix = prefix
         self.load = load
         self.shared_path, self.rank_paths = branch_files(prefix)
@@ -113,8 +115,8 @@ class BranchSet:
             if world < declared_world:
                 raise CheckpointSetError(
                     f"{prefix}-rank-{world}.pt is missing: the run had {declared_world} workers "
-                    f"(distributed_world_size), {world} rank files are here; copy the others beside them (nothing "
-                    f"was written)"
+                    f"(distributed_world_size), {world} rank files are here; copy the others beside them"
+                    f"{missing_rank_hint(prefix, world)} (nothing was written)"
                 )
             raise CheckpointSetError(
                 f"{prefix}-rank-{declared_world}.pt is an extra rank file from another run: the run had "
@@ -128,6 +130,7 @@ class BranchSet:
         sides = ("decoder",) if self.language_model else ("encoder", "decoder")
         layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in sides}
         self.flags, self.notes = branch_flags(self.options, self.rank_paths[0], layers)
+        self.notes[:0] = [consolidated] if consolidated else []
         self.first_state = first  # rank 0's experts, consumed by the first pass of ``rank_experts``
         self.num_updates = int(((first.get("optimizer_history") or [{}])[-1] or {}).get("num_updates", 0) or 0)
 
@@ -137,6 +140,7 @@ class BranchSet:
             raise CheckpointSetError(
                 f"{path} holds no model state: not a fairseq checkpoint file (nothing was written)"
             )
+        refuse_flat(state["model"], path)
         return state
 
     def source_of(self, rank: int) -> List[int]:

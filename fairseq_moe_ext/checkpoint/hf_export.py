@@ -16,12 +16,13 @@ temporary names and numbered once their count is known, all in a staging directo
 import json
 import os
 import re
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .errors import CheckpointSetError
 from .hf_config import hf_config
+from .hf_dtype import check_expert_dtype, export_dtype, name_of
 from .hf_names import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
 from .manifest import validate_set
 from .names import base_of, manifest_path
@@ -31,7 +32,6 @@ from .safetensors_file import tensor_bytes, write_safetensors
 from .staging import write_all_or_nothing
 
 INDEX = "model.safetensors.index.json"
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 # fmt: off
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -143,10 +143,16 @@ def shared_tensors(model: Dict[str, torch.Tensor], expert_keys, path: str) -> Li
 
 
 def export_hf(
-    checkpoint: str, out_dir: str, max_bytes: int, report: Callable[[str], None] = print, training_as_nllb: bool = False
+    checkpoint: str,
+    out_dir: str,
+    max_bytes: int,
+    report: Callable[[str], None] = print,
+    training_as_nllb: bool = False,
+    dtype: Optional[torch.dtype] = None,
 ) -> List[str]:
     """Write the set ``checkpoint`` names as an NllbMoe directory ``out_dir``; returns the files written.
-    ``training_as_nllb``: export a set trained with options that act in training only and NllbMoe lacks."""
+    ``training_as_nllb``: export a set trained with options that act in training only and NllbMoe lacks.
+    ``dtype``: cast every tensor to it as it is written (``hf_dtype.py``); None writes the set's own."""
     if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointSetError(
             f"{out_dir} exists and is not an empty directory; choose a new output directory (nothing was overwritten)"
@@ -156,18 +162,23 @@ def export_hf(
     options, model = model_options(first, paths[0]), first["model"]
     expert_keys = set(first["moe"].get("expert_keys", []))
     embedding = model.get(EMBEDDING, torch.empty(0))
-    dtype = DTYPE_NAMES.get(embedding.dtype, str(embedding.dtype).replace("torch.", ""))
     # refuses a language model
-    config, notes = hf_config(options, paths[0], int(embedding.shape[0]), dtype, training_as_nllb)
+    config, notes = hf_config(options, paths[0], int(embedding.shape[0]), "float32", training_as_nllb)
     if EMBEDDING not in model:
         raise CheckpointSetError(
             f"{paths[0]} holds no {EMBEDDING}: not rank 0 of a translation set (nothing was written)"
         )
     shared = shared_tensors(model, expert_keys, paths[0])
+    rank0 = [(key, tensor) for key, tensor in model.items() if not NOT_WEIGHTS.match(key)]
+    target = export_dtype(rank0, paths[0], dtype)
+    config["torch_dtype"] = name_of(target)
+    held = sorted({name_of(t.dtype) for _, t in rank0})
     report(
         f"found {checkpoint}: {len(paths)} rank file(s), {config['num_experts']} experts, "
-        f"sparse steps {config['encoder_sparse_step']}/{config['decoder_sparse_step']}"
+        f"sparse steps {config['encoder_sparse_step']}/{config['decoder_sparse_step']}, "
+        + (f"{'/'.join(held)} weights cast to {name_of(target)} (--dtype)" if dtype is not None else name_of(target))
     )
+    del rank0
     for line in notes:
         report(f"NOTE {line}")
     created = not os.path.lexists(out_dir)
@@ -185,12 +196,12 @@ def export_hf(
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         for name, tensor in shared:
-            writer.add(name, tensor)
+            writer.add(name, tensor.to(target))  # a cast copy lives only in the pending shard
         shared = None
         for rank, path in enumerate(paths):
             state = first if rank == 0 else safe_load(path, verified=True)
             first = model = None  # rank 0's state lives on only in what the writer still holds
-            add_experts(writer, state, path, int(config["num_experts"]), len(paths))
+            add_experts(writer, state, path, int(config["num_experts"]), len(paths), target, dtype is not None)
             del state
         return ["config.json"] + writer.finish()
 
@@ -204,8 +215,17 @@ def export_hf(
     return written
 
 
-def add_experts(writer: ShardWriter, state: Dict, path: str, experts: int, files: int) -> None:
-    """One rank file's experts, one tensor per expert under its global id."""
+def add_experts(
+    writer: ShardWriter,
+    state: Dict,
+    path: str,
+    experts: int,
+    files: int,
+    dtype: torch.dtype = torch.float32,
+    cast: bool = True,
+) -> None:
+    """One rank file's experts, one tensor per expert under its global id, as ``dtype`` (without ``cast``,
+    a file whose experts are of another dtype is refused)."""
     local = experts // files
     rank = int(state["moe"].get("rank", 0))
     for key in state["moe"].get("expert_keys", []):
@@ -216,5 +236,7 @@ def add_experts(writer: ShardWriter, state: Dict, path: str, experts: int, files
                 f"{path}: expert tensor {key} is not a stack of {local} experts of an MoE "
                 f"feed-forward block (nothing was written)"
             )
+        if not cast:
+            check_expert_dtype(stacked, dtype, key, path)
         for j in range(local):
-            writer.add(hf_expert_key(*found, rank * local + j), stacked[j])
+            writer.add(hf_expert_key(*found, rank * local + j), stacked[j].to(dtype))

@@ -13,12 +13,13 @@ import json
 import math
 import os
 import secrets
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .errors import CheckpointSetError
 from .hf_config import SIDES, imported_options
+from .hf_dtype import import_dtypes
 from .hf_names import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
 from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file
@@ -192,14 +193,22 @@ def plan(hf_dir: str, options, where: Dict[str, SafetensorsFile]):
     return names, sorted(expert_shapes), vocab
 
 
-def import_hf(hf_dir: str, output: str, workers: int, report: Callable[[str], None] = print) -> str:
-    """Import the NllbMoe directory ``hf_dir`` as ``output`` for ``workers`` workers; returns what was written."""
+def import_hf(
+    hf_dir: str,
+    output: str,
+    workers: int,
+    report: Callable[[str], None] = print,
+    dtype: Optional[torch.dtype] = None,
+) -> str:
+    """Import the NllbMoe directory ``hf_dir`` as ``output`` for ``workers`` workers; returns what was written.
+    ``dtype``: cast every tensor to it; None keeps the dtype the Hugging Face files hold (``hf_dtype.py``)."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     config = read_config(hf_dir)
     options, notes = imported_options(config, os.path.join(hf_dir, "config.json"))
     where = open_shards(hf_dir)
     names, expert_layers, vocab = plan(hf_dir, options, where)
+    precision = import_dtypes({name: shard.entries[name][0] for name, shard in where.items()}, hf_dir, dtype)
     experts = options.moe_expert_count
     shards, single, base = math.gcd(workers, experts), workers == 1, base_of(output)
     per = experts // shards
@@ -207,12 +216,14 @@ def import_hf(hf_dir: str, output: str, workers: int, report: Callable[[str], No
         f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} safetensors file(s), sparse steps "
         f"{options.encoder_moe_freq}/{options.decoder_moe_freq}, vocabulary {vocab}"
     )
+    report(precision)
     for line in notes:
         report(f"NOTE {line}")
     set_id = secrets.token_hex(8)
 
     def read(name):
-        return where[name].read(name)
+        tensor = where[name].read(name)
+        return tensor if dtype is None else tensor.to(dtype)
 
     def write(staging):
         written, files = [], []

@@ -8,9 +8,10 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from branch_sets import branch_model_options, write_branch_set
+from branch_sets import branch_model_options, consolidate_in_place, write_branch_set
 from fake_checkpoints import fingerprint
 from tiny_fairseq_models import translation, translation_batch
+from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.branch_options import branch_flags
 
@@ -162,6 +163,30 @@ def test_import_streams_one_rank_file_at_a_time_and_writes_each_output_file_once
     ]
 
 
+@pytest.mark.parametrize(
+    "given", ["ck", "ck_consolidated", "ck_consolidated.pt"], ids=["training-prefix", "consolidated", "printed-name"]
+)
+def test_consolidated_fsdp_files_import_to_the_same_tensors_as_the_plain_set_of_the_model(
+    data, model, tmp_path, capsys, given
+):  # noqa: F811
+    imported = {}
+    for layout in ("plain", "fsdp"):
+        write_branch_set(tmp_path / layout / "ck", model.model.state_dict(), branch_options(data), 4)
+        if layout == "fsdp":
+            consolidate_in_place(tmp_path / layout)
+        (tmp_path / f"{layout}-out").mkdir()
+        out = tmp_path / f"{layout}-out" / "imported.pt"
+        source = tmp_path / layout / (given if layout == "fsdp" else "ck")
+        assert checkpoint_tool(["import-fairseq-moe", str(source), str(out), "--world-size", "2"]) == 0
+        imported[layout] = load_full(str(out))["model"]
+    printed = capsys.readouterr().out
+    assert f"found {tmp_path / 'fsdp' / 'ck_consolidated'}: 4 rank files + shared" in printed
+    assert ("NOTE reading " in printed) == (given == "ck")
+    plain, fsdp = imported["plain"], imported["fsdp"]
+    assert sorted(plain) == sorted(fsdp) and len(plain) > 20
+    assert all(torch.equal(plain[k], fsdp[k]) and plain[k].dtype == fsdp[k].dtype for k in plain)
+
+
 # ---------------------------------------------------------------- bad input: one line, nothing written
 
 
@@ -205,6 +230,20 @@ def _hf_dir(d):
     (d.parent / "hf" / "config.json").write_text('{"model_type": "nllb-moe"}')
 
 
+def _also_consolidated(d):
+    for f in list(d.glob("ck-*.pt")):
+        (d / f.name.replace("ck-", "ck_consolidated-", 1)).write_bytes(f.read_bytes())
+
+
+def _consolidated_without(name):
+    return lambda d: consolidate_in_place(d) and (d / name).unlink()
+
+
+def _flat_parameters(model):
+    model.clear()
+    model["decoder.layers.1.moe_layer.experts.0._fsdp_wrapped_module.flat_param_0"] = torch.zeros(8)
+
+
 def _fsdp_shards(d):
     for f in list(d.iterdir()):
         if f.suffix == ".pt":
@@ -229,6 +268,13 @@ BAD_BRANCH_SETS = [
      "--moe-second-expert-policy 'best', which the branch's top-2 gate does not define"),
     ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),
     ("fsdp-sharded-files", 2, {}, _fsdp_shards, None, "is an FSDP-sharded branch file: consolidate the shards"),
+    ("plain-and-consolidated-files", 2, {}, _also_consolidated, None,
+     "ck_consolidated-*.pt are both here: a plain set and a consolidated FSDP one"),
+    ("missing-consolidated-rank-file", 4, {}, _consolidated_without("ck_consolidated-rank-1.pt"), None,
+     "ck_consolidated-rank-1.pt is missing (found ranks [0, 2, 3]): every rank file of the run is needed; copy it "
+     "beside the others; consolidation stopped before it (ck-rank-1-shard1.pt is here)"),
+    ("unconsolidated-flat-parameters", 2, {}, _edit_rank("ck-rank-1.pt", _flat_parameters), None,
+     "ck-rank-1.pt holds decoder.layers.1.moe_layer.experts.0._fsdp_wrapped_module.flat_param_0, an FSDP flat"),
 ]
 # fmt: on
 

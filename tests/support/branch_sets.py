@@ -164,3 +164,25 @@ def write_branch_parts(
         }
         torch.save({**head, "model": model}, f"{prefix}-rank-{rank}.pt")
     return prefix
+
+
+def consolidate_in_place(directory: Path, name: str = "ck") -> Path:
+    """Turn the plain set ``<directory>/<name>`` into what an FSDP run of it leaves after the branch's
+    ``consolidate_fsdp_shards(<name>)``: ``<name>_consolidated-shared.pt`` (the dense parameters in
+    another order, as ``consolidate_shard_weights`` emits them per FSDP instance, with the run's cfg,
+    args, extra state and optimizer history; no optimizer state) and ``<name>_consolidated-rank-<r>.pt``,
+    beside the training's ``-shard`` files (stand-ins: only their names matter here). Returns the training
+    prefix."""
+    prefix = directory / name
+    rank0 = torch.load(f"{prefix}-rank-0.pt", weights_only=False)
+    head = {k: rank0[k] for k in ("cfg", "args", "extra_state", "optimizer_history")}
+    shared = torch.load(f"{prefix}-shared.pt", weights_only=False)["model"]
+    torch.save({"model": dict(reversed(list(shared.items()))), **head}, f"{prefix}_consolidated-shared.pt")
+    Path(f"{prefix}-shared.pt").rename(f"{prefix}-shared-shard0.pt")
+    ranks = sorted(directory.glob(f"{name}-rank-*.pt"))
+    for path in ranks:
+        rank = path.name[len(name) + len("-rank-") : -len(".pt")]
+        state = torch.load(path, weights_only=False)
+        torch.save({k: state[k] for k in ("model", *head)}, f"{prefix}_consolidated-rank-{rank}.pt")
+        path.rename(directory / f"{name}-rank-{rank}-shard{rank}.pt")
+    return prefix
