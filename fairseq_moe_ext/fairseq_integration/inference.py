@@ -138,12 +138,7 @@ def load_sharded(original, filenames, *args, **kwargs):
             f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
             f"workers (--moe-expert-parallel-size): add --moe-inference-experts local"
         )
-    if any(layer.eval_capacity_factor != 0 for layer in moe_layers(model)):
-        raise ValueError(
-            "expert-sharded inference needs dropless routing to match one process (a capacity "
-            "depends on every worker's tokens): pass --model-overrides "
-            "\"{'moe_eval_capacity_factor': 0}\", or add --moe-inference-experts local"
-        )
+    refuse_capacity_drops(moe_layers(model))
     STATE.inference_lockstep = attach_lockstep(model)
     STATE.inference_lockstep.active = True
     local = moe_layers(model)[0].num_local_experts
@@ -152,6 +147,26 @@ def load_sharded(original, filenames, *args, **kwargs):
         f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step"
     )
     return models, cfg, task
+
+
+def refuse_capacity_drops(layers) -> None:
+    """Expert-sharded inference routes every worker's batch in one MoE call: a capacity counts all of their
+    tokens, so where it drops slots it drops others than one process generating the same batches drops. A
+    token fraction (which replaces the factor when above 0) of 1 or more drops nothing: each expert gets at
+    most one slot per token."""
+    if any(layer.eval_capacity_token_fraction == 0 and layer.eval_capacity_factor != 0 for layer in layers):
+        raise ValueError(
+            "expert-sharded inference needs dropless routing to match one process (a capacity "
+            "depends on every worker's tokens): pass --model-overrides "
+            "\"{'moe_eval_capacity_factor': 0}\", or add --moe-inference-experts local"
+        )
+    fractions = sorted(layer.eval_capacity_token_fraction for layer in layers if layer.eval_capacity_token_fraction > 0)
+    if fractions and fractions[0] < 1:
+        raise ValueError(
+            f"expert-sharded inference needs dropless routing to match one process (an evaluation capacity "
+            f"of {fractions[0]:g} of the tokens counts every worker's tokens): pass --model-overrides "
+            "\"{'moe_eval_capacity_token_fraction': 1.0}\", or add --moe-inference-experts local"
+        )
 
 
 def moe_layers(module):

@@ -1,10 +1,11 @@
-"""Greedy generation from an imported set: ``fairseq-generate``'s own main (``fairseq_cli.generate``, run in this
+"""Generation from an imported set: ``fairseq-generate``'s own main (``fairseq_cli.generate``, run in this
 process, one process) with this plugin, and Hugging Face's ``NllbMoeForConditionalGeneration.generate`` on the HF
-model the set was written from (num_beams 1, decoder_start_token_id eos, the pad token suppressed as fairseq's
-generator does), produce the same tokens."""
+model the set was written from, set up as the same search (``tests/support/hf_generation.py`` lists the
+settings: decoder_start_token_id eos, pad suppressed, min_new_tokens 1 for fairseq's --min-len 1,
+early_stopping True, length_penalty = --lenpen, fairseq's forced eos at the maximum length), produce the same
+tokens: greedy, and beam search (4 beams) with length penalties 0 and 1, whose scores agree too."""
 
 import pytest
-import torch
 
 pytest.importorskip(
     "transformers",
@@ -12,131 +13,65 @@ pytest.importorskip(
     "bash tests/run.sh installs it into the test venv",
 )
 
-from fairseq import options  # noqa: E402
-from fairseq_helpers import USER_DIR  # noqa: E402
-from hf_nllb_moe import EOS, PAD, branch_options, branch_state, hf_model, write_dictionary  # noqa: E402
-from branch_sets import write_branch_parts  # noqa: E402
-from fairseq_moe_ext.checkpoint import branch_import  # noqa: E402
+from hf_generation import (  # noqa: E402
+    BEAM,
+    MAX_NEW,
+    eos_leaning_model,
+    fairseq_generate,
+    generate_args,
+    hf_generate,
+    hypotheses,
+    import_from_hf,
+    preprocessed,
+    search_args,
+)
+from hf_nllb_moe import hf_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
-SOURCES = ["w5 w9 w17 w40 w22 w8", "w30 w4", "w11 w12 w13 w14", "w44 w6 w19 w27 w33 w21 w9 w10"]
-MAX_NEW = 12
 
 
-def preprocessed(tmp_path):
-    from fairseq_cli import preprocess
+def generated(data, data_bin, path, results, beam, lenpen=1.0):
+    from fairseq.data import Dictionary
 
-    data = write_dictionary(tmp_path / "dict")
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    (raw / "test.src").write_text("".join(f"{s}\n" for s in SOURCES))
-    (raw / "test.tgt").write_text("".join("w4\n" for _ in SOURCES))
-    preprocess.main(
-        options.get_preprocessing_parser().parse_args(
-            [
-                "--source-lang",
-                "src",
-                "--target-lang",
-                "tgt",
-                f"--testpref={raw / 'test'}",
-                f"--destdir={tmp_path / 'bin'}",
-                f"--srcdict={data / 'dict.src.txt'}",
-                f"--tgtdict={data / 'dict.tgt.txt'}",
-                "--workers=1",
-            ]
-        )
+    dictionary = Dictionary.load(str(data / "dict.tgt.txt"))
+    found = hypotheses(
+        fairseq_generate([*generate_args(data_bin, path), *search_args(beam, lenpen), "--batch-size", "6"], results),
+        dictionary,
     )
-    return data, tmp_path / "bin"
-
-
-def fairseq_generate(data_bin, path, results):
-    from fairseq_cli import generate
-
-    generate.main(
-        options.parse_args_and_arch(
-            options.get_generation_parser(),
-            [
-                str(data_bin),
-                "--path",
-                str(path),
-                "--user-dir",
-                USER_DIR,
-                "--task",
-                "translation",
-                "--source-lang",
-                "src",
-                "--target-lang",
-                "tgt",
-                "--gen-subset",
-                "test",
-                "--beam",
-                "1",
-                "--max-len-a",
-                "0",
-                "--max-len-b",
-                str(MAX_NEW),
-                "--batch-size",
-                "4",
-                "--required-batch-size-multiple",
-                "1",
-                "--num-workers",
-                "0",
-                "--cpu",
-                "--results-path",
-                str(results),
-            ],
-        )
-    )
-    hypotheses, lengths = {}, {}
-    for line in (results / "generate-test.txt").read_text().splitlines():
-        if line.startswith("H-"):
-            key, _, text = line.split("\t")
-            hypotheses[int(key[2:])] = text.split()
-        if line.startswith("P-"):  # one positional score per generated token, <s> and the final eos included
-            key, scores = line.split("\t")
-            lengths[int(key[2:])] = len(scores.split())
-    return [hypotheses[i] for i in range(len(SOURCES))], [lengths[i] for i in range(len(SOURCES))]
-
-
-def hf_generate(hf):
-    rows = [[int(w[1:]) for w in s.split()] + [EOS] for s in SOURCES]
-    width = max(map(len, rows))
-    src = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])  # left-padded, as fairseq batches sources
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=src,
-            attention_mask=src.ne(PAD).long(),
-            num_beams=1,
-            do_sample=False,
-            decoder_start_token_id=EOS,
-            max_new_tokens=MAX_NEW,
-            suppress_tokens=[PAD],
-        )
-    hypotheses = []
-    for row in out.tolist():
-        tokens = row[1:]  # after decoder_start_token_id
-        if EOS in tokens:
-            tokens = tokens[: tokens.index(EOS)]
-        hypotheses.append(tokens)
-    return hypotheses
+    return [found[i] for i in range(len(found))], dictionary
 
 
 def test_greedy_fairseq_generate_on_an_imported_set_gives_hf_generates_tokens(tmp_path):
     data, data_bin = preprocessed(tmp_path)
     hf = hf_model()
-    shared, experts = branch_state(hf)
-    prefix = write_branch_parts(
-        tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(data, use_moe_pad_mask=True), 2
-    )
-    branch_import.import_branch_set(str(prefix), str(tmp_path / "imported.pt"), 1, report=lambda line: None)
-    ours, lengths = fairseq_generate(data_bin, tmp_path / "imported.pt", tmp_path / "results")
-    from fairseq.data import Dictionary
-
-    dictionary = Dictionary.load(str(data / "dict.tgt.txt"))
-    theirs = hf_generate(hf)
+    ours, dictionary = generated(data, data_bin, import_from_hf(tmp_path, hf, data), tmp_path / "results", 1)
+    theirs, _ = hf_generate(hf, 1)
     # fairseq stops at eos or, after MAX_NEW tokens, ends the hypothesis with a forced eos; its H- lines leave
     # out eos and <s> (Dictionary.string), which this random model does generate: the P- lines count them.
-    assert lengths == [len(row) + 1 for row in theirs]
-    assert ours == [[dictionary[t] for t in row if t != dictionary.bos()] for row in theirs]
+    assert [h["length"] for h in ours] == [len(row) + 1 for row in theirs]
+    assert [h["tokens"] for h in ours] == [[t for t in row if t != dictionary.bos()] for row in theirs]
     assert any(dictionary.bos() in row for row in theirs)  # so the P- line check above is not vacuous
-    assert len({tuple(h) for h in ours}) > 1, "every sentence generated the same tokens: the test tests little"
+    assert len({tuple(h["tokens"]) for h in ours}) > 1, (
+        "every sentence generated the same tokens: the test tests little"
+    )
+
+
+def test_beam_search_on_an_imported_set_gives_hf_best_hypothesis_and_score(tmp_path):
+    data, data_bin = preprocessed(tmp_path)
+    hf = eos_leaning_model()
+    path = import_from_hf(tmp_path, hf, data)
+    greedy, _ = hf_generate(hf, 1)
+    best = {}
+    for lenpen in (0.0, 1.0):
+        ours, dictionary = generated(data, data_bin, path, tmp_path / f"lenpen{lenpen:g}", BEAM, lenpen)
+        theirs, scores = hf_generate(hf, BEAM, lenpen)
+        assert not any(dictionary.bos() in row for row in theirs)  # so H- lines show every token
+        assert [h["tokens"] for h in ours] == theirs, f"--lenpen {lenpen:g}"
+        assert [h["score"] for h in ours] == pytest.approx(scores, abs=1e-5), f"--lenpen {lenpen:g}"
+        lengths = [len(row) for row in theirs]
+        # Some hypotheses end on their own and some at the maximum length (fairseq's forced eos), and beam
+        # search finds what greedy search does not: the test checks the search, not one path through it.
+        assert min(lengths) < MAX_NEW and MAX_NEW in lengths, (lenpen, lengths)
+        assert theirs != greedy, f"--lenpen {lenpen:g}: beam search found greedy search's hypotheses"
+        best[lenpen] = theirs
+    assert best[0.0] != best[1.0], "the length penalty changed no hypothesis: its normalisation is untested"
