@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import pytest
 
 import fairseq_moe_ext
+import warm_fairseq
 from paths import REPO_ROOT
 
 USER_DIR = fairseq_moe_ext.PACKAGE_DIR
@@ -102,27 +103,36 @@ def run_fairseq(
     expect_failure: bool = False,
     cwd: Optional[Path] = None,
 ) -> str:
-    """Run ``fairseq_cli.<tool>`` with ``args`` in a fresh interpreter and return its combined output.
+    """Run ``fairseq_cli.<tool>`` with ``args`` as ``python -m`` would and return its combined output: forked
+    from a process that has imported fairseq (warm_fairseq.py; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter).
 
     The test fails with the output's tail if the exit status is not the expected one (zero, or
     non-zero when ``expect_failure``) or the run outlives ``timeout`` seconds.
     """
     command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
-    try:
-        done = subprocess.run(
-            command,
-            input=input,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            env=fairseq_env(),
-            cwd=cwd,
-        )
-    except subprocess.TimeoutExpired as timed_out:
-        output = timed_out.stdout or ""
-        output = output.decode(errors="replace") if isinstance(output, bytes) else output
-        pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
+    env = fairseq_env()
+    warm = warm_fairseq.launcher(env)
+    if warm is not None:  # a fork of a process that has imported fairseq: see warm_fairseq.py
+        returncode, output = warm.run(f"fairseq_cli.{tool}", args, env, cwd, input, timeout)
+        if returncode is None:
+            pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
+        done = subprocess.CompletedProcess(command, returncode, output)
+    else:
+        try:
+            done = subprocess.run(
+                command,
+                input=input,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+                env=env,
+                cwd=cwd,
+            )
+        except subprocess.TimeoutExpired as timed_out:
+            output = timed_out.stdout or ""
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
     failed = done.returncode != 0
     if failed != expect_failure:
         expected = "to fail" if expect_failure else "to succeed"
