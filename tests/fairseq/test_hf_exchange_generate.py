@@ -1,0 +1,99 @@
+"""Generation through the Hugging Face exchange: ``export-hf`` and ``import-hf`` keep what the two searches find.
+
+fairseq-generate (``fairseq_cli.generate``'s own main, in this process) and HF's
+``NllbMoeForConditionalGeneration.generate`` run as the same search (``tests/support/hf_generation.py`` lists
+the settings: decoder_start_token_id eos, pad suppressed, min_new_tokens 1, early_stopping True,
+length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy and with 4 beams:
+
+- a set this plugin holds (imported from a random HF model by ``import-fairseq-moe``) -> ``export-hf`` ->
+  ``from_pretrained``: HF's generate gives fairseq-generate's tokens on the original set, and beam scores
+  within 1e-5;
+- a random NllbMoe saved by transformers' ``save_pretrained`` -> ``import-hf`` (one file, and 2 rank files
+  loaded by one process) -> fairseq-generate gives HF's generate's tokens and beam scores on that model."""
+
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers",
+    reason="transformers (tests/requirements-oracle.txt) is not installed: "
+    "bash tests/run.sh installs it into the test venv",
+)
+
+from hf_generation import (  # noqa: E402
+    BEAM,
+    MAX_NEW,
+    eos_leaning_model,
+    fairseq_generate,
+    generate_args,
+    hf_generate,
+    hypotheses,
+    import_from_hf,
+    preprocessed,
+    search_args,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:\\s*'config' is validated against ConfigStore schema", "ignore::UserWarning", "ignore::DeprecationWarning"
+)
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(the dictionary's directory, the binarised SOURCES, the eos-leaning HF model, the target dictionary)."""
+    from fairseq.data import Dictionary
+
+    root = tmp_path_factory.mktemp("generate")
+    data, data_bin = preprocessed(root)
+    return data, data_bin, eos_leaning_model(), Dictionary.load(str(data / "dict.tgt.txt"))
+
+
+def checkpoint_tool(*argv):
+    from fairseq_moe_ext.checkpoint.__main__ import main
+
+    assert main([str(a) for a in argv]) == 0, argv
+
+
+def fairseq_search(data_bin, path, results, beam, dictionary):
+    found = hypotheses(
+        fairseq_generate([*generate_args(data_bin, path), *search_args(beam), "--batch-size", "6"], results),
+        dictionary,
+    )
+    return [found[i] for i in range(len(found))]
+
+
+def assert_same_searches(data_bin, path, hf, results, dictionary):
+    """fairseq-generate on ``path`` and HF's generate on ``hf``, greedy and beam: the same tokens (P- lines
+    count the <s> H- lines leave out), the same beam scores, and a search that is tested (hypotheses ending
+    before the maximum length and at it, beam search finding what greedy search does not)."""
+    found = {}
+    for beam in (1, BEAM):
+        ours = fairseq_search(data_bin, path, results / f"beam{beam}", beam, dictionary)
+        theirs, scores = hf_generate(hf, beam)
+        assert [h["length"] for h in ours] == [len(row) + 1 for row in theirs], f"--beam {beam}"
+        assert [h["tokens"] for h in ours] == [[t for t in row if t != dictionary.bos()] for row in theirs], beam
+        if beam > 1:
+            assert [h["score"] for h in ours] == pytest.approx(scores, abs=TOLERANCE)
+        lengths = [len(row) for row in theirs]
+        assert min(lengths) < MAX_NEW and MAX_NEW in lengths, (beam, lengths)
+        found[beam] = theirs
+    assert found[1] != found[BEAM], "beam search found greedy search's hypotheses: the beam is untested"
+
+
+def test_hf_generate_on_an_exported_set_gives_fairseq_generates_tokens_and_scores(setup, tmp_path):
+    data, data_bin, hf, dictionary = setup
+    original = import_from_hf(tmp_path, hf, data)
+    checkpoint_tool("export-hf", original, tmp_path / "hf", "--max-shard-size", "40KB")
+    exported = transformers.NllbMoeForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
+    assert_same_searches(data_bin, original, exported, tmp_path / "results", dictionary)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-file", "two-rank-files"])
+def test_fairseq_generate_on_an_import_hf_set_gives_hf_generates_tokens_and_scores(setup, tmp_path, world):
+    _, data_bin, hf, dictionary = setup
+    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True, max_shard_size="40KB")
+    (tmp_path / "ours").mkdir()
+    checkpoint_tool("import-hf", tmp_path / "hf", tmp_path / "ours" / "ck.pt", "--world-size", world)
+    files = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert files == (["ck.pt"] if world == 1 else ["ck-rank-0-of-2.pt", "ck-rank-1-of-2.pt", "ck.set.json"])
+    assert_same_searches(data_bin, tmp_path / "ours" / "ck.pt", hf, tmp_path / "results", dictionary)
