@@ -13,10 +13,8 @@ history and no optimizer state. It returns (and prints) ``<P>_consolidated.pt``.
 files are a plain set under the prefix ``<P>_consolidated``; this module lets the user pass that
 prefix, the ``<P>_consolidated.pt`` the function printed, or the training prefix ``P`` itself.
 
-The raw ``-shard`` files stay refused: joining them means re-implementing fairscale's
-``consolidate_shard_weights`` for its two metadata formats (older ``params`` dicts with padding per
-flat parameter, newer ``is_flat``/``num_padded`` lists), which cannot be checked here against fairscale
-(not installed, and no FSDP run of the branch to produce real shards).
+The raw ``-shard`` files themselves are read by ``branch_fsdp_shards.py`` when no plain or consolidated
+set is under the prefix.
 """
 
 import glob

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .branch_consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
+from .branch_fsdp_shards import FsdpShards
 from .branch_options import branch_flags, is_language_model, model_options
 from .config_value import config_value
 from .errors import CheckpointSetError
@@ -34,18 +35,7 @@ RANK_FILE = re.compile(r"-rank-(\d+)\.pt$")
 def branch_files(prefix: str) -> Tuple[str, List[str]]:
     """(``<prefix>-shared.pt``, ``[<prefix>-rank-0.pt, ...]``) after checking the ranks run 0..R-1."""
     shared = f"{prefix}-shared.pt"
-    found = {}
-    for path in glob.glob(glob.escape(prefix) + "-rank-*.pt"):
-        match = RANK_FILE.search(path)
-        if match and path == f"{prefix}-rank-{int(match.group(1))}.pt":  # not -rank-01.pt, -rank-0-shard0.pt
-            found[int(match.group(1))] = path
-    sharded = sharded_files(prefix)
-    if not found and sharded:
-        raise CheckpointSetError(
-            f"{sharded[0]} is an FSDP-sharded branch file: consolidate the shards with the branch's "
-            f"consolidate_fsdp_shards({prefix!r}) first, then pass {prefix} again (it reads the "
-            f"{os.path.basename(prefix)}_consolidated files) (nothing was written)"
-        )
+    found = _plain_rank_files(prefix)
     if not found:
         hint = (
             " (it holds config.json: a Hugging Face checkpoint; use import-hf)"
@@ -71,6 +61,15 @@ def branch_files(prefix: str) -> Tuple[str, List[str]]:
     return shared, [found[r] for r in ranks]
 
 
+def _plain_rank_files(prefix: str) -> Dict[int, str]:
+    found = {}
+    for path in glob.glob(glob.escape(prefix) + "-rank-*.pt"):
+        match = RANK_FILE.search(path)
+        if match and path == f"{prefix}-rank-{int(match.group(1))}.pt":  # not -rank-01.pt, -rank-0-shard0.pt
+            found[int(match.group(1))] = path
+    return found
+
+
 def _ranges(ranks: List[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
 
@@ -86,8 +85,10 @@ class BranchSet:
     def __init__(self, prefix: str, load: Callable[[str], Dict] = safe_load):
         prefix, consolidated = resolve_prefix(prefix)
         self.prefix = prefix
-        self.load = load
-        self.shared_path, self.rank_paths = branch_files(prefix)
+        sharded = [] if _plain_rank_files(prefix) else sharded_files(prefix)
+        shards = FsdpShards(prefix, sharded) if sharded else None  # the raw -shard files of an FSDP run
+        self.load = shards.load if shards is not None else load
+        self.shared_path, self.rank_paths = (shards.shared_path, shards.rank_paths) if shards else branch_files(prefix)
         self.shared = self._load(self.shared_path)
         first = self._load(self.rank_paths[0])
         self.options = model_options(first, self.rank_paths[0])
@@ -130,7 +131,7 @@ class BranchSet:
         sides = ("decoder",) if self.language_model else ("encoder", "decoder")
         layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in sides}
         self.flags, self.notes = branch_flags(self.options, self.rank_paths[0], layers)
-        self.notes[:0] = [consolidated] if consolidated else []
+        self.notes[:0] = [consolidated] if consolidated else [shards.note()] if shards else []
         self.first_state = first  # rank 0's experts, consumed by the first pass of ``rank_experts``
         self.num_updates = int(((first.get("optimizer_history") or [{}])[-1] or {}).get("num_updates", 0) or 0)
 

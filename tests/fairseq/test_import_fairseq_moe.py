@@ -267,7 +267,7 @@ BAD_BRANCH_SETS = [
     ("unknown-gate-option", 2, {"moe_second_expert_policy": "best"}, None, None,
      "--moe-second-expert-policy 'best', which the branch's top-2 gate does not define"),
     ("a-hugging-face-directory", 2, {}, _hf_dir, "../hf", "a Hugging Face checkpoint; use import-hf"),
-    ("fsdp-sharded-files", 2, {}, _fsdp_shards, None, "is an FSDP-sharded branch file: consolidate the shards"),
+    ("fsdp-shard-numbers-differ", 2, {}, _fsdp_shards, None, "ck-rank-1-shard0.pt: an expert file's rank and shard"),
     ("plain-and-consolidated-files", 2, {}, _also_consolidated, None,
      "ck_consolidated-*.pt are both here: a plain set and a consolidated FSDP one"),
     ("missing-consolidated-rank-file", 4, {}, _consolidated_without("ck_consolidated-rank-1.pt"), None,
