@@ -12,13 +12,18 @@ stamp=$venv/.moe-ext-installed
 requirements=$repo_root/requirements.txt
 # Test-only pins (the transformers oracle): installed here, never by setup.py.
 test_requirements=$repo_root/tests/requirements-oracle.txt
+# fairscale, the FSDP shard oracle, goes beside site-packages (see the file): fairseq must not find it.
+fairscale_requirements=$repo_root/tests/requirements-fairscale.txt
 # The stamp holds both files as installed: editing either one reinstalls.
-wanted=$(cat "$requirements" "$test_requirements")
+wanted=$(cat "$requirements" "$test_requirements" "$fairscale_requirements")
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   echo "[venv] installing pinned dependencies into $venv (first use only)" >&2
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements" -r "$test_requirements" \
       ${FAIRSEQ_SPEC:+"$FAIRSEQ_SPEC"} 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "$venv/bin/python" -m pip uninstall -q -y fairscale >/dev/null 2>&1 || true  # an older venv had it in site-packages
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --upgrade \
+      --target "$venv/oracles/fairscale" -r "$fairscale_requirements" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo_root" \
       2>&1 | grep -v "is ignored: it is neither" >&2 || true
   "$venv/bin/python" -c "import fairseq, torch, fairseq_moe_ext" >/dev/null

@@ -1,5 +1,5 @@
 """The FSDP shard reader (``checkpoint/branch_fsdp_shards.py``) on shard files fairscale 0.4.13 itself wrote
-(tests/requirements-oracle.txt, test-only; tests/support/fairscale_shards.py: 2 gloo CPU workers, the branch's
+(tests/requirements-fairscale.txt, test-only; tests/support/fairscale_shards.py: 2 gloo CPU workers, the branch's
 wrapping and file split), not only on the files the tests write in its format."""
 
 import pytest
@@ -11,7 +11,12 @@ from fairseq_moe_ext.checkpoint.branch_consolidated import sharded_files
 from fairseq_moe_ext.checkpoint.branch_fsdp_shards import FsdpShards
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
 
-pytest.importorskip("fairscale.nn.data_parallel", reason="fairscale (tests/requirements-oracle.txt) is not installed")
+from fairscale_oracle import ORACLE_DIR
+
+if not (ORACLE_DIR / "fairscale").is_dir():
+    pytest.skip(
+        f"fairscale (tests/requirements-fairscale.txt) is not installed in {ORACLE_DIR}", allow_module_level=True
+    )
 
 
 @pytest.mark.slow

@@ -1,15 +1,19 @@
 """``import-fairseq-moe`` on the raw files of a moe/nllb-branch FSDP run (``-shared-shard<r>.pt``,
 ``-rank-<r>-shard<r>.pt``; written here in that layout by tests/support/branch_fsdp.py with fairscale 0.4's
 metadata): the import equals the plain set's, bitwise, and fairscale's own ``consolidate_shard_weights``
-(tests/requirements-oracle.txt) gives the same tensors; bad shard files are refused in one line."""
+(tests/requirements-fairscale.txt) gives the same tensors; bad shard files are refused in one line."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from branch_fsdp import shard_in_place
 from branch_sets import branch_model_options, write_branch_set
+from fairscale_oracle import fairscale_fsdp
+from fairseq_helpers import fairseq_env
 from fake_checkpoints import fingerprint
 from tiny_fairseq_models import translation
 from fairseq_moe_ext.checkpoint import load_full
@@ -45,7 +49,6 @@ def _import(source, out_dir):
 
 @pytest.mark.parametrize("workers", [2, 4], ids=["2-shards-2-experts-each", "4-shards-padded"])
 def test_fsdp_shards_import_bitwise_as_the_plain_set_and_as_fairscale_joins(model, options, tmp_path, capsys, workers):
-    fsdp = pytest.importorskip("fairscale.nn.data_parallel", reason="fairscale (tests/requirements-oracle.txt)")
     for layout in ("plain", "fsdp"):
         write_branch_set(tmp_path / layout / "ck", model.model.state_dict(), options, workers)
     plain_files = {p.name: torch.load(p, weights_only=False)["model"] for p in (tmp_path / "plain").iterdir()}
@@ -63,9 +66,10 @@ def test_fsdp_shards_import_bitwise_as_the_plain_set_and_as_fairscale_joins(mode
     # plain files' tensors. It drops the tied output projection (it copies only the last FSDP instance's
     # shared_param_info; the root's names the tie), which the import keeps.
     shards = [torch.load(tmp_path / "fsdp" / f"ck-shared-shard{r}.pt", weights_only=False) for r in range(workers)]
-    joined = fsdp.FullyShardedDataParallel.consolidate_shard_weights(
-        [s["model"] for s in shards], [s["shard_metadata"] for s in shards], strict=False
-    )
+    with fairscale_fsdp() as fsdp:
+        joined = fsdp.FullyShardedDataParallel.consolidate_shard_weights(
+            [s["model"] for s in shards], [s["shard_metadata"] for s in shards], strict=False
+        )
     assert set(plain_files["ck-shared.pt"]) - set(joined) == {"decoder.output_projection.weight"}
     assert all(torch.equal(joined[k], plain_files["ck-shared.pt"][k]) for k in joined)
     for r in range(workers):
@@ -155,3 +159,10 @@ def test_bad_fsdp_shard_files_are_refused_in_one_line_and_nothing_is_written(
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert fingerprint(out) == {} and fingerprint(source) == before
+
+
+def test_fairseq_under_test_cannot_import_fairscale_which_would_change_its_paths():
+    # fairseq takes other code paths where fairscale imports; the oracle lives beside site-packages.
+    probe = "import importlib.util as u; print(u.find_spec('fairscale'))"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=fairseq_env())
+    assert found.stdout.strip() == "None", found.stdout + found.stderr

@@ -7,9 +7,13 @@ replicas when E < W). Worker r's ``local_state_dict`` is split as the branch's
 ``local_metadata_dict``. fairscale calls ``torch.cuda.synchronize`` unconditionally; it is a no-op here.
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fairscale_oracle import ORACLE_DIR
 
 
 class _Layer(nn.Module):
@@ -35,6 +39,7 @@ class _Model(nn.Module):
 
 def write_shards(rank: int, world: int, directory: str, replicas: bool):
     """Worker ``rank``'s two files; returns its model's full state before wrapping (the expected result)."""
+    sys.path.append(str(ORACLE_DIR))  # a worker process of its own: fairscale stays on its path until it exits
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 
     torch.cuda.synchronize = lambda *args: None
