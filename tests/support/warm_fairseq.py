@@ -205,15 +205,17 @@ class WarmLauncher:
 
 
 _LAUNCHERS: Dict[int, WarmLauncher] = {}
+_STARTING = threading.Lock()  # the bad-input catalogue calls from two threads at once: one server, not two
 
 
 def launcher(env: Dict[str, str]) -> Optional[WarmLauncher]:
     """This process's server, if it can serve a run with ``env``; None where a fresh interpreter must."""
     if os.environ.get("MOE_TEST_COLD_CLI") == "1":
         return None
-    mine = _LAUNCHERS.get(os.getpid())
-    if mine is None or mine.process.poll() is not None:
-        mine = _LAUNCHERS[os.getpid()] = WarmLauncher(env)
+    with _STARTING:
+        mine = _LAUNCHERS.get(os.getpid())
+        if mine is None or mine.process.poll() is not None:
+            mine = _LAUNCHERS[os.getpid()] = WarmLauncher(env)
     return mine if mine.serves(env) else None
 
 
