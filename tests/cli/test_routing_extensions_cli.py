@@ -18,6 +18,7 @@ from fairseq_helpers import (
     torchrun,
     write_parallel_corpus,
 )
+from multiworker_cli_runs import moe_args
 from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -29,41 +30,8 @@ FLAGS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-bal
 
 
 def train_args(data, save_dir, max_update, *extra):
-    return [
-        str(data),
-        "--user-dir",
-        USER_DIR,
-        "--cpu",
-        "--seed",
-        "1",
-        "--num-workers",
-        "0",
-        "--arch",
-        "moe_transformer_tiny",
-        "--moe-expert-count",
-        "4",
-        *FLAGS,
-        "--criterion",
-        "moe_label_smoothed_cross_entropy",
-        "--label-smoothing",
-        "0.1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "3e-3",
-        "--max-tokens",
-        "300",
-        "--max-update",
-        str(max_update),
-        "--save-dir",
-        str(save_dir),
-        "--log-format",
-        "json",
-        "--log-interval",
-        "1",
-        "--disable-validation",
-        *extra,
-    ]
+    # moe_args without clipping (fairseq's default --clip-norm is 0), with the routing flags, no validation.
+    return moe_args(data, save_dir, max_update, *FLAGS, "--clip-norm", "0", "--disable-validation", *extra)
 
 
 def biases(path):
