@@ -14,14 +14,13 @@ import errno
 import hashlib
 import os
 import subprocess
-import sys
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
-from fairseq_helpers import fairseq_env, run_fairseq, tail
+from fairseq_helpers import run_checkpoint_tool, run_fairseq, tail
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.fairseq_integration import saving
 from fake_checkpoints import EXPERT_KEY, full_state
@@ -68,14 +67,7 @@ def snapshot(directory: Path):
 
 
 def checkpoint_tool(*args, expect_failure):
-    done = subprocess.run(
-        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=300,
-        env=fairseq_env(),
-    )
+    done = run_checkpoint_tool(*args)
     assert (done.returncode != 0) == expect_failure, f"{done.returncode}\n{tail(done.stdout)}\n{tail(done.stderr)}"
     return [line for line in done.stderr.strip().splitlines() if not line.startswith("INFO:")]  # fairseq's import notes
 

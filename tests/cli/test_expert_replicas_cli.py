@@ -4,14 +4,12 @@ save each expert once, resume at other layouts and generate in one process."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from fairseq_helpers import fairseq_env, json_logs, run_fairseq, torchrun
+from fairseq_helpers import run_checkpoint_tool, json_logs, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
 from paths import SUPPORT
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
@@ -31,13 +29,7 @@ def replicated_run(data, tmp_path_factory):
     return save_dir, output
 
 
-def checkpoint_tool(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
-        env=fairseq_env(),
-        capture_output=True,
-        text=True,
-    )
+checkpoint_tool = run_checkpoint_tool
 
 
 def experts_by_global_id(files):

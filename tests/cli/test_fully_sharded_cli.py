@@ -4,13 +4,11 @@ back, generates like a legacy_ddp set and goes through merge and inspect unchang
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from fairseq_helpers import fairseq_env, json_logs, torchrun
+from fairseq_helpers import run_checkpoint_tool, json_logs, torchrun
 from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import generate, moe_args
 from paths import SUPPORT
@@ -95,12 +93,4 @@ def test_a_fully_sharded_set_is_an_ordinary_set_that_generates_like_legacy_ddp_a
 
 
 def checkpoint_tool(*args):
-    done = subprocess.run(
-        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)],
-        check=True,
-        env=fairseq_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return done.stdout
+    return run_checkpoint_tool(*args, check=True, combined=True).stdout

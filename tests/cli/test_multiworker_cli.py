@@ -9,15 +9,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
-    fairseq_env,
+    run_checkpoint_tool,
     json_logs,
     torchrun,
 )
@@ -47,11 +45,7 @@ def test_every_worker_writes_its_rank_file_and_a_manifest_describes_the_set(two_
 def test_a_set_stores_shared_state_once(two_worker_run, tmp_path):
     save_dir = two_worker_run["at4"]
     merged = tmp_path / "merged.pt"
-    subprocess.run(
-        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "merge", save_dir / "checkpoint_last.pt", merged],
-        check=True,
-        env=fairseq_env(),
-    )
+    run_checkpoint_tool("merge", save_dir / "checkpoint_last.pt", merged, check=True)
     set_bytes = sum(os.path.getsize(p) for p in glob.glob(str(save_dir / "checkpoint_last-rank-*")))
     assert set_bytes <= 1.05 * os.path.getsize(merged), (set_bytes, os.path.getsize(merged))
 
@@ -97,14 +91,11 @@ def test_generation_from_a_set_is_the_same_in_one_and_two_processes(two_worker_r
 
 
 def test_merge_and_reshard_round_trip_bit_exactly(two_worker_run, tmp_path):
-    cli = [sys.executable, "-m", "fairseq_moe_ext.checkpoint"]
     source = two_worker_run["at4"] / "checkpoint_last.pt"
-    run = lambda *a: subprocess.run([*cli, *map(str, a)], check=True, env=fairseq_env(), capture_output=True)
-    run("merge", source, tmp_path / "merged.pt")
-    run("reshard", tmp_path / "merged.pt", tmp_path / "four" / "ck.pt", "--world-size", "4") if (
-        tmp_path / "four"
-    ).mkdir() is None else None
-    run("merge", tmp_path / "four" / "ck.pt", tmp_path / "again.pt")
+    run_checkpoint_tool("merge", source, tmp_path / "merged.pt", check=True)
+    (tmp_path / "four").mkdir()
+    run_checkpoint_tool("reshard", tmp_path / "merged.pt", tmp_path / "four" / "ck.pt", "--world-size", "4", check=True)
+    run_checkpoint_tool("merge", tmp_path / "four" / "ck.pt", tmp_path / "again.pt", check=True)
     first = torch.load(tmp_path / "merged.pt", weights_only=False)
     second = torch.load(tmp_path / "again.pt", weights_only=False)
     assert first["model"].keys() == second["model"].keys()
@@ -114,17 +105,12 @@ def test_merge_and_reshard_round_trip_bit_exactly(two_worker_run, tmp_path):
         for name, value in entry.items():
             other = second["last_optimizer_state"]["state"][slot][name]
             assert torch.equal(value, other) if torch.is_tensor(value) else value == other
-    refused = subprocess.run(
-        [*cli, "merge", source, tmp_path / "merged.pt"], env=fairseq_env(), capture_output=True, text=True
-    )
+    refused = run_checkpoint_tool("merge", source, tmp_path / "merged.pt")
     assert refused.returncode == 2 and "exists; choose another output name" in refused.stderr
 
 
 def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_differ(two_worker_run, tmp_path):
-    cli = [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "inspect"]
-    healthy = subprocess.run(
-        [*cli, two_worker_run["at4"] / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True
-    )
+    healthy = run_checkpoint_tool("inspect", two_worker_run["at4"] / "checkpoint_last.pt")
     assert healthy.returncode == 0 and "VERDICT PROBLEM" not in healthy.stdout, healthy.stdout
     assert "VERDICT OK: every expert is distinct" in healthy.stdout
     assert "RuntimeWarning" not in healthy.stderr, healthy.stderr  # runpy's warning when -m names an imported module
@@ -140,7 +126,7 @@ def test_inspect_flags_experts_copied_across_ranks_and_shared_weights_that_diffe
         state["model"][shared] = rank0["model"][shared] + 1.0  # a shared tensor that disagrees
 
     rewrite_rank_file(save_dir, 1, doctor)
-    report = subprocess.run([*cli, save_dir / "checkpoint_last.pt"], env=fairseq_env(), capture_output=True, text=True)
+    report = run_checkpoint_tool("inspect", save_dir / "checkpoint_last.pt")
     assert report.returncode == 1
     assert f"VERDICT PROBLEM: {key}: expert 0 of rank 0 equals expert 0 of rank 1" in report.stdout
     assert f"VERDICT PROBLEM: shared parameter {shared} differs between rank 0 and rank 1" in report.stdout

@@ -2,16 +2,13 @@
 command-line tools: fairseq-train on 2 torchrun workers, resumed bit-exactly, the bias reported by
 ``inspect``, and the set loaded by fairseq-generate in one process."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
-    fairseq_env,
+    run_checkpoint_tool,
     json_logs,
     preprocess_parallel,
     run_fairseq,
@@ -57,13 +54,7 @@ def test_two_workers_train_resume_bit_exactly_inspect_and_generate_with_shared_e
     rank1 = torch.load(tmp_path / "full" / "checkpoint_last-rank-1-of-2.pt", weights_only=False)["model"]
     assert not [k for k in rank1 if "balance_bias" in k or "shared_experts" in k]
 
-    report = subprocess.run(
-        [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "inspect", str(tmp_path / "full" / "checkpoint_last.pt")],
-        capture_output=True,
-        text=True,
-        env=fairseq_env(),
-        check=True,
-    ).stdout
+    report = run_checkpoint_tool("inspect", tmp_path / "full" / "checkpoint_last.pt", check=True).stdout
     key = "decoder.layers.1.fc1.router.balance_bias.bias"
     shown = ", ".join(f"{v:+.4f}" for v in final[key].tolist())
     assert f"  {key}: balance bias (--moe-balance bias) [{shown}]" in report, report

@@ -1,7 +1,7 @@
-"""The suite's single-process fairseq runs are forks of a process that has imported fairseq
-(tests/support/warm_fairseq.py). A forked run must be what ``python -m fairseq_cli.<tool>`` in a fresh
-interpreter is: the same exit status, the same last line, the same training numbers, with the interpreter's
-exit rules, stdin, working directory and timeout."""
+"""The suite's fairseq runs, single-process and under torchrun, are forks of a process that has imported
+fairseq (tests/support/warm_fairseq.py). A forked run must be what ``python -m fairseq_cli.<tool>`` in a fresh
+interpreter, or a real torchrun launch, is: the same exit status, the same last line, the same training numbers,
+with the interpreter's exit rules, stdin, working directory and timeout."""
 
 import subprocess
 import sys
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import warm_fairseq
-from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, train_args
+from dist_utils import free_port
+from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, torchrun, train_args
 
 # A module run as ``python -m NAME`` (from the working directory), and what its run must give: (exit status,
 # the output's last line, or a substring of the output where its last line is a traceback's).
@@ -89,6 +90,77 @@ def test_a_forked_fairseq_train_refuses_and_trains_as_a_fresh_interpreter_does(p
         else:
             assert json_logs(warm) and numbers(json_logs(warm)) == numbers(json_logs(cold.stdout))
             assert "| INFO | fairseq_cli.train |" in warm  # fairseq's own log format, as in a fresh interpreter
+
+
+@pytest.mark.slow
+def test_an_emulated_two_worker_torchrun_trains_and_refuses_as_a_real_torchrun_does(parallel_data, tmp_path):
+    """The same 2-worker fairseq-train through the warm server and through ``python -m torch.distributed.run``:
+    the same logged numbers (the workers met over gloo and their ranks and world size are torchrun's), and a
+    refused run the same status and last error line, rank prefix included."""
+    launcher = warm_launcher()
+    program = Path(sys.executable).parent / "fairseq-train"
+    moe = ["--arch", "moe_transformer_tiny", "--criterion", "moe_cross_entropy", "--max-tokens", "300"]
+    trained = [*train_args(parallel_data, tmp_path / "ck", max_update=3), "--log-interval", "1", "--no-save", *moe]
+    refused = [*train_args(parallel_data, tmp_path / "no", max_update=3), *moe, "--moe-expert-parallel-size", "3"]
+    for args, fails in ((trained, False), (refused, True)):
+        args = [*args, "--ddp-backend", "legacy_ddp", "--distributed-world-size", "2"]
+        warm_status, warm = launcher.torchrun(program, args, fairseq_env(), 2, free_port(), 240)
+        cold = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+            + [str(program), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=fairseq_env(),
+        )
+        assert (warm_status, cold.returncode) == ((1, 1) if fails else (0, 0)), warm[-3000:]
+        if fails:
+            last = lambda text: [line for line in text.splitlines() if line.startswith("[rank0]: ")][-1]  # noqa: E731
+            assert last(warm) == last(cold.stdout) and "--moe-expert-parallel-size" in last(warm)
+            assert "[warm launcher] rank " in warm.splitlines()[-1]
+        else:
+            assert json_logs(warm) and numbers(json_logs(warm)) == numbers(json_logs(cold.stdout))
+            assert "distributed_world_size" not in warm or "'distributed_world_size': 2" in warm
+
+
+def test_a_worker_that_fails_stops_its_peers_and_fails_the_emulated_launch(tmp_path):
+    """What torchrun's agent does when a worker exits non-zero: the others are stopped, the launch exits 1."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'local', os.environ['LOCAL_RANK'])\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(7)\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    status, output = warm_launcher().torchrun(script, [], fairseq_env(), 3, free_port(), 120, tmp_path / "logs", 1)
+    assert status == 1 and time.monotonic() - started < warm_fairseq.STOP_GRACE / 2  # SIGTERM, not the SIGKILL after
+    assert "[warm launcher] rank 1 exited with status 7 first; the others were stopped" in output
+    for rank in range(3):
+        logged = (tmp_path / "logs" / "none_warm" / "attempt_0" / str(rank) / "stdout.log").read_text()
+        assert logged == f"rank {rank} of 3 local {rank}\n"
+    assert torchrun(2, script, [], expect_failure=True, world_size_flag=False, timeout=120)
+
+
+# fairseq-train configures logging before it imports fairseq, fairseq-generate after: whose configuration wins
+# decides whether a worker's log goes to its stdout file or to the launcher's output.
+LOGGING_ORDERS = {
+    "configured-first": "logging.basicConfig(stream=sys.stdout, level=logging.INFO)\nimport fairseq\n",
+    "fairseq-imported-first": "import fairseq\nlogging.basicConfig(stream=sys.stdout, level=logging.INFO)\n",
+}
+
+
+@pytest.mark.parametrize("order", list(LOGGING_ORDERS))
+def test_a_forked_worker_logs_to_the_stream_a_fresh_interpreter_logs_to(order, tmp_path):
+    script = tmp_path / "logs.py"
+    script.write_text("import logging, sys\n" + LOGGING_ORDERS[order] + "logging.getLogger('probe').info('HERE')\n")
+    status, output = warm_launcher().torchrun(script, [], fairseq_env(), 1, free_port(), 60, tmp_path / "logs", 1)
+    stdout = next((tmp_path / "logs").glob("**/0/stdout.log")).read_text()
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=fairseq_env())
+    assert status == fresh.returncode == 0, output
+    assert ("HERE" in stdout, "HERE" in output) == ("HERE" in fresh.stdout, "HERE" in fresh.stderr)
+    assert ("HERE" in stdout) == (order == "configured-first")
 
 
 def numbers(records):

@@ -9,7 +9,6 @@ import glob
 import hashlib
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import Future
@@ -20,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from fairseq_helpers import USER_DIR, fairseq_env, run_fairseq, tail, torchrun
+from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
 from paths import SUPPORT
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
@@ -164,12 +163,9 @@ def two_workers_without_world_size(args):
 
 
 def checkpoint_tool(args):
-    command = [sys.executable, "-m", "fairseq_moe_ext.checkpoint", *map(str, args)]
-    done = subprocess.run(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=150, env=fairseq_env()
-    )
+    done = run_checkpoint_tool(*args, combined=True, timeout=150)
     if done.returncode == 0:
-        pytest.fail(f"expected {' '.join(command)} to fail:\n{tail(done.stdout)}", pytrace=False)
+        pytest.fail(f"expected {' '.join(done.args)} to fail:\n{tail(done.stdout)}", pytrace=False)
     return done.stdout
 
 

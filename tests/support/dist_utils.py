@@ -1,5 +1,12 @@
-"""Run a function on W real gloo workers (CPU processes) and collect what each returns."""
+"""Run a function on W real gloo workers (CPU processes) and collect what each returns.
 
+The workers are forks of a multiprocessing forkserver that has imported torch, fairseq and the package once
+(``spawn`` paid those imports, about 2.5 s of CPU, in every worker); each takes the test's environment as it
+is when the workers start, as a spawned worker would.
+"""
+
+import atexit
+import multiprocessing.forkserver
 import os
 import socket
 import tempfile
@@ -40,8 +47,30 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {low}..{low + width - 1}")
 
 
-def _worker(rank, world_size, port, fn, args, out_dir):
+PRELOAD = ["torch", "torch.distributed", "fairseq", "fairseq_moe_ext"]
+_context = None
+
+
+def worker_context():
+    """The forkserver context, its server importing ``PRELOAD`` when it starts (on first use)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+        # Stopped and waited for at exit, so that its workers' CPU time counts in tests/run.sh's figure.
+        atexit.register(multiprocessing.forkserver._forkserver._stop)
+    return _context
+
+
+def _become(environ):
+    """What a spawned worker inherits, in a fork of the server: the test's environment now, one thread."""
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
+
+
+def _worker(rank, world_size, port, fn, args, out_dir, environ):
+    _become(environ)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
@@ -53,12 +82,14 @@ def _worker(rank, world_size, port, fn, args, out_dir):
 def run_on_workers(fn, world_size, *args):
     """``fn(rank, world_size, *args)`` in each worker; returns the list of results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        worker_context()
+        worker_args = (world_size, free_port(), fn, args, out_dir, dict(os.environ))
+        mp.start_processes(_worker, args=worker_args, nprocs=world_size, join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
 
 
-def _recording_worker(rank, world_size, port, fn, args, out_dir, timeout_s=None):
-    torch.set_num_threads(1)
+def _recording_worker(rank, world_size, port, fn, args, out_dir, timeout_s, environ):
+    _become(environ)
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout)
     try:
@@ -75,11 +106,13 @@ def run_workers_through_faults(fn, world_size, *args, deadline=120.0, timeout_s=
     (torch's 30 minutes if None). Returns, by rank, ``{"returned": value}``,
     ``{"error": type name, "message": str, "at": time.monotonic()}``, or ``None`` for a worker
     that left no result (killed) or was still running at the deadline (then killed)."""
-    context = mp.get_context("spawn")
+    context = worker_context()
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         workers = [
-            context.Process(target=_recording_worker, args=(rank, world_size, port, fn, args, out_dir, timeout_s))
+            context.Process(
+                target=_recording_worker, args=(rank, world_size, port, fn, args, out_dir, timeout_s, dict(os.environ))
+            )
             for rank in range(world_size)
         ]
         for worker in workers:

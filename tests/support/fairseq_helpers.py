@@ -144,6 +144,33 @@ def run_fairseq(
     return done.stdout
 
 
+CHECKPOINT_TOOL = "fairseq_moe_ext.checkpoint"
+
+
+def run_checkpoint_tool(*args, check: bool = False, combined: bool = False, timeout: float = 300):
+    """``python -m fairseq_moe_ext.checkpoint args`` as a ``subprocess.CompletedProcess`` (text; stdout and stderr
+    apart, or together in stdout when ``combined``), forked from the warm server (warm_fairseq.py; its import of torch
+    saved; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter). ``check``: the test fails unless it exits 0."""
+    command = [sys.executable, "-m", CHECKPOINT_TOOL, *map(str, args)]
+    env = fairseq_env()
+    warm = warm_fairseq.launcher(env)
+    try:
+        if warm is None:
+            stderr = subprocess.STDOUT if combined else subprocess.PIPE
+            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env)
+        elif combined:
+            done = subprocess.CompletedProcess(command, *warm.run(CHECKPOINT_TOOL, args, env, None, None, timeout))
+        else:
+            done = subprocess.CompletedProcess(command, *warm.run_apart(CHECKPOINT_TOOL, args, env, None, timeout))
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(command, None, "", "")
+    if done.returncode is None:
+        pytest.fail(f"{' '.join(command)} ran past {timeout}s\n{tail(done.stdout)}", pytrace=False)
+    if check and done.returncode != 0:
+        pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout)}\n{tail(done.stderr or '')}")
+    return done
+
+
 def torchrun(
     workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True, redirects=1
 ):
@@ -152,33 +179,35 @@ def torchrun(
     ``--distributed-world-size workers`` is appended unless ``world_size_flag`` is False (fairseq
     otherwise runs each worker as a job of its own). ``log_dir``: each worker's stdout goes to its
     own file there (lines of concurrent workers would otherwise interleave mid-line in one pipe);
-    ``redirects=3`` sends their stderr (where fairseq's CLIs log) to files there too.
+    ``redirects=3`` sends their stderr (where fairseq's CLIs log) to files there too. The workers are
+    forks of the warm server with torchrun's variables (warm_fairseq.py; ``MOE_TEST_COLD_CLI=1``: a real
+    torchrun and fresh interpreters).
     """
     from dist_utils import free_port
 
-    redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(workers),
-        *redirect,
-        "--master_port",
-        str(free_port()),
-        str(program),
-        *map(str, args),
-    ]
+    args = [*map(str, args)]
     if workers > 1 and world_size_flag:
-        command += ["--distributed-world-size", str(workers)]
-    try:
-        done = subprocess.run(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=fairseq_env()
-        )
-    except subprocess.TimeoutExpired as timed_out:
-        output = timed_out.stdout or ""
-        output = output.decode(errors="replace") if isinstance(output, bytes) else output
-        pytest.fail(f"torchrun {program} ran past {timeout}s\n{tail(output, 60)}", pytrace=False)
+        args += ["--distributed-world-size", str(workers)]
+    redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect]
+    command += ["--master_port", str(free_port()), str(program), *args]
+    env = fairseq_env()
+    warm = warm_fairseq.launcher(env)
+    if warm is not None:  # the launcher's job done by the warm server: see warm_fairseq.py
+        returncode, output = warm.torchrun(program, args, env, workers, free_port(), timeout, log_dir, redirects)
+        done = subprocess.CompletedProcess(command, returncode, output)
+    else:
+        try:
+            done = subprocess.run(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env
+            )
+        except subprocess.TimeoutExpired as timed_out:
+            output = timed_out.stdout or ""
+            done = subprocess.CompletedProcess(
+                command, None, output.decode(errors="replace") if isinstance(output, bytes) else output
+            )
+    if done.returncode is None:
+        pytest.fail(f"torchrun {program} ran past {timeout}s\n{tail(done.stdout, 60)}", pytrace=False)
     if (done.returncode != 0) != expect_failure:
         pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout, 60)}", pytrace=False)
     return done.stdout

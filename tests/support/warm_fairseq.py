@@ -1,22 +1,32 @@
-"""fairseq's command-line tools started from a process that has already imported fairseq, for the suite.
+"""fairseq's command-line tools, and torchrun launches of them, started from a process that has already
+imported fairseq, for the suite.
 
 ``python -m fairseq_cli.train ARGS`` spends about 2.5 s of CPU importing torch and fairseq before it reads its
-arguments, and the suite starts over a hundred such runs (most of the bad-input catalogue fails while parsing).
-Run as a script, this module is a server: it imports fairseq once (with the environment the suite gives every
-fairseq subprocess, ``fairseq_helpers.fairseq_env()``), then forks one child per request. The child does what a
-fresh ``python -m fairseq_cli.<tool>`` does after its first import: it takes the request's environment, working
-directory, stdin and argv, runs the module as ``__main__`` (``runpy``, as ``-m`` does, with the working directory
-first on ``sys.path``), and exits the way the interpreter would (``SystemExit`` codes and messages, a traceback and
-status 1 for an uncaught exception, non-daemon threads joined, ``atexit`` handlers run). The package under test
-is imported by the child, through ``--user-dir``, as in a real run: the server imports only fairseq. What a
-child's output lacks against a fresh interpreter's: what fairseq's import itself prints (one tensorboardX
-notice, import-time warnings), which went to the server's stderr once.
+arguments, and the suite starts over a hundred such runs (most of the bad-input catalogue fails while parsing); a
+2-worker torchrun launch pays it three times (the launcher and each worker). Run as a script, this module is a
+server: it imports fairseq once (with the environment the suite gives every fairseq subprocess,
+``fairseq_helpers.fairseq_env()``), then forks one child per requested process. A child does what a fresh
+``python -m MODULE`` or ``python SCRIPT`` does after its first import: it takes the request's environment, working
+directory, stdin and argv, runs the module or script as ``__main__`` (``runpy``, with the working directory or the
+script's directory first on ``sys.path``), and exits the way the interpreter would (``SystemExit`` codes and
+messages, ``sys.excepthook`` and status 1 for an uncaught exception, non-daemon threads joined, ``atexit`` handlers
+run). The package under test is imported by the child, through ``--user-dir``, as in a real run: the server
+imports only fairseq. What a child's output lacks against a fresh interpreter's: what fairseq's import itself
+prints (one tensorboardX notice, import-time warnings), which went to the server's stderr once.
 
-Protocol: one JSON line per request on the server's stdin ``{"id", "module", "args", "env", "cwd", "stdin",
-"output", "timeout"}``; the child's stdout and stderr go to ``output``; when it ends the server writes
-``<output>.status`` (``{"returncode": N}`` or ``{"timeout": true}``, by rename, so a reader never sees half of
-it). One request at a time per caller, several callers at once (each waits for its own status file).
-``MOE_TEST_COLD_CLI=1`` turns the server off: every run is a fresh interpreter again.
+A request of W processes stands for ``torchrun --nproc_per_node W``: the client gives each child the variables
+torchrun's agent sets (``torchrun_env``, with no agent store, so rank 0 hosts the rendezvous store), and the
+server does what the agent does when a worker fails: it stops the others (SIGTERM, SIGKILL after
+``STOP_GRACE`` seconds), appends one line naming the rank that failed first, and reports status 1. Per-rank log
+files (``--log-dir``/``--redirects``) are laid out as torchrun lays them out. ``torchrun`` itself (its rendezvous,
+restarts, signal forwarding) is exercised by tests/cli/test_fault_injection.py and the recipes, which start it.
+
+Protocol: one JSON line per request on the server's stdin ``{"target": {"module"|"path": ...}, "args", "cwd",
+"stdin", "output", "timeout", "ranks": [{"env", "stdout", "stderr"}, ...]}``; ``output`` collects what no rank sends
+to a file of its own; when the run ends the server writes ``<output>.status`` (``{"returncode": N}`` or
+``{"timeout": true}``, by rename, so a reader never sees half of it). One request at a time per caller, several
+callers at once (each waits for its own status file). ``MOE_TEST_COLD_CLI=1`` turns the server off: every run is
+a fresh interpreter (or a real torchrun) again.
 """
 
 import atexit
@@ -31,49 +41,58 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 POLL = 0.02  # seconds between looks at the children (the server) and at the status file (the client)
-
+STOP_GRACE = 30.0  # seconds the other workers of a failed launch get between SIGTERM and SIGKILL (torchrun's)
 
 # Variables read when the interpreter, torch or its thread pools start: a request whose values differ from the
 # server's cannot be served by a fork of it and runs in a fresh interpreter instead.
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "TORCH", "CUDA", "LD_")
 
 
-def _run_child(request, protocol_fds):
-    """In the forked child: become the requested command line, run it, exit as the interpreter would."""
+def _run_child(request, rank, protocol_fds):
+    """In the forked child: become rank ``rank`` of the requested command line, run it, exit as Python would."""
     import logging
     import runpy
-    import traceback
 
     code = 1
     try:
-        os.setpgid(0, 0)  # the timeout kills the child's whole process group
+        os.setpgid(0, 0)  # a timeout or a failed peer stops the child's whole process group
         for fd in protocol_fds:
             os.close(fd)
-        output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        files = request["ranks"][rank]
         source = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
         os.dup2(source, 0)
-        os.dup2(output, 1)
-        os.dup2(output, 2)
-        os.close(output)
         os.close(source)
+        for fd, path in ((1, files["stdout"]), (2, files["stderr"])):
+            sink = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # ranks share the launcher's output
+            os.dup2(sink, fd)
+            os.close(sink)
         sys.stdin = open(0, "r", closefd=False)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])
-        sys.path[0] = os.getcwd()  # what `python -m` puts first
-        sys.argv = [request["module"], *request["args"]]
-        # fairseq's CLIs configure logging before they import fairseq; here fairseq's import came first, and a
-        # module-level logging.info in it gave the root logger Python's default handler. A fresh interpreter's
-        # root logger has none, so that the CLI's basicConfig takes effect.
+        os.environ.update(files["env"])
+        # A fresh interpreter's root logger has no handler until the target configures logging or imports
+        # fairseq, whose import configures it where nothing has (logging.basicConfig(level=DEBUG) in a wav2vec
+        # module: a stderr handler). fairseq-train configures it first (its log on stdout), fairseq-generate
+        # imports fairseq first (its log on stderr): the server's import is replayed at the target's first one.
         root = logging.getLogger()
         for handler in list(root.handlers):
             root.removeHandler(handler)
         root.setLevel(logging.WARNING)
+        sys.meta_path.insert(0, _FirstImportOfFairseq(sys.modules.pop("fairseq")))
+        sys.excepthook = sys.__excepthook__  # torch's init_process_group wraps it with "[rankN]: " prefixes
+        target = request["target"]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if "module" in target:
+                sys.path[0] = os.getcwd()  # what `python -m` puts first
+                sys.argv = [target["module"], *request["args"]]
+                runpy.run_module(target["module"], run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = os.path.dirname(os.path.realpath(target["path"]))  # what `python SCRIPT` puts first
+                sys.argv = [target["path"], *request["args"]]
+                runpy.run_path(target["path"], run_name="__main__")
             code = 0
         except SystemExit as done:
             if done.code is None:
@@ -84,12 +103,12 @@ def _run_child(request, protocol_fds):
                 print(done.code, file=sys.stderr)
                 code = 1
         except BaseException:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())
             code = 1
         threading._shutdown()  # the interpreter joins non-daemon threads, then runs atexit
         atexit._run_exitfuncs()
     except BaseException:
-        traceback.print_exc()
+        sys.__excepthook__(*sys.exc_info())
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -99,10 +118,88 @@ def _run_child(request, protocol_fds):
         os._exit(code)
 
 
+class _FirstImportOfFairseq:
+    """A meta-path entry for the child: the target's first ``import fairseq`` returns the server's module (no
+    second import) and does to logging what that import did in a fresh interpreter."""
+
+    def __init__(self, module):
+        self.module, self.spec = module, module.__spec__
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+
+        return importlib.machinery.ModuleSpec(name, self, is_package=True) if name == "fairseq" else None
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module):
+        import logging
+
+        sys.meta_path.remove(self)
+        module.__spec__ = self.spec  # the import machinery put this entry's spec on it
+        logging.basicConfig(level=logging.DEBUG)
+
+
 def _write_status(path, status):
     with open(path + ".tmp", "w") as f:
         json.dump(status, f)
     os.replace(path + ".tmp", path)
+
+
+class _Launch:
+    """One request's children in the server: their exits, the first failure, the deadlines."""
+
+    def __init__(self, request, pids: List[int]):
+        self.output, self.pids = request["output"], pids
+        self.deadline = time.monotonic() + request["timeout"]
+        self.codes: Dict[int, int] = {}  # rank -> exit status
+        self.failed: Optional[Tuple[int, int]] = None  # (rank, status) of the first rank that failed
+        self.kill_at: Optional[float] = None
+
+    def signal(self, sig):
+        for rank, pid in enumerate(self.pids):
+            if rank not in self.codes:
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def reap(self) -> bool:
+        """Collect exits; stop the others after a failure, as torchrun's agent does; True when the launch is over."""
+        for rank, pid in enumerate(self.pids):
+            if rank in self.codes:
+                continue
+            done, wait_status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                self.codes[rank] = os.waitstatus_to_exitcode(wait_status)
+                if self.codes[rank] != 0 and self.failed is None and len(self.pids) > 1:
+                    self.failed = (rank, self.codes[rank])
+                    self.signal(signal.SIGTERM)
+                    self.kill_at = time.monotonic() + STOP_GRACE
+        now = time.monotonic()
+        if now > self.deadline:
+            self.signal(signal.SIGKILL)
+            for rank, pid in enumerate(self.pids):
+                if rank not in self.codes:
+                    os.waitpid(pid, 0)
+            _write_status(self.output + ".status", {"timeout": True})
+            return True
+        if self.kill_at is not None and now > self.kill_at:
+            self.signal(signal.SIGKILL)
+        if len(self.codes) < len(self.pids):
+            return False
+        if len(self.pids) == 1:
+            returncode = self.codes[0]
+        elif self.failed is not None:
+            returncode = 1  # torchrun's status when a worker failed
+            with open(self.output, "a") as f:
+                f.write(f"[warm launcher] rank {self.failed[0]} exited with status {self.failed[1]} first; ")
+                f.write("the others were stopped\n")
+        else:
+            returncode = 0
+        _write_status(self.output + ".status", {"returncode": returncode})
+        return True
 
 
 def serve():
@@ -114,36 +211,55 @@ def serve():
     import fairseq  # noqa: F401  (the point of the server)
 
     os.write(replies_fd, b"ready\n")
-    running = {}  # pid -> (status path, deadline)
+    launches: List[_Launch] = []
     pending = b""
     while True:
         ready, _, _ = select.select([requests_fd], [], [], POLL)
         if ready:
             chunk = os.read(requests_fd, 1 << 16)
             if not chunk:  # the suite is done
-                for pid in running:
-                    os.killpg(pid, signal.SIGKILL)
+                for launch in launches:
+                    launch.signal(signal.SIGKILL)
                 return
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                open(request["output"], "w").close()  # the ranks append to it
                 sys.stdout.flush()
                 sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _run_child(request, (requests_fd, replies_fd))
-                running[pid] = (request["output"] + ".status", time.monotonic() + request["timeout"])
-        for pid, (status, deadline) in list(running.items()):
-            done, wait_status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                del running[pid]
-                _write_status(status, {"returncode": os.waitstatus_to_exitcode(wait_status)})
-            elif time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                del running[pid]
-                _write_status(status, {"timeout": True})
+                pids = []
+                for rank in range(len(request["ranks"])):
+                    pid = os.fork()
+                    if pid == 0:
+                        _run_child(request, rank, (requests_fd, replies_fd))
+                    pids.append(pid)
+                launches.append(_Launch(request, pids))
+        launches = [launch for launch in launches if not launch.reap()]
+
+
+def torchrun_env(env: Dict[str, str], workers: int, rank: int, port: int) -> Dict[str, str]:
+    """``env`` with what torchrun's agent gives worker ``rank`` of ``workers`` on one node (torch 2.x's
+    local_elastic_agent), without the agent's store: rank 0 hosts the rendezvous store on ``port``."""
+    return dict(
+        env,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        LOCAL_WORLD_SIZE=str(workers),
+        WORLD_SIZE=str(workers),
+        GROUP_WORLD_SIZE="1",
+        ROLE_WORLD_SIZE=str(workers),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RUN_ID="none",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    )
 
 
 class WarmLauncher:
@@ -166,7 +282,38 @@ class WarmLauncher:
         return self.process.poll() is None and startup(env) == startup(self.env)
 
     def run(self, module, args, env, cwd, stdin_text, timeout) -> Tuple[Optional[int], str]:
-        """(exit status, or None after ``timeout`` seconds; stdout and stderr together)."""
+        """``python -m module args``: (exit status, or None after ``timeout`` seconds; stdout and stderr together)."""
+        return self.launch({"module": module}, args, [{"env": env}], cwd, stdin_text, timeout)
+
+    def run_apart(self, module, args, env, cwd, timeout) -> Tuple[Optional[int], str, str]:
+        """``python -m module args``: (exit status or None, as ``run``; stdout; stderr)."""
+        stderr_path = os.path.join(self.work, f"{next(self.numbers)}.err")
+        try:
+            status, stdout = self.launch(
+                {"module": module}, args, [{"env": env, "stderr": stderr_path}], cwd, None, timeout
+            )
+            with open(stderr_path, errors="replace") as f:
+                return status, stdout, f.read()
+        finally:
+            if os.path.exists(stderr_path):
+                os.remove(stderr_path)
+
+    def torchrun(self, path, args, env, workers, port, timeout, log_dir=None, redirects=0) -> Tuple[Optional[int], str]:
+        """``torchrun --nproc_per_node workers [--log-dir log_dir --redirects redirects] path args`` on ``port``:
+        (exit status, or None after ``timeout`` seconds; what the workers did not send to their log files)."""
+        ranks = []
+        for rank in range(workers):
+            files = {"env": torchrun_env(env, workers, rank, port)}
+            if log_dir is not None and redirects:
+                own = os.path.join(str(log_dir), "none_warm", "attempt_0", str(rank))
+                os.makedirs(own, exist_ok=True)
+                for bit, stream in ((1, "stdout"), (2, "stderr")):
+                    if redirects & bit:
+                        files[stream] = os.path.join(own, f"{stream}.log")
+            ranks.append(files)
+        return self.launch({"path": str(path)}, args, ranks, os.getcwd(), None, timeout)
+
+    def launch(self, target, args, ranks, cwd, stdin_text, timeout) -> Tuple[Optional[int], str]:
         number = next(self.numbers)
         output = os.path.join(self.work, f"{number}.out")
         stdin_path = None
@@ -174,7 +321,8 @@ class WarmLauncher:
             stdin_path = os.path.join(self.work, f"{number}.in")
             with open(stdin_path, "w") as f:
                 f.write(stdin_text)
-        request = dict(module=module, args=[str(a) for a in args], env=env, cwd=str(cwd or os.getcwd()))
+        ranks = [dict({"stdout": output, "stderr": output}, **files) for files in ranks]
+        request = dict(target=target, args=[str(a) for a in args], ranks=ranks, cwd=str(cwd or os.getcwd()))
         request.update(stdin=stdin_path, output=output, timeout=timeout)
         with self.lock:
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
