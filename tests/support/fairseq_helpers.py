@@ -95,6 +95,21 @@ def fairseq_env() -> Dict[str, str]:
     return env
 
 
+def fresh_interpreter(command, env, timeout, input=None, cwd=None, combined=True) -> subprocess.CompletedProcess:
+    """``command`` as a subprocess (text; stderr in stdout when ``combined``); exit status None past ``timeout``
+    seconds, with what it wrote by then."""
+    stderr = subprocess.STDOUT if combined else subprocess.PIPE
+    try:
+        return subprocess.run(
+            command, input=input, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env, cwd=cwd
+        )
+    except subprocess.TimeoutExpired as timed_out:
+        output = timed_out.stdout or ""
+        return subprocess.CompletedProcess(
+            command, None, output.decode(errors="replace") if isinstance(output, bytes) else output, ""
+        )
+
+
 def run_fairseq(
     tool: str,
     *args: str,
@@ -113,26 +128,11 @@ def run_fairseq(
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
     if warm is not None:  # a fork of a process that has imported fairseq: see warm_fairseq.py
-        returncode, output = warm.run(f"fairseq_cli.{tool}", args, env, cwd, input, timeout)
-        if returncode is None:
-            pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
-        done = subprocess.CompletedProcess(command, returncode, output)
+        done = subprocess.CompletedProcess(command, *warm.run(f"fairseq_cli.{tool}", args, env, cwd, input, timeout))
     else:
-        try:
-            done = subprocess.run(
-                command,
-                input=input,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=timeout,
-                env=env,
-                cwd=cwd,
-            )
-        except subprocess.TimeoutExpired as timed_out:
-            output = timed_out.stdout or ""
-            output = output.decode(errors="replace") if isinstance(output, bytes) else output
-            pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(output)}", pytrace=False)
+        done = fresh_interpreter(command, env, timeout, input=input, cwd=cwd)
+    if done.returncode is None:
+        pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(done.stdout)}", pytrace=False)
     failed = done.returncode != 0
     if failed != expect_failure:
         expected = "to fail" if expect_failure else "to succeed"
@@ -154,20 +154,19 @@ def run_checkpoint_tool(*args, check: bool = False, combined: bool = False, time
     command = [sys.executable, "-m", CHECKPOINT_TOOL, *map(str, args)]
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
-    try:
-        if warm is None:
-            stderr = subprocess.STDOUT if combined else subprocess.PIPE
-            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env)
-        elif combined:
-            done = subprocess.CompletedProcess(command, *warm.run(CHECKPOINT_TOOL, args, env, None, None, timeout))
-        else:
-            done = subprocess.CompletedProcess(command, *warm.run_apart(CHECKPOINT_TOOL, args, env, None, timeout))
-    except subprocess.TimeoutExpired:
-        done = subprocess.CompletedProcess(command, None, "", "")
+    if warm is None:
+        done = fresh_interpreter(command, env, timeout, combined=combined)
+    elif combined:
+        done = subprocess.CompletedProcess(command, *warm.run(CHECKPOINT_TOOL, args, env, None, None, timeout))
+    else:
+        done = subprocess.CompletedProcess(command, *warm.run_apart(CHECKPOINT_TOOL, args, env, None, timeout))
     if done.returncode is None:
         pytest.fail(f"{' '.join(command)} ran past {timeout}s\n{tail(done.stdout)}", pytrace=False)
     if check and done.returncode != 0:
-        pytest.fail(f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout)}\n{tail(done.stderr or '')}")
+        pytest.fail(
+            f"exit {done.returncode}: {' '.join(command)}\n{tail(done.stdout)}\n{tail(done.stderr or '')}",
+            pytrace=False,
+        )
     return done
 
 
@@ -188,24 +187,18 @@ def torchrun(
     args = [*map(str, args)]
     if workers > 1 and world_size_flag:
         args += ["--distributed-world-size", str(workers)]
+    port = free_port()
     redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect]
-    command += ["--master_port", str(free_port()), str(program), *args]
+    command += ["--master_port", str(port), str(program), *args]
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
     if warm is not None:  # the launcher's job done by the warm server: see warm_fairseq.py
-        returncode, output = warm.torchrun(program, args, env, workers, free_port(), timeout, log_dir, redirects)
-        done = subprocess.CompletedProcess(command, returncode, output)
+        done = subprocess.CompletedProcess(
+            command, *warm.torchrun(program, args, env, workers, port, timeout, log_dir, redirects)
+        )
     else:
-        try:
-            done = subprocess.run(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env
-            )
-        except subprocess.TimeoutExpired as timed_out:
-            output = timed_out.stdout or ""
-            done = subprocess.CompletedProcess(
-                command, None, output.decode(errors="replace") if isinstance(output, bytes) else output
-            )
+        done = fresh_interpreter(command, env, timeout)
     if done.returncode is None:
         pytest.fail(f"torchrun {program} ran past {timeout}s\n{tail(done.stdout, 60)}", pytrace=False)
     if (done.returncode != 0) != expect_failure:
