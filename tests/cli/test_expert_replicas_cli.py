@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import run_checkpoint_tool, json_logs, run_fairseq, torchrun
+from fairseq_helpers import json_logs, run_checkpoint_tool, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
 from paths import SUPPORT
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
@@ -27,9 +27,6 @@ def replicated_run(data, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("replicated") / "ck"
     output = torchrun(4, SUPPORT / "fairseq_train_every_digit.py", moe_args(data, save_dir, UPDATES, *TWO_EXPERTS))
     return save_dir, output
-
-
-checkpoint_tool = run_checkpoint_tool
 
 
 def experts_by_global_id(files):
@@ -82,7 +79,7 @@ def test_four_workers_with_two_experts_store_each_expert_once_and_resume_at_two_
         "checkpoint_last-rank-1-of-2.pt",
         "checkpoint_last.set.json",
     ]
-    report = checkpoint_tool("inspect", save_dir / "checkpoint_last.pt")
+    report = run_checkpoint_tool("inspect", save_dir / "checkpoint_last.pt")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "saved by 4 workers: each of the 2 expert shards had 2 replicas" in report.stdout
     assert "VERDICT OK: every shard's replicas were identical when saved" in report.stdout
@@ -90,7 +87,7 @@ def test_four_workers_with_two_experts_store_each_expert_once_and_resume_at_two_
 
     reference, _ = generate(data, save_dir / "checkpoint_last.pt")
     merged = tmp_path / "merged.pt"
-    assert checkpoint_tool("merge", save_dir / "checkpoint_last.pt", merged).returncode == 0
+    assert run_checkpoint_tool("merge", save_dir / "checkpoint_last.pt", merged).returncode == 0
     assert_same_generation(generate(data, merged)[0], reference)
 
     # One more update each, at a vanishing learning rate: the layouts are what is being checked.

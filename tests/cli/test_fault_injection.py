@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
-from fairseq_helpers import USER_DIR, fairseq_env, tail
+from fairseq_helpers import USER_DIR, fairseq_env, tail, torchrun_command
 from full_precision_logs import carries_every_digit
 from paths import SUPPORT
 
@@ -88,21 +88,7 @@ class Job:
         self.workdir = workdir
         workdir.mkdir(parents=True)
         env = dict(fairseq_env(), PYTHONUNBUFFERED="1", CRASH_PLAN=plan, CRASH_PID_DIR=str(workdir))
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--log-dir",
-            str(workdir / "logs"),
-            "--redirects",
-            "3",
-            "--master_port",
-            str(free_port()),
-            str(PROBE),
-            *map(str, args),
-        ]
+        command = torchrun_command(2, free_port(), PROBE, args, workdir / "logs", redirects=3)
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )

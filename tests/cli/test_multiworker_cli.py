@@ -15,8 +15,8 @@ import torch
 
 from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
-    run_checkpoint_tool,
     json_logs,
+    run_checkpoint_tool,
     torchrun,
 )
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args, rewrite_rank_file

@@ -8,9 +8,9 @@ import torch
 from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
-    run_checkpoint_tool,
     json_logs,
     preprocess_parallel,
+    run_checkpoint_tool,
     run_fairseq,
     torchrun,
     write_parallel_corpus,

@@ -12,7 +12,16 @@ import pytest
 
 import warm_fairseq
 from dist_utils import free_port
-from fairseq_helpers import USER_DIR, fairseq_env, json_logs, run_fairseq, torchrun, train_args
+from fairseq_helpers import (
+    USER_DIR,
+    fairseq_env,
+    fresh_interpreter,
+    json_logs,
+    run_fairseq,
+    torchrun,
+    torchrun_command,
+    train_args,
+)
 
 # A module run as ``python -m NAME`` (from the working directory), and what its run must give: (exit status,
 # the output's last line, or a substring of the output where its last line is a traceback's).
@@ -105,14 +114,7 @@ def test_an_emulated_two_worker_torchrun_trains_and_refuses_as_a_real_torchrun_d
     for args, fails in ((trained, False), (refused, True)):
         args = [*args, "--ddp-backend", "legacy_ddp", "--distributed-world-size", "2"]
         warm_status, warm = launcher.torchrun(program, args, fairseq_env(), 2, free_port(), 240)
-        cold = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-            + [str(program), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=fairseq_env(),
-        )
+        cold = fresh_interpreter(torchrun_command(2, free_port(), program, args), fairseq_env(), 240)
         assert (warm_status, cold.returncode) == ((1, 1) if fails else (0, 0)), warm[-3000:]
         if fails:
             last = lambda text: [line for line in text.splitlines() if line.startswith("[rank0]: ")][-1]  # noqa: E731

@@ -170,6 +170,13 @@ def run_checkpoint_tool(*args, check: bool = False, combined: bool = False, time
     return done
 
 
+def torchrun_command(workers, port, program, args, log_dir=None, redirects=1) -> List[str]:
+    """The real launcher's command line: ``torchrun --nproc_per_node workers [--log-dir --redirects]`` on ``port``."""
+    redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect]
+    return command + ["--master_port", str(port), str(program), *map(str, args)]
+
+
 def torchrun(
     workers, program, args, timeout=240, expect_failure=False, log_dir=None, world_size_flag=True, redirects=1
 ):
@@ -188,9 +195,7 @@ def torchrun(
     if workers > 1 and world_size_flag:
         args += ["--distributed-world-size", str(workers)]
     port = free_port()
-    redirect = ["--log-dir", str(log_dir), "--redirects", str(redirects)] if log_dir else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), *redirect]
-    command += ["--master_port", str(port), str(program), *args]
+    command = torchrun_command(workers, port, program, args, log_dir, redirects)
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
     if warm is not None:  # the launcher's job done by the warm server: see warm_fairseq.py
