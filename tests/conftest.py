@@ -15,6 +15,8 @@ import torch
 
 # Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from suite_order import longest_first_rank  # noqa: E402
+
 # One intra-op thread for in-process tests, in one process (MOE_TEST_WORKERS=0) as on each of the two
 # xdist workers: their tensors are tiny, and a second thread on a loaded machine burns CPU spinning, so
 # a test timed alone would read dearer than in the suite. MOE_TEST_TORCH_THREADS=N for another count.
@@ -76,25 +78,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(
         key=lambda item: (
             item.get_closest_marker("slow") is None,
-            next((i for i, part in enumerate(LONGEST_FIRST) if part in item.nodeid), len(LONGEST_FIRST)),
+            longest_first_rank(item.nodeid),
             item.get_closest_marker("xdist_group") is None,
         )
     )
-
-
-# The longest slow tests and module groups (measured on a quiet 2-core machine, longest first): node
-# id fragments. Each is about a minute of one worker; the tests/recipes ones would otherwise be
-# collected, and so started, last.
-# fmt: off
-LONGEST_FIRST = (
-    "test_fault_injection.py::test_eleven_seeded_sigkills",
-    "test_gpu_scripts.py::test_the_cpu_dry_run",
-    "test_recipes.py::test_main_job_tiny_mode",
-    "test_recipes.py::test_python_stdlib_lm_quick_mode",
-    "test_multiworker_training_cli.py::test_four_workers_with_two_experts",
-    "test_multiworker_training_cli.py::test_eval_lm_scores",
-    "test_fully_sharded_cli.py",
-    "test_multiworker_cli.py",
-    "test_multiworker_sets_cli.py",
-)
-# fmt: on

@@ -118,7 +118,7 @@ def test_identical_replicas_are_reported_ok_and_resume(tmp_path):
     load_share(manifest, 1, 2, moe_ckpt.safe_load)
 
 
-def test_reshard_for_more_workers_than_shards_writes_one_file_per_shard_and_records_the_workers(tmp_path, capsys):
+def test_reshard_past_the_shard_count_writes_one_file_per_shard_naming_its_workers(tmp_path, capsys):
     source = a_set(tmp_path, 2)
     out = tmp_path / "out"
     out.mkdir()
@@ -133,7 +133,7 @@ def test_reshard_for_more_workers_than_shards_writes_one_file_per_shard_and_reco
     same_state(moe_ckpt.load_set(str(out / "checkpoint_last.set.json")), moe_ckpt.load_set(source), ignore=["set_id"])
 
 
-def test_reshard_picks_the_largest_expert_parallel_size_dividing_workers_and_experts_by_default(tmp_path):
+def test_reshard_defaults_to_the_largest_size_dividing_workers_and_experts(tmp_path):
     source = a_set(tmp_path, 2)
     (tmp_path / "out").mkdir()
     assert tool.main(["reshard", source, str(tmp_path / "out" / "checkpoint_last.pt"), "--world-size", "12"]) == 0
@@ -163,7 +163,7 @@ def bytes_read_by_this_process() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes with Linux's /proc/self/io")
-def test_resuming_through_fairseqs_loader_reads_the_first_file_and_the_workers_own_not_the_whole_set(tmp_path):
+def test_a_resume_through_fairseq_reads_the_first_file_and_its_own_not_the_whole_set(tmp_path):
     from fairseq import checkpoint_utils
 
     from fairseq_moe_ext.process_state import STATE, LoadTarget
@@ -203,7 +203,7 @@ def decide_on_workers(rank, world, refuse):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("refuse", [False, True])
-def test_rank_0_alone_validates_the_set_to_resume_and_every_worker_follows_its_choice_or_refusal(refuse):
+def test_rank_0_alone_validates_the_set_and_every_worker_follows_its_choice(refuse):
     from dist_utils import run_on_workers
 
     results = run_on_workers(decide_on_workers, 2, refuse)

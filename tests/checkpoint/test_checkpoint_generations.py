@@ -57,7 +57,7 @@ def test_every_set_is_protected_before_a_save_when_no_save_was_interrupted(tmp_p
     assert sorted(moe_ckpt.sets_to_protect(str(tmp_path))) == sorted(sets)
 
 
-def test_a_damaged_set_does_not_replace_the_intact_previous_generation_an_interrupted_save_left(tmp_path):
+def test_a_damaged_set_never_replaces_an_intact_previous_generation(tmp_path):
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     previous = keep_previous(manifest)
     # the crash: rank 0 had written its new file, rank 1 had not, no new manifest
@@ -67,7 +67,7 @@ def test_a_damaged_set_does_not_replace_the_intact_previous_generation_an_interr
     assert moe_ckpt.validate_set(previous)["num_updates"] == 10
 
 
-def test_an_intact_set_is_protected_again_over_a_previous_generation_an_interrupted_save_left(tmp_path):
+def test_an_intact_set_is_protected_again_over_a_stale_previous_generation(tmp_path):
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     keep_previous(manifest)
     # the crash came after the new set was complete, before its .prev was dropped
@@ -115,9 +115,7 @@ def refuse_links(monkeypatch, code):
 
 
 @pytest.mark.parametrize("code", [errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK])
-def test_where_the_filesystem_has_no_hard_links_the_previous_generation_is_a_copy_that_keeps_the_old_bytes(
-    tmp_path, monkeypatch, code
-):
+def test_without_hard_links_the_previous_generation_is_a_copy_of_the_old_bytes(tmp_path, monkeypatch, code):
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     refuse_links(monkeypatch, code)
     previous = keep_previous(manifest)
@@ -135,9 +133,7 @@ def test_a_link_failure_other_than_missing_hard_links_is_raised_not_hidden_by_a_
         moe_ckpt.link_previous_generation(manifest, 0, WORLD)
 
 
-def test_a_copy_that_fails_half_way_leaves_the_earlier_previous_generation_whole_and_no_temporary_file(
-    tmp_path, monkeypatch
-):
+def test_a_copy_failing_half_way_keeps_the_previous_generation_and_leaves_no_temp_file(tmp_path, monkeypatch):
     manifest = write_set(tmp_path, "checkpoint_last", [b"old rank 0", b"old rank 1"], 10)
     previous = keep_previous(manifest)
     base = str(tmp_path / "checkpoint_last")

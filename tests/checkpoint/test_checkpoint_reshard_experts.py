@@ -42,7 +42,7 @@ def assert_each_rank_file_holds_its_experts_in_order(base, world, original):
 
 
 @pytest.mark.slow
-def test_resharding_eight_experts_over_4_2_1_4_workers_keeps_expert_i_the_same_tensor_for_every_i(tmp_path):
+def test_resharding_8_experts_over_4_2_1_4_workers_keeps_every_expert_tensor(tmp_path):
     original = eight_distinct_experts()
     torch.save(original, tmp_path / "one.pt")
     steps = [(4, "in process"), (2, "in process"), (1, "command line"), (4, "in process")]

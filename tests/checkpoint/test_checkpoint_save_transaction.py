@@ -99,7 +99,7 @@ def assert_loadable_and_consistent(directory):
             assert (directory / entry["name"]).exists(), f"{path.name} lists missing {entry['name']}"
 
 
-def test_a_save_by_every_worker_ends_in_one_manifest_listing_each_rank_file_with_its_size_and_sha256(tmp_path):
+def test_a_save_ends_in_one_manifest_listing_each_rank_files_size_and_sha256(tmp_path):
     assert run_save(str(tmp_path), updates=3) == [None, None]
     manifest = moe_ckpt.validate_set(str(tmp_path / "checkpoint_last.set.json"))
     assert [f["rank"] for f in manifest["files"]] == [0, 1]
@@ -107,7 +107,7 @@ def test_a_save_by_every_worker_ends_in_one_manifest_listing_each_rank_file_with
     assert not list(tmp_path.glob("*.prev*")), "the previous generation outlived a complete save"
 
 
-def test_at_every_step_of_a_save_over_an_earlier_set_some_complete_set_loads_and_no_manifest_lists_a_missing_file(
+def test_at_every_save_step_a_complete_set_loads_and_no_manifest_lists_a_missing_file(
     tmp_path,
 ):
     assert run_save(str(tmp_path), updates=2, names=("checkpoint_last", "checkpoint_2")) == [None, None]
@@ -137,7 +137,7 @@ def test_at_every_step_of_a_save_over_an_earlier_set_some_complete_set_loads_and
     assert not list(tmp_path.glob("checkpoint_2*")), "the pruned set was left behind"
 
 
-def test_the_save_protects_before_anything_is_written_and_writes_manifests_only_after_every_worker_wrote(tmp_path):
+def test_a_save_protects_first_and_writes_manifests_after_every_worker_wrote(tmp_path):
     assert run_save(str(tmp_path), updates=2) == [None, None]
     events = []
 
@@ -210,7 +210,7 @@ def test_workers_that_disagree_on_the_set_id_get_a_manifest_without_one(tmp_path
     moe_ckpt.validate_set(str(tmp_path / "checkpoint_last.set.json"))
 
 
-def test_a_one_worker_save_replaces_the_rank_files_an_earlier_multi_worker_run_left_under_its_name(tmp_path):
+def test_a_one_worker_save_replaces_the_rank_files_a_multi_worker_run_left(tmp_path):
     assert run_save(str(tmp_path), updates=2) == [None, None]
     result = save_single_file(str(tmp_path), "", lambda: write_file(str(tmp_path / "checkpoint_last.pt"), b"all"))
     assert result is None
@@ -223,7 +223,7 @@ def test_the_transaction_runs_at_any_world_size(tmp_path, world):
     assert len(moe_ckpt.validate_set(str(tmp_path / "checkpoint_last.set.json"))["files"]) == world
 
 
-def test_with_more_workers_than_shards_the_first_replica_of_each_shard_writes_and_the_manifest_records_the_replicas(
+def test_with_replicas_the_first_of_each_shard_writes_and_the_manifest_lists_all(
     tmp_path,
 ):
     from fairseq_moe_ext.checkpoint.save import WorkerShare

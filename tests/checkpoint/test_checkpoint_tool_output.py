@@ -123,7 +123,7 @@ WRITE_FAILURES = [pytest.param(command, *failure, id=f"{failure[0]}-{command[0]}
 
 
 @pytest.mark.parametrize("command, failure_id, target, failure, problem, fix", WRITE_FAILURES)
-def test_a_failed_write_reports_its_cause_in_one_line_leaves_the_output_directory_as_found_and_a_rerun_succeeds(
+def test_a_failed_write_says_why_in_one_line_leaves_the_output_as_found_and_reruns(
     a_set, tmp_path, capsys, monkeypatch, command, failure_id, target, failure, problem, fix
 ):
     out = tmp_path / "out"

@@ -108,7 +108,7 @@ BAD_MANIFESTS = [
 
 
 @pytest.mark.parametrize("case_id, mutate, field", BAD_MANIFESTS, ids=[c[0] for c in BAD_MANIFESTS])
-def test_a_manifest_with_a_wrong_field_is_refused_in_one_line_naming_it_before_any_rank_file_is_opened(
+def test_a_manifest_with_a_wrong_field_is_refused_naming_it_before_rank_files_open(
     a_set, monkeypatch, case_id, mutate, field
 ):
     manifest_file = a_set / "checkpoint_last.set.json"
@@ -161,7 +161,7 @@ FOREIGN = {"another-tools.set.json": '{"foo": 1}', "a-list.set.json": "[1, 2]", 
 # fmt: on
 
 
-def test_foreign_manifests_in_a_save_dir_are_ignored_with_one_warning_each_and_left_untouched(a_set, caplog):
+def test_foreign_manifests_in_a_save_dir_get_one_warning_each_and_stay_untouched(a_set, caplog):
     for name, text in FOREIGN.items():
         (a_set / name).write_text(text)
     outside = json.loads((a_set / "checkpoint_last.set.json").read_text())
@@ -216,7 +216,7 @@ def test_every_worker_derives_the_same_set_id_for_one_save_and_another_for_the_n
     )
 
 
-def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch_into_another(monkeypatch):
+def test_workers_of_one_launch_share_a_set_id_and_another_launch_gets_another(monkeypatch):
     from types import SimpleNamespace
 
     from fairseq_moe_ext.training.set_identity import save_set_id
@@ -236,7 +236,7 @@ def test_fairseq_trains_workers_of_one_launch_into_one_set_id_and_another_launch
     assert len(first_launch) == 1 and save_set_id(worker(0), 2) not in first_launch
 
 
-def test_workers_that_derived_different_set_ids_get_a_manifest_without_one_so_their_set_still_loads(caplog):
+def test_workers_deriving_different_set_ids_write_a_manifest_without_one_that_loads(caplog):
     from fairseq_moe_ext.checkpoint.set_id import agreed_set_id
 
     agreeing = [{"rank": 0, "set_id": "a" * 16}, {"rank": 1, "set_id": "a" * 16}]
@@ -247,7 +247,7 @@ def test_workers_that_derived_different_set_ids_get_a_manifest_without_one_so_th
     assert "derived different set ids" in caplog.text
 
 
-def test_a_rank_file_of_another_save_is_refused_even_where_the_manifest_was_edited_to_list_it(a_set, tmp_path):
+def test_a_rank_file_of_another_save_is_refused_even_if_an_edited_manifest_lists_it(a_set, tmp_path):
     (tmp_path / "other").mkdir()
     moe_ckpt.save_set(full_state(), str(tmp_path / "other" / "checkpoint_last"), 2)  # same contents, another save
     name = "checkpoint_last-rank-1-of-2.pt"

@@ -193,7 +193,7 @@ def test_the_nllb_routing_options_become_nllb_moe_fields_and_come_back_as_the_sa
     assert (policy != "all") == any("drawn in evaluation too" in line for line in notes)
 
 
-def test_hf_fractions_of_1_or_more_and_unset_fractions_without_fixed_capacity_import_as_the_same_capacity():
+def test_hf_fractions_of_1_or_more_and_unset_ones_import_as_the_same_capacity():
     dropless, _ = imported_options(hf_config(options(), "ck.pt", vocab=30, dtype="float32")[0], "config.json")
     assert (dropless.moe_eval_capacity_token_fraction, dropless.moe_eval_capacity_factor) == (0.0, 0.0)
     config = dict(hf_config(options(), "ck.pt", vocab=30, dtype="float32")[0], moe_eval_capacity_token_fraction=0)

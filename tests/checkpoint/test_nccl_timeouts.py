@@ -22,7 +22,7 @@ SLOW_HASH_S = 2.5 * DEFAULT_GROUP_TIMEOUT_S
 TORCH_NCCL_DEFAULT_TIMEOUT_S = 600  # kProcessGroupNCCLDefaultTimeout, what fairseq's default group gets on GPUs
 
 
-def test_by_default_an_moe_collective_waits_for_a_peer_no_longer_than_fairseqs_own_nccl_collectives(monkeypatch):
+def test_an_moe_collective_waits_for_a_peer_no_longer_than_fairseqs_own_by_default(monkeypatch):
     # On NCCL a dead peer is seen only when this runs out: every GPU of the job idles until then.
     from fairseq_moe_ext.models.moe_runtime import apply_runtime_options
     from fairseq_moe_ext.process_state import STATE

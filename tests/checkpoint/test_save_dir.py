@@ -97,9 +97,7 @@ def one_worker_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_the_shared_save_dir_probe_passes_and_leaves_nothing_where_every_worker_sees_the_file(
-    tmp_path, one_worker_group
-):
+def test_the_save_dir_probe_passes_and_leaves_nothing_where_every_worker_sees_it(tmp_path, one_worker_group):
     save_dir = tmp_path / "ck"
     save_dir.mkdir()
     shared_save_dir.check_save_dir_shared(str(save_dir), rank=0)
@@ -121,7 +119,7 @@ def test_a_worker_that_does_not_see_the_save_dir_stops_the_job_with_one_line_nam
     assert not list(save_dir.iterdir())
 
 
-def test_a_lock_whose_pid_now_belongs_to_a_process_started_after_it_was_written_is_taken_over(tmp_path, caplog):
+def test_a_lock_whose_pid_was_reused_by_a_later_process_is_taken_over(tmp_path, caplog):
     # Containers restart their processes under the same small pids: a live pid proves nothing when
     # that process is younger than the lock.
     write_lock(tmp_path, job(os.getppid(), started=A_WHILE_AGO))

@@ -46,7 +46,7 @@ def upcycled_layer(moe_state, prefix, k, normalize_gates=True):
     return layer.eval()
 
 
-def test_every_expert_of_an_upcycled_layer_is_the_dense_ffn_the_router_starts_at_zero_and_the_rest_carries_over():
+def test_upcycling_copies_the_ffn_to_every_expert_zeroes_the_router_and_keeps_the_rest():
     dense = dense_model_state()
     moe, expert_keys = upcycle_model_state(dense, UpcycleOptions(experts=E, router_std=0.0), every_second_layer)
     for side in ("encoder", "decoder"):
@@ -73,9 +73,7 @@ def test_every_expert_of_an_upcycled_layer_is_the_dense_ffn_the_router_starts_at
 
 @pytest.mark.parametrize("router_std", [0.0, 0.5], ids=["zero-router", "random-router"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_an_upcycled_layer_with_normalised_gates_computes_the_dense_ffn_whichever_experts_the_router_picks(
-    k, router_std
-):
+def test_upcycled_normalised_gates_compute_the_dense_ffn_whichever_experts_are_picked(k, router_std):
     dense = dense_model_state()
     moe, _ = upcycle_model_state(dense, UpcycleOptions(experts=E, router_std=router_std), every_second_layer)
     x = torch.randn(5, 7, D)
@@ -98,7 +96,7 @@ def test_without_normalised_gates_an_upcycled_layer_is_the_dense_ffn_scaled_by_k
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_by_default_an_upcycled_layer_spreads_its_tokens_over_experts_and_workers_and_computes_the_dense_ffn(k):
+def test_an_upcycled_layer_spreads_tokens_over_experts_and_workers_and_is_the_dense_ffn(k):
     # A zero router ties every token: topk sends all of them to the same k experts, so with the 8
     # experts on 2 workers one worker would receive every row.
     experts, tokens = 8, 512
@@ -115,7 +113,7 @@ def test_by_default_an_upcycled_layer_spreads_its_tokens_over_experts_and_worker
     assert max(share[:4].sum(), share[4:].sum()) <= 0.75, share  # worker 0 holds experts 0-3, worker 1 4-7
 
 
-def test_a_one_expert_per_token_upcycled_layer_is_exactly_its_dense_ffn_and_its_router_still_learns():
+def test_an_upcycled_top_1_layer_is_exactly_its_dense_ffn_and_its_router_learns():
     # k = 1: the renormalised gate is exactly 1 (an unnormalised softmax gate would scale the FFN by
     # p < 1); its gradient must still reach the router (p / p alone would give none).
     dense = dense_model_state()

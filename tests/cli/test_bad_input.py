@@ -305,7 +305,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_bad_input_fails_fast_with_one_line_naming_the_problem_and_the_fix_and_changes_no_file(case, started):
+def test_bad_input_fails_in_one_line_naming_problem_and_fix_and_changes_no_file(case, started):
     check_case(case, started[case.id])
 
 

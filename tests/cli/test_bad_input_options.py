@@ -89,7 +89,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_bad_input_fails_fast_with_one_line_naming_the_problem_and_the_fix_and_changes_no_file(case, started):
+def test_bad_input_fails_in_one_line_naming_problem_and_fix_and_changes_no_file(case, started):
     check_case(case, started[case.id])
 
 
@@ -107,9 +107,7 @@ def test_the_skipped_upcycle_names_the_checkpoint_it_found_and_why_it_cannot_loa
     ), output[-3000:]
 
 
-def test_a_resume_changing_options_that_may_change_and_an_overridden_top_k_trains_on_logging_each_change(
-    checkpoints, tmp_path
-):
+def test_a_resume_changing_free_options_and_an_overridden_top_k_trains_logging_each(checkpoints, tmp_path):
     inputs = checkpoints.result()
     save_dir = copy_of(inputs.single, tmp_path)
     output = run_fairseq(

@@ -125,7 +125,7 @@ COMMANDS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_the_checkpoint_tool_on_a_full_filesystem_says_no_space_left_writes_nothing_and_reruns_once_there_is_room(
+def test_the_checkpoint_tool_on_a_full_disk_says_so_writes_nothing_and_reruns_later(
     small_filesystem, tmp_path, command
 ):
     source, dense = a_two_megabyte_set(tmp_path / "set"), a_dense_checkpoint(tmp_path / "dense")
@@ -148,9 +148,7 @@ def test_the_checkpoint_tool_on_a_full_filesystem_says_no_space_left_writes_noth
 
 
 @pytest.mark.slow
-def test_fairseq_train_whose_save_dir_fills_up_says_no_space_left_and_keeps_the_last_checkpoint_whole(
-    small_filesystem, parallel_data
-):
+def test_fairseq_train_on_a_full_save_dir_says_no_space_left_and_keeps_its_checkpoint(small_filesystem, parallel_data):
     """A run saves at update 1 (checkpoint_best and checkpoint_last, about 3.4 MB each); the
     filesystem then keeps about 1.2 MB free, and the resumed run's save at update 2 cannot fit."""
     save_dir = small_filesystem.mount("ck", "12m")
@@ -194,7 +192,7 @@ def fairseqs_save(best: Path, last: Path, size: int):
     return save
 
 
-def test_a_training_save_whose_copy_to_checkpoint_last_fills_the_disk_keeps_the_old_checkpoint_last(small_filesystem):
+def test_a_full_disk_while_copying_to_checkpoint_last_keeps_the_old_checkpoint_last(small_filesystem):
     """fairseq copies in place (open, truncate, write): a full disk used to leave a truncated
     checkpoint_last. The hook copies to a temporary name and renames, so the old one stays."""
     save_dir = small_filesystem.mount("ck", "4m")

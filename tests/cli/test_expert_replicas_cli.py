@@ -66,9 +66,7 @@ def test_four_workers_sharing_two_expert_shards_train_exactly_as_plain_data_para
         torch.testing.assert_close(experts[key], value, rtol=0, atol=1e-5, msg=key)
 
 
-def test_four_workers_with_two_experts_store_each_expert_once_and_resume_at_two_and_one_workers(
-    data, replicated_run, tmp_path
-):
+def test_four_workers_with_two_experts_save_each_once_and_resume_on_two_and_one(data, replicated_run, tmp_path):
     save_dir = tmp_path / "ck"
     shutil.copytree(replicated_run[0], save_dir)  # resumed below, in place
     manifest = json.loads((save_dir / "checkpoint_last.set.json").read_text())

@@ -22,7 +22,7 @@ print("now", type(sys.modules["sklearn.metrics"]).__name__, type(sys.modules["sc
 """
 
 
-def test_fairseq_processes_started_by_tests_import_scikit_learn_only_when_called_and_then_the_real_one():
+def test_fairseq_under_tests_imports_scikit_learn_only_when_called_and_the_real_one():
     done = subprocess.run(
         [sys.executable, "-c", PROGRAM], env=fairseq_env(), capture_output=True, text=True, timeout=150
     )

@@ -159,9 +159,7 @@ STRAY_MANIFESTS = {
 # fmt: on
 
 
-def test_stray_manifests_in_the_save_dir_neither_stop_a_two_worker_resume_and_save_nor_are_touched(
-    two_worker_run, data, tmp_path
-):
+def test_stray_manifests_neither_stop_a_two_worker_resume_and_save_nor_are_touched(two_worker_run, data, tmp_path):
     from fairseq_moe_ext import checkpoint as moe_ckpt
 
     save_dir = tmp_path / "ck"

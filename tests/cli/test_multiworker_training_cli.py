@@ -42,9 +42,7 @@ def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct
     assert records and all("moe_gate_loss" in r for r in records)
 
 
-def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_experts_apart_and_shared_weights_equal(
-    data, tmp_path
-):
+def test_four_workers_two_experts_keep_replicas_identical_experts_apart_shared_equal(data, tmp_path):
     """P defaults to gcd(4, 2) = 2: ranks 0 and 2 hold expert 0, ranks 1 and 3 expert 1, after 12 updates
     of fairseq-train. (Checkpoint sets of replicated experts are not this test's subject: --no-save.)"""
     probe = tmp_path / "probe"
@@ -81,9 +79,7 @@ def test_four_workers_with_two_experts_keep_replicas_bitwise_identical_distinct_
     assert_loss_falls(output)
 
 
-def test_eval_lm_scores_a_language_model_set_in_one_process_and_on_two_workers_holding_half_the_experts_each(
-    lm_data, tmp_path
-):
+def test_eval_lm_scores_an_lm_set_alike_in_one_process_and_on_two_half_expert_workers(lm_data, tmp_path):
     data = lm_data
     save_dir = tmp_path / "ck"
     torchrun(

@@ -72,9 +72,7 @@ MULTI_WORKER = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", list(MULTI_WORKER))
-def test_two_worker_mixed_precision_training_through_fairseq_train_learns_and_keeps_shared_weights_identical(
-    data, tmp_path, flag
-):
+def test_two_worker_mixed_precision_fairseq_train_learns_and_keeps_shared_weights_equal(data, tmp_path, flag):
     probe = tmp_path / "probe"
     args = moe_args(data, tmp_path / "ck", 12, "--ddp-backend", "legacy_ddp", "--no-save", flag)
     output = torchrun(2, SUPPORT / "fairseq_rank_probe.py", [probe, *args], timeout=300)

@@ -36,7 +36,7 @@ def biases(path):
     return {k: v for k, v in model.items() if k.endswith(".balance_bias.bias")}
 
 
-def test_two_workers_train_resume_bit_exactly_inspect_and_generate_with_shared_experts_sigmoid_and_bias(tmp_path):
+def test_two_workers_with_shared_experts_sigmoid_and_bias_resume_exactly_and_generate(tmp_path):
     data = preprocess_parallel(write_parallel_corpus(tmp_path / "raw"), tmp_path / "bin")
     # Saved at update 4 (mid-epoch) on the way to 8; a second run resumes from that set.
     full = torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, tmp_path / "full", 8, "--save-interval-updates", "4"))

@@ -93,9 +93,7 @@ def one_process_valid(bleu_run):
     return generate(bleu_run["data"], bleu_run["save_dir"] / "checkpoint_best.pt", "valid", 1, extra=VALID)
 
 
-def test_eval_bleu_in_two_worker_training_logs_the_bleu_of_one_process_generating_from_its_best_checkpoint(
-    bleu_run, one_process_valid
-):
+def test_two_worker_eval_bleu_logs_what_one_process_generates_from_the_best_checkpoint(bleu_run, one_process_valid):
     bleus = {int(r["epoch"]): float(r["valid_bleu"]) for r in bleu_run["valid"]}
     assert len(bleus) >= 3 and max(bleus.values()) > 0, bleus
     best_epoch = max(bleus, key=bleus.get)

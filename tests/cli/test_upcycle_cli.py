@@ -72,9 +72,7 @@ def validation_loss(path, data) -> float:
     return loss / tokens / math.log(2)
 
 
-def test_a_dense_transformer_upcycled_to_four_experts_keeps_its_validation_loss_as_a_file_and_as_a_two_worker_set_and_trains_on(
-    dense, tmp_path
-):
+def test_upcycled_to_4_experts_keeps_valid_loss_as_file_and_2_worker_set_and_trains_on(dense, tmp_path):
     data, dense_checkpoint, dense_train_loss = dense
     single, pair = tmp_path / "one" / "checkpoint_upcycled.pt", tmp_path / "two" / "checkpoint_upcycled.pt"
     single.parent.mkdir(), pair.parent.mkdir()
@@ -118,9 +116,7 @@ def test_a_dense_transformer_upcycled_to_four_experts_keeps_its_validation_loss_
     assert trained["moe"]["num_updates"] == 6
 
 
-def test_fairseq_train_with_moe_upcycle_from_starts_two_workers_from_the_checkpoint_tools_upcycled_model(
-    dense, tmp_path
-):
+def test_moe_upcycle_from_starts_two_workers_from_what_the_checkpoint_tool_upcycles(dense, tmp_path):
     """At --lr 0 the one update changes nothing, so the saved set is the model the run started from."""
     data, dense_checkpoint, _ = dense
     upcycled = tmp_path / "checkpoint_upcycled.pt"

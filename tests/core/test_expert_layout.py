@@ -14,7 +14,7 @@ from fairseq_moe_ext.models.moe_runtime import apply_runtime_options, expert_par
 from fairseq_moe_ext.process_state import STATE
 
 
-def test_four_workers_and_two_experts_form_two_expert_parallel_groups_of_two_and_two_replica_groups():
+def test_four_workers_and_two_experts_form_two_expert_groups_and_two_replica_groups():
     layouts = [ExpertLayout(world_size=4, parallel_size=2, rank=r) for r in range(4)]
     assert [(l.ep_rank, l.replica_index, l.num_replicas) for l in layouts] == [
         (0, 0, 2),
@@ -43,7 +43,7 @@ def test_groups_partition_the_world_and_a_workers_two_groups_meet_only_in_it(wor
 
 
 @pytest.mark.parametrize("world, parallel, rank", [(4, 3, 0), (4, 0, 0), (4, 2, 4), (4, 2, -1), (0, 1, 0)])
-def test_a_layout_whose_size_does_not_divide_the_world_or_whose_rank_is_outside_it_is_refused(world, parallel, rank):
+def test_a_layout_with_a_size_not_dividing_the_world_or_a_rank_outside_it_is_refused(world, parallel, rank):
     with pytest.raises(ValueError, match="the expert-parallel size must divide the world size"):
         ExpertLayout(world, parallel, rank)
 
@@ -96,9 +96,7 @@ def test_the_default_expert_parallel_size_is_the_largest_dividing_workers_and_ex
         ),
     ],
 )
-def test_an_expert_parallel_size_dividing_not_both_is_refused_in_one_line_listing_the_sizes_that_do(
-    parallel, world, experts, message
-):
+def test_an_expert_parallel_size_not_dividing_both_is_refused_listing_those_that_do(parallel, world, experts, message):
     args = argparse.Namespace(moe_expert_count=experts, moe_expert_parallel_size=parallel)
     with pytest.raises(ValueError) as refused:
         expert_parallel_size(args, world)
@@ -188,9 +186,7 @@ def expert_and_shared_params():
 
 
 @pytest.mark.parametrize("bucket, calls", [(1 << 26, [41]), (20, [12, 12, 17])])
-def test_expert_gradients_are_summed_over_replicas_in_flat_buckets_and_shared_ones_are_left_alone(
-    monkeypatch, bucket, calls
-):
+def test_expert_gradients_are_summed_over_replicas_in_flat_buckets_shared_ones_not(monkeypatch, bucket, calls):
     reduce = RecordedReplicaSum(monkeypatch)
     monkeypatch.setattr(moe_dist, "EXPERT_GRAD_BUCKET_NUMEL", bucket)
     experts, shared = expert_and_shared_params()

@@ -53,7 +53,7 @@ def test_in_evaluation_every_expert_output_is_scaled_by_one_minus_the_masking_ra
         torch.testing.assert_close(moe(x), 0.7 * slot_terms(moe, x).sum(1), rtol=1e-5, atol=1e-6)
 
 
-def test_in_training_each_tokens_expert_output_is_kept_whole_or_zeroed_at_the_masking_rate_without_rescaling():
+def test_training_keeps_each_tokens_expert_output_whole_or_zeroed_at_the_rate_unscaled():
     moe = layer(0.3).train()
     x = torch.randn(4000, D)
     with torch.no_grad():

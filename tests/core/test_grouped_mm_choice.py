@@ -153,7 +153,7 @@ GROUPED_EDGE_CASES = {  # name: (counts, input maker, upstream gradient maker)
 
 
 @pytest.mark.parametrize("case", GROUPED_EDGE_CASES)
-def test_the_grouped_kernel_is_handed_only_calls_it_promises_to_handle_and_the_rest_equals_the_loop(monkeypatch, case):
+def test_the_grouped_kernel_gets_only_calls_it_handles_and_the_rest_equals_the_loop(monkeypatch, case):
     counts, make_input, make_upstream = GROUPED_EDGE_CASES[case]
     kernel = PromisingGroupedKernel()
     monkeypatch.setattr(torch, "_grouped_mm", kernel, raising=False)

@@ -60,7 +60,7 @@ def _data_path_calls(group):
 
 
 @pytest.mark.parametrize("what", ["all-reduce of routing statistics", "all-to-all of token rows"])
-def test_a_cpu_tensor_handed_to_a_cuda_only_group_is_reported_as_a_plugin_bug_not_a_dead_peer(group_of_one, what):
+def test_a_cpu_tensor_on_a_cuda_only_group_is_reported_as_a_plugin_bug_not_a_dead_peer(group_of_one, what):
     group = group_of_one("cuda:gloo")  # serves cuda only, like fairseq's plain nccl
     with pytest.raises(MoECollectiveDeviceError) as caught:
         _data_path_calls(group)[what]()
@@ -143,9 +143,7 @@ CONTROL_PATHS = {
 
 
 @pytest.mark.parametrize("path", list(CONTROL_PATHS))
-def test_no_control_collective_of_the_plugin_hands_a_cpu_tensor_to_a_group_without_a_cpu_backend(
-    group_of_one, monkeypatch, path
-):
+def test_no_control_collective_hands_a_cpu_tensor_to_a_group_without_a_cpu_backend(group_of_one, monkeypatch, path):
     group = group_of_one("gloo")
     # The group now says it serves only "meta", standing in for the cuda of a plain nccl group.
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "meta:nccl")

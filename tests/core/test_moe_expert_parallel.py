@@ -132,7 +132,7 @@ def extended_step(rank, world, sizes):
     }
 
 
-def test_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one_process_with_all_experts():
+def test_shared_experts_sigmoid_and_balance_bias_on_two_workers_equal_one_process():
     sizes = [5, 21]
     results = run_on_workers(extended_step, 2, sizes)
 

@@ -99,7 +99,7 @@ def mismatched_experts(rank, world):
 
 
 @pytest.mark.slow
-def test_workers_built_with_different_expert_counts_fail_on_the_first_forward_naming_the_difference():
+def test_workers_with_different_expert_counts_fail_at_the_first_forward_naming_them():
     results = run_workers_through_faults(mismatched_experts, 2, deadline=90)
     for rank, result in enumerate(results):
         assert result is not None and result.get("error") == "ValueError", result

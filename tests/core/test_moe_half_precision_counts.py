@@ -54,7 +54,7 @@ def test_a_half_precision_router_sizes_expert_capacity_from_the_exact_token_coun
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_a_half_precision_router_logs_the_fp64_entropy_of_its_real_tokens_also_when_the_batch_has_padding(dtype):
+def test_a_half_precision_router_logs_the_fp64_entropy_of_real_tokens_despite_padding(dtype):
     # Pad tokens' probabilities are zeroed before the entropy; 0 * log(clamp(0, 1e-20)) must stay 0,
     # but 1e-20 is 0 in fp16 (and a sharp router's small probabilities underflow there too).
     layer = half_router_layer(dtype)

@@ -54,7 +54,7 @@ def lockstep_worker(rank, world):
     return outputs
 
 
-def test_workers_running_different_numbers_of_moe_calls_equal_one_process_holding_every_expert():
+def test_workers_making_different_numbers_of_moe_calls_equal_one_process():
     results = run_on_workers(lockstep_worker, 3)
     reference = build_stacks(None)
     for rank, outputs in enumerate(results):
@@ -81,7 +81,7 @@ def stalled_peer(rank, world):
     return "done"
 
 
-def test_a_worker_that_stalls_mid_generation_fails_its_peer_with_a_communication_error_not_a_hang():
+def test_a_worker_stalling_mid_generation_fails_its_peer_with_an_error_not_a_hang():
     started = time.monotonic()
     survivor, _ = run_workers_through_faults(stalled_peer, 2, deadline=60)
     assert survivor is not None and survivor.get("error") == "MoECommunicationError", survivor

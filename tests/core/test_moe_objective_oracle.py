@@ -99,7 +99,7 @@ def real_rows_of_gradient(layer_logits, real):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_the_balance_loss_and_its_logit_gradient_are_E_times_sum_of_top1_fraction_times_mean_probability(k, padded):
+def test_balance_loss_and_its_gradient_are_E_sum_of_top1_fraction_times_mean_prob(k, padded):
     aux, layer_logits, logits, real = routed(k, padded)
     top1 = logits.argmax(-1)
     assert len(set(top1.tolist())) > 1 and top1_fractions(top1, len(top1)).max() < 1
@@ -113,7 +113,7 @@ def test_the_balance_loss_and_its_logit_gradient_are_E_times_sum_of_top1_fractio
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_the_z_loss_and_its_logit_gradient_are_the_mean_over_real_tokens_of_squared_logsumexp(k, padded):
+def test_z_loss_and_its_gradient_are_the_real_token_mean_of_squared_logsumexp(k, padded):
     aux, layer_logits, logits, real = routed(k, padded, seed=1)
     torch.testing.assert_close(aux.z_loss.double(), st_moe_z_loss(logits), rtol=1e-5, atol=1e-6)
     aux.z_loss.backward()

@@ -73,7 +73,7 @@ def test_the_balance_bias_changes_which_experts_are_chosen_but_not_the_gate_valu
     torch.testing.assert_close(after.gates, scores / scores.sum(-1, keepdim=True))
 
 
-def test_sigmoid_router_gates_are_the_chosen_sigmoid_scores_normalised_over_k_and_probs_over_all_experts():
+def test_sigmoid_gates_are_chosen_scores_normalised_over_k_and_probs_over_all_experts():
     router = TopKRouter(D, 6, RoutingConfig(k=3, router_type="sigmoid"))
     x = torch.randn(20, D)
     routing = router(x)
@@ -84,7 +84,7 @@ def test_sigmoid_router_gates_are_the_chosen_sigmoid_scores_normalised_over_k_an
     torch.testing.assert_close(routing.probs, scores / scores.sum(-1, keepdim=True))
 
 
-def test_the_bias_moves_by_the_rate_towards_the_mean_load_of_every_micro_batch_since_the_last_update():
+def test_the_bias_moves_by_the_rate_towards_the_mean_load_since_the_last_update():
     layer = make_layer("top", bias_rate=0.05)
     set_bias(layer, [0.1, -0.1, 0.05, 0.0])
     bias = layer.router.balance_bias.bias.clone()
@@ -142,7 +142,7 @@ def test_the_bias_is_a_saved_fp32_buffer_even_in_a_half_precision_model():
     assert torch.equal(fresh.router.balance_bias.bias, state["router.balance_bias.bias"])
 
 
-def test_shared_experts_are_shared_parameters_identical_whatever_the_worker_and_not_the_routed_experts():
+def test_shared_experts_are_identical_shared_parameters_on_every_worker_unlike_routed():
     layer = make_layer("top", shared=2)
     shared = list(layer.shared_experts.parameters())
     assert shared and not any(is_expert(p) for p in shared)
@@ -183,9 +183,7 @@ def imbalance_over_training(router_type, k, num_experts, bias_rate, updates=100)
 
 
 @pytest.mark.parametrize("router_type, k, num_experts", [("sigmoid", 2, 8), ("top", 1, 4)])
-def test_bias_balancing_brings_a_skewed_router_below_1_3_imbalance_within_100_updates_and_nothing_else_does(
-    router_type, k, num_experts
-):
+def test_only_bias_balancing_brings_a_skewed_router_below_1_3_imbalance_in_100_updates(router_type, k, num_experts):
     without = imbalance_over_training(router_type, k, num_experts, None)
     with_bias = imbalance_over_training(router_type, k, num_experts, 0.01)
     assert min(without) > 2, "without the bias (and no balance loss) the skew stays"

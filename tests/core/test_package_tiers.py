@@ -153,7 +153,7 @@ def run_without_fairseq(code: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_moe_and_checkpoint_import_and_the_checkpoint_tool_runs_where_fairseq_cannot_be_imported():
+def test_moe_and_checkpoint_import_and_the_tool_runs_where_fairseq_cannot_be_imported():
     done = run_without_fairseq(
         """
         import fairseq_moe_ext.moe, fairseq_moe_ext.checkpoint

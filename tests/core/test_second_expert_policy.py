@@ -29,7 +29,7 @@ def expert(moe, e, token):
     )
 
 
-def test_random_policy_keeps_a_second_expert_when_a_draw_is_below_twice_its_gate_normalised_as_the_branch():
+def test_random_policy_keeps_a_second_expert_below_twice_its_gate_normed_as_the_branch():
     moe = layer("random", normalize_gates=True)
     x = torch.randn(64, D, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)
@@ -67,7 +67,7 @@ def test_sampling_policy_draws_the_second_expert_by_softmax_over_the_others():
     assert bool(((seen - expected).abs() <= 5 * sigma + 1e-9).all()), (seen, expected)
 
 
-def test_random_policy_keeps_the_second_expert_with_probability_twice_its_raw_gate_capped_at_1():
+def test_random_policy_keeps_the_second_expert_at_twice_its_raw_gate_capped_at_1():
     moe = layer("random")
     tokens = torch.randn(2, D, generator=torch.Generator().manual_seed(3))
     n = 20000

@@ -29,7 +29,7 @@ def test_every_private_api_is_there_in_this_torch_and_its_probe_notices_when_one
     ]
 
 
-def test_without_grouped_mm_auto_keeps_the_loop_and_asking_for_grouped_mm_is_refused_in_one_line(monkeypatch):
+def test_without_grouped_mm_auto_keeps_the_loop_and_asking_for_it_is_refused(monkeypatch):
     x = torch.zeros(16, 64, dtype=torch.bfloat16)
     weight = torch.zeros(4, 128, 64, dtype=torch.bfloat16)
     monkeypatch.delattr(torch, "_grouped_mm")
@@ -70,7 +70,7 @@ def test_gradient_clipping_without_foreach_mul_scales_every_gradient_the_same_bi
     assert not torch.equal(with_foreach[0], torch.arange(3.0) * 1.5)  # it did clip
 
 
-def test_the_expert_relu_backward_without_aten_in_place_overload_gives_the_same_gradients_bit_for_bit(monkeypatch):
+def test_the_expert_relu_backward_without_the_in_place_overload_is_bit_for_bit_equal(monkeypatch):
     def gradients():
         experts = BatchedExperts(8, 16, 3, matmul="loop", seed=2)
         x = torch.randn(11, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -100,7 +100,7 @@ def test_without_ddps_private_setter_experts_are_marked_ignored_exactly_as_torch
     assert marks() == by_torch and by_torch[1]["0.weight"] and not by_torch[1]["0.bias"]
 
 
-def test_amp_overflow_marking_on_a_torch_whose_grad_scaler_keeps_no_per_optimizer_states_is_refused_in_one_line():
+def test_amp_overflow_marking_without_per_optimizer_scaler_states_is_refused_in_one_line():
     from fairseq_moe_ext.fairseq_integration.precision import mark_overflow
 
     param = nn.Parameter(torch.ones(2))

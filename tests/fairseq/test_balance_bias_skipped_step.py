@@ -17,9 +17,7 @@ RATE = float(BALANCE_BIAS[BALANCE_BIAS.index("--moe-bias-update-rate") + 1])
 # amp (GradScaler) and fp16 (fairseq's dynamic loss scaler) skip by different code; memory-efficient
 # fp16 shares fp16's scaler and is covered on two workers.
 @pytest.mark.parametrize("precision", ["amp", "fp16 (not flattened)"])
-def test_a_skipped_step_leaves_the_balance_bias_unchanged_and_the_next_update_counts_only_its_own_load(
-    tmp_path, monkeypatch, precision
-):
+def test_a_skipped_step_leaves_the_bias_and_the_next_update_counts_only_its_own_load(tmp_path, monkeypatch, precision):
     # fairseq 0.12 builds the logged norm of a skipped fp16 step with torch.tensor(0.0).cuda().
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
     write_dictionaries(str(tmp_path))

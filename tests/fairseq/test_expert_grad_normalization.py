@@ -46,7 +46,7 @@ def cases_worker(rank, world, data_dir):
     return [gradients_after_one_step(data_dir, world, mine, ["--ddp-backend", b, *f]) for b, f, _ in CASES]
 
 
-def test_sqrt_world_size_leaves_expert_gradients_sqrt_p_times_the_exact_ones_on_every_backend(tmp_path):
+def test_sqrt_world_size_leaves_expert_grads_sqrt_p_times_exact_on_every_backend(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     by_rank = run_on_workers(cases_worker, 2, data_dir)

@@ -81,7 +81,7 @@ def layer_step_on_worker(rank, layers):
     }
 
 
-def test_four_workers_holding_two_expert_shards_compute_the_losses_gradients_and_bias_of_one_process(world):
+def test_four_workers_on_two_expert_shards_give_the_losses_grads_and_bias_of_one_process(world):
     layers = []
     for rank in range(W):  # built as each worker builds its own, with the groups it makes
         with world.as_rank(rank):
@@ -138,7 +138,7 @@ def wrapped_reduce_on_worker(rank, args):
     return model.shared.grad, model.expert.grad, norm
 
 
-def test_hook_3_sums_expert_gradients_over_their_replica_group_and_the_norm_counts_each_expert_once(world):
+def test_hook_3_sums_expert_grads_over_replicas_and_the_norm_counts_each_expert_once(world):
     args = argparse.Namespace(ddp_backend="legacy_ddp", tpu=False, heartbeat_timeout=-1)
     results = world.run(wrapped_reduce_on_worker, args)
     mean = sum(2.0**r for r in WORLD) / W
@@ -195,8 +195,8 @@ def training_step_on_worker(rank, built):
     update_balance_biases(model)
 
 
-def test_every_collective_of_a_four_worker_training_step_runs_over_the_group_the_readme_names(world, tmp_path):
-    """The README's "What is reduced where", per worker, from what a real model built for rank r of
+def test_every_collective_of_a_four_worker_step_runs_over_the_group_the_docs_name(world, tmp_path):
+    """docs/placement.md's "What is reduced where", per worker, from what a real model built for rank r of
     4 with 2 experts issues in a step (forward, backward, hook 3's all-reduce, the norm, the bias)."""
     write_dictionaries(str(tmp_path))
     built = build_models(str(tmp_path), world)

@@ -64,7 +64,7 @@ ROUTING_EXTENSIONS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid
 # fmt: on
 
 
-def test_two_trainer_steps_with_shared_experts_sigmoid_router_and_balance_bias_on_two_workers_equal_one_process(
+def test_two_steps_with_shared_experts_sigmoid_and_bias_on_two_workers_equal_one_process(
     tmp_path,
 ):
     """The first update moves the bias from the load of both micro-batches on both workers, the
@@ -103,7 +103,7 @@ def replicated_cases_worker(rank, world, data_dir):
     ]
 
 
-def test_one_trainer_step_on_four_workers_with_replicated_experts_equals_one_process_with_all_experts(tmp_path):
+def test_a_step_on_four_workers_with_replicated_experts_equals_one_process(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     by_rank = run_on_workers(replicated_cases_worker, 4, data_dir)
@@ -148,7 +148,7 @@ def router_update_and_balance_gradient(data_dir, gate_loss_wt):
     return (before - router.wg.weight.detach()) / 0.5, balance_gradient
 
 
-def test_the_reference_steps_router_gradient_carries_the_balance_loss_gradient_of_its_definition(tmp_path):
+def test_the_reference_steps_router_gradient_carries_the_defined_balance_loss_gradient(tmp_path):
     """The single-process step that the workers are compared with shares the plugin's loss code; this
     checks that code's router gradient independently: raising --moe-gate-loss-wt from 0 to 0.5 adds
     0.5 x (1/2 for averaging over two MoE layers) x the definition's gradient, and nothing more."""

@@ -44,7 +44,7 @@ def real_target_logits(model, sample, pad):
     return logits[sample["target"].ne(pad)]
 
 
-def test_raising_the_gate_loss_weight_adds_only_the_balance_term_and_its_gradient_reaches_the_routers(data):
+def test_the_gate_loss_weight_adds_only_the_balance_term_whose_gradient_reaches_routers(data):
     built = translation(
         data, "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--moe-gate-loss-wt", "0"
     )
@@ -178,9 +178,7 @@ def test_language_model_moe_layers_follow_the_same_frequency_rule(data, flags, d
         ),
     ],
 )
-def test_an_moe_architecture_whose_frequencies_place_no_moe_layer_is_refused_naming_the_layer_count(
-    data, kind, flags, message
-):
+def test_an_moe_arch_whose_frequencies_place_no_moe_layer_is_refused_naming_the_count(data, kind, flags, message):
     build, layers = {
         "translation": (translation, ["--encoder-layers", "4", "--decoder-layers", "4"]),
         "language_model": (language_model, ["--decoder-layers", "4"]),

@@ -123,7 +123,7 @@ def assert_shared_state_held_once_over_the_workers(results, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_one_fully_sharded_step_equals_one_process_and_each_worker_holds_1_over_w_of_shared_state(tmp_path, world):
+def test_a_fully_sharded_step_equals_one_process_with_1_over_w_of_shared_state_each(tmp_path, world):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     by_rank = run_on_workers(fully_sharded_cases_worker, world, data_dir)

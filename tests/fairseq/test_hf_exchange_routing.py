@@ -80,7 +80,7 @@ def test_an_hf_model_that_drops_imports_and_exports_back_with_hf_logits_both_way
 
 
 @pytest.mark.parametrize("fraction", [1.0, FRACTION], ids=["nothing-dropped", "dropping"])
-def test_a_sampling_policy_model_draws_what_hf_draws_from_the_same_seed_after_import_and_export(
+def test_a_sampling_policy_draws_as_hf_does_from_one_seed_after_import_and_export(
     tmp_path, task, monkeypatch, fraction
 ):
     from transformers.models.nllb_moe import modeling_nllb_moe

@@ -114,9 +114,7 @@ def test_an_imported_moe_lm_set_scores_the_same_loss_and_perplexity_in_fairseq_e
 
 
 @pytest.mark.slow
-def test_a_moe_lm_set_imported_for_two_workers_scores_on_two_eval_lm_workers_as_the_original_does(
-    lm_data, trained, tmp_path
-):
+def test_a_moe_lm_set_imported_for_two_workers_scores_as_the_original_on_two_workers(lm_data, trained, tmp_path):
     from multiworker_cli_runs import BIN
 
     prefix = as_branch_set(trained, tmp_path / "moe_lm" / "model", 2)

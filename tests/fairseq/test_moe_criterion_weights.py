@@ -107,9 +107,7 @@ def criterion_with_weights(built, gate, z):
 @pytest.mark.parametrize(
     "term, weights", [("balance", (GATE_WT, 0)), ("z", (0, Z_WT))], ids=["gate-loss-wt", "z-loss-wt"]
 )
-def test_each_loss_weight_adds_exactly_weight_times_term_times_sample_size_to_loss_and_gradients(
-    unweighted, term, weights
-):
+def test_each_loss_weight_adds_weight_times_term_times_sample_size_to_loss_and_grads(unweighted, term, weights):
     built, sample, base = unweighted
     weighted = step(built, sample, criterion_with_weights(built, *weights))
     weight = max(weights)

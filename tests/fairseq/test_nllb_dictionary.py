@@ -133,7 +133,7 @@ BAD_DICTIONARIES = [
 @pytest.mark.parametrize(
     "offset, langs, message", [row[1:] for row in BAD_DICTIONARIES], ids=[row[0] for row in BAD_DICTIONARIES]
 )
-def test_a_dictionary_that_does_not_fit_the_embedding_is_refused_in_one_line_and_nothing_is_written(
+def test_a_dictionary_not_fitting_the_embedding_is_refused_in_one_line_writing_nothing(
     branch_set, tmp_path, capsys, offset, langs, message
 ):
     prefix, rows = branch_set

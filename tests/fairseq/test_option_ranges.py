@@ -134,7 +134,7 @@ CELLS = [pytest.param(start, name, spec, value_id, id=f"{name}={value_id}")
 
 
 @pytest.mark.parametrize("start, name, spec, value_id", CELLS)
-def test_every_numeric_option_is_refused_in_one_line_outside_what_holds_it_and_accepted_inside(
+def test_every_numeric_option_is_refused_in_one_line_outside_its_range_and_taken_inside(
     start, name, spec, value_id, tmp_path, capsys
 ):
     value, outcome = VALUES[value_id], spec["outcomes"][value_id]

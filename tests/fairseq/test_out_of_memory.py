@@ -90,7 +90,7 @@ def two_workers_one_running_out_of_memory(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_out_of_memory_on_one_of_two_workers_stops_both_at_once_with_one_line_naming_the_capacity_factor(
+def test_out_of_memory_on_one_worker_stops_both_at_once_naming_the_capacity_factor(
     two_workers_one_running_out_of_memory,
 ):
     results, _, started = two_workers_one_running_out_of_memory
@@ -126,7 +126,7 @@ def test_in_one_process_fairseq_skips_the_batch_that_ran_out_of_memory_and_train
     assert trained is not None and logged["moe_max_rows_received"].avg == max(rows) > 0
 
 
-def test_a_validation_batch_that_runs_out_of_memory_stops_an_expert_parallel_job_naming_the_eval_capacity_factor(
+def test_out_of_memory_in_validation_stops_the_job_naming_the_eval_capacity_factor(
     tmp_path,
 ):
     # valid_step would retry the batch on this worker alone (its MoE calls would meet the others'

@@ -62,9 +62,7 @@ def overflow_worker(rank, world, data_dir, flags):
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_an_inf_in_one_expert_gradient_on_one_worker_makes_every_worker_skip_the_step_with_the_same_loss_scale(
-    tmp_path, precision
-):
+def test_an_inf_in_one_workers_expert_gradient_makes_every_worker_skip_the_step_alike(tmp_path, precision):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     results = run_on_workers(overflow_worker, 2, data_dir, PRECISIONS[precision])
@@ -95,7 +93,7 @@ def fp16_optimizer_worker(rank, world, data_dir):
     }
 
 
-def test_plain_fp16_on_several_workers_builds_the_per_parameter_fp16_optimizer_with_experts_marked(tmp_path):
+def test_multi_worker_fp16_builds_the_per_parameter_optimizer_with_experts_marked(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     for result in run_on_workers(fp16_optimizer_worker, 2, data_dir):

@@ -104,7 +104,7 @@ FREE_ROWS = [name for name, (kind, _, _) in CHANGED.items() if kind == FREE]
 
 
 @pytest.mark.parametrize("name", FUNCTION_ROWS)
-def test_an_option_that_changes_what_the_weights_compute_is_refused_in_one_line_unless_overridden(name, caplog):
+def test_an_option_changing_what_the_weights_compute_is_refused_unless_overridden(name, caplog):
     _, was, now = CHANGED[name]
     saved, current = configs(name, was, now)
     with pytest.raises(ValueError) as refused:
@@ -200,7 +200,7 @@ def test_every_row_that_changes_the_parameters_has_a_case_here():
 
 
 @pytest.mark.parametrize("name", sorted(OTHER_PARAMETERS))
-def test_an_option_that_gives_the_model_other_parameters_is_refused_by_the_parameter_check_override_or_not(data, name):
+def test_an_option_giving_the_model_other_parameters_is_refused_even_if_overridden(data, name):
     trained_flags, flags, names = OTHER_PARAMETERS[name]
     saved_model, saved_cfg = build(data, *trained_flags)
     model, cfg = build(data, *flags, "--moe-allow-function-change")

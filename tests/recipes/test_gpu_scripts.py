@@ -103,7 +103,7 @@ def test_once_the_deadline_has_passed_every_check_says_skip_and_the_files_still_
 
 
 @pytest.mark.slow
-def test_without_cuda_a_gpu_run_reports_the_environment_and_skips_the_gpu_sized_checks_instead_of_running_them(
+def test_without_cuda_a_gpu_run_reports_the_environment_and_skips_gpu_sized_checks(
     tmp_path,
 ):
     done, summary, _ = oneshot(tmp_path, ONESHOT_WHEELS=str(tmp_path / "no-wheels"), ONESHOT_ONLY="env,layer,fairseq")

@@ -33,7 +33,7 @@ def dense_ffn(prefix: str, hidden: int) -> dict:
     }
 
 
-def test_a_token_counts_k_of_the_e_experts_in_active_parameters_and_flops_and_all_e_in_the_total():
+def test_active_parameters_and_flops_count_k_of_e_experts_and_the_total_all_e():
     tensors = moe_ffn("encoder.layers.0.moe")
     cost = model_cost(tensors, set(tensors), E, K)
     expert_elements = 2 * E * H * D + E * (H + D)
@@ -43,7 +43,7 @@ def test_a_token_counts_k_of_the_e_experts_in_active_parameters_and_flops_and_al
     assert cost["decoder_flops"] == 0
 
 
-def test_shared_experts_count_fully_in_active_parameters_and_flops_like_a_dense_ffn_of_their_total_width():
+def test_shared_experts_count_fully_in_active_cost_as_a_dense_ffn_of_their_width():
     routed = moe_ffn("encoder.layers.0.fc1.experts")
     prefix = "encoder.layers.0.fc1.shared_experts.ffn"  # 2 shared experts of width H, stored as one of 2H
     shared = {
@@ -74,7 +74,7 @@ def test_embeddings_biases_and_layer_norms_count_as_parameters_but_cost_no_flops
     assert cost["decoder_flops"] == 2 * (D * D + 100 * D)
 
 
-def test_a_dense_ffn_of_k_times_the_expert_hidden_size_costs_what_the_moe_layer_costs_per_token():
+def test_a_dense_ffn_k_times_the_expert_width_costs_what_the_moe_layer_does_per_token():
     moe = {**moe_ffn("decoder.layers.1.moe"), "decoder.layers.1.moe.router.wg.weight": torch.zeros(E, D)}
     expert_keys = {key for key in moe if ".batched_" in key}
     moe_cost = model_cost(moe, expert_keys, E, K)
@@ -109,7 +109,7 @@ def run(name: str, bleu: float, flops: int) -> dict:
         (50.0, 55.0, 60, "the dense model spends only 60% of the MoE's FLOPs per token"),
     ],
 )
-def test_the_summary_says_in_words_whether_the_moe_beat_a_dense_model_of_equal_or_more_compute(
+def test_the_summary_says_whether_the_moe_beat_a_dense_model_of_equal_or_more_compute(
     moe_bleu, dense_bleu, dense_flops, says
 ):
     (line,) = comparisons(run("MoE", moe_bleu, 100), [run("dense_matched", dense_bleu, dense_flops)])
@@ -128,7 +128,7 @@ def summary_run(name, bleu, imbalance, active, features):
     }
 
 
-def test_the_summary_says_what_shared_experts_and_bias_balancing_changed_against_the_same_moe_without_them():
+def test_the_summary_says_what_shared_experts_and_bias_balancing_changed():
     with_them = summary_run(
         "MoE", 30.5, 1.12, 300, {"router": "sigmoid", "shared_experts": 1, "balance": "bias", "bias_spread": 0.0125}
     )
