@@ -4,9 +4,10 @@ Weights use ``nn.Linear``'s layout (``[out, in]``) stacked along dim 0, so exper
 FFN can be copied in verbatim and checkpoint tools can reshard experts by slicing dim 0.
 
 Each expert is initialised from its own random generator seeded by ``(seed, global expert id)``:
-experts never start identical (the reference thread's symptom), an expert's initial weights do not
-depend on how many workers share the experts, and the global RNG, which initialises the router and
-every shared weight, is left untouched so shared weights agree on every rank.
+experts never start identical (the symptom reported in Tutel issue #293,
+https://github.com/microsoft/Tutel/issues/293), an expert's initial weights do not depend on how
+many workers share the experts, and the global RNG, which initialises the router and every shared
+weight, is left untouched so shared weights agree on every rank.
 """
 
 import math
