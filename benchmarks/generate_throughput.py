@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 from fairseq_helpers import USER_DIR, source_sentence, translate  # noqa: E402
-from train_wps import BIN, env_for, free_port, model_args, preprocess, run  # noqa: E402
+from train_wps import BIN, env_for, model_args, preprocess, run, torchrun, training_flags  # noqa: E402
 
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \([\d,]+ tokens\) in ([\d.]+)s")
 
@@ -64,50 +64,10 @@ def write_corpus(raw: Path, test_lines: int, seed: int = 0) -> Path:
     return raw
 
 
-def torchrun(workers, program, args):
-    if workers == 1:
-        return [program, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        workers,
-        "--master_port",
-        free_port(),
-        program,
-        *args,
-        "--distributed-world-size",
-        workers,
-    ]
-
-
 def train(args, data, save_dir, moe, work):
     common = [
-        data,
-        "--user-dir",
-        USER_DIR,
-        "--cpu",
-        "--seed",
-        "1",
-        "--num-workers",
-        "0",
-        "--label-smoothing",
-        "0.1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "1e-3",
-        "--max-tokens",
-        args.max_tokens,
-        "--max-update",
-        args.train_updates,
-        "--disable-validation",
-        "--no-epoch-checkpoints",
-        "--save-dir",
-        save_dir,
-        "--ddp-backend",
-        "legacy_ddp",
+        *training_flags(args, data, save_dir, args.train_updates),
+        *("--no-epoch-checkpoints", "--ddp-backend", "legacy_ddp"),
         *model_args(args, moe),
     ]
     run(torchrun(2, BIN / "fairseq-train", common), env_for(1), args.timeout, work / f"train-{save_dir.name}.log")

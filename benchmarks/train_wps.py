@@ -167,41 +167,19 @@ def model_args(args, moe: bool):
     ]
 
 
-def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR, backend="legacy_ddp"):
-    common = [
-        data,
-        "--user-dir",
-        user_dir,
-        "--cpu",
-        "--seed",
-        "1",
-        "--num-workers",
-        "0",
-        "--label-smoothing",
-        "0.1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "1e-3",
-        "--dropout",
-        "0.1",
-        "--max-tokens",
-        args.max_tokens,
-        "--max-update",
-        args.max_update,
-        "--disable-validation",
-        "--no-save",
-        "--save-dir",
-        save_dir,
-        "--log-format",
-        "json",
-        "--log-interval",
-        args.log_interval,
-        *model_args(args, moe),
-    ]
-    train = BIN / "fairseq-train"
+def training_flags(args, data: Path, save_dir: Path, max_update, user_dir=USER_DIR):
+    """The fairseq-train flags both benchmarks train with (generate_throughput.py trains the models it times)."""
+    # fmt: off
+    return [data, "--user-dir", user_dir, "--cpu", "--seed", "1", "--num-workers", "0", "--label-smoothing", "0.1",
+            "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", args.max_tokens, "--max-update", max_update,
+            "--disable-validation", "--save-dir", save_dir]
+    # fmt: on
+
+
+def torchrun(workers, program, args):
+    """``program args`` in this process for one worker, or under torchrun for several."""
     if workers == 1:
-        return [train, *common]
+        return [program, *args]
     return [
         sys.executable,
         "-m",
@@ -210,13 +188,21 @@ def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, use
         workers,
         "--master_port",
         free_port(),
-        train,
-        *common,
+        program,
+        *args,
         "--distributed-world-size",
         workers,
-        "--ddp-backend",
-        backend,
     ]
+
+
+def train_command(args, data: Path, save_dir: Path, moe: bool, workers: int, user_dir=USER_DIR, backend="legacy_ddp"):
+    common = [
+        *training_flags(args, data, save_dir, args.max_update, user_dir),
+        *("--dropout", "0.1", "--no-save", "--log-format", "json", "--log-interval", args.log_interval),
+        *model_args(args, moe),
+    ]
+    command = torchrun(workers, BIN / "fairseq-train", common)
+    return command if workers == 1 else [*command, "--ddp-backend", backend]
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from bad_input_makers import (
     flip_bytes_in_the_middle,
     fresh_lm_training,
     fresh_training,
+    generate_args,
     generate_from,
     keep_only_rank_1,
     leave_a_rank_file_of_a_4_worker_save,
@@ -333,17 +334,5 @@ def test_a_rank_file_given_as_path_stands_for_its_whole_set(checkpoints):
     """Alone, a rank file holds one worker's experts; --path to it loads the set that lists it,
     as the plain name does (and as --restore-file and the checkpoint tool do)."""
     inputs = checkpoints.result()
-    output = run_fairseq(
-        "generate",
-        str(inputs.data),
-        "--user-dir",
-        USER_DIR,
-        "--cpu",
-        "--num-workers",
-        "0",
-        "--beam",
-        "2",
-        "--path",
-        str(inputs.set / "checkpoint_last-rank-1-of-2.pt"),
-    )
+    output = run_fairseq("generate", *generate_args(inputs.data, inputs.set / "checkpoint_last-rank-1-of-2.pt"))
     assert re.search(r"^H-\d+\t", output, flags=re.M) and "BLEU" in output

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from dist_utils import free_port
-from fairseq_helpers import USER_DIR, fairseq_env, tail, torchrun_command
+from fairseq_helpers import fairseq_env, tail, torchrun_command
 from full_precision_logs import carries_every_digit
+from multiworker_cli_runs import moe_args
 from paths import SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -36,49 +37,14 @@ ALL_TO_ALLS_PER_STEP = 8  # tiny model: 2 MoE layers, each 2 exchanges forward a
 
 
 def train_args(data, save_dir):
-    return [
-        str(data),
-        "--user-dir",
-        USER_DIR,
-        "--cpu",
-        "--seed",
-        "3",
-        "--num-workers",
-        "0",
-        "--arch",
-        "moe_transformer_tiny",
-        "--moe-expert-count",
-        "4",
-        "--ddp-backend",
-        "legacy_ddp",
-        "--criterion",
-        "moe_label_smoothed_cross_entropy",
-        "--label-smoothing",
-        "0.1",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "3e-3",
-        "--max-tokens",
-        "64",
-        "--clip-norm",
-        "1.0",
-        "--max-update",
-        str(LAST_UPDATE),
-        "--save-dir",
-        str(save_dir),
-        "--save-interval-updates",
-        str(SAVE_EVERY),
-        "--keep-interval-updates",
-        "2",
-        "--disable-validation",
-        "--log-format",
-        "json",
-        "--log-interval",
-        "1",
-        "--distributed-world-size",
-        "2",
-    ]
+    # fmt: off
+    return moe_args(
+        data, save_dir, LAST_UPDATE,
+        "--ddp-backend", "legacy_ddp", "--save-interval-updates", str(SAVE_EVERY), "--keep-interval-updates", "2",
+        "--disable-validation", "--distributed-world-size", "2",
+        seed=3, max_tokens=64,
+    )
+    # fmt: on
 
 
 class Job:

@@ -23,13 +23,10 @@ from hf_generation import (  # noqa: E402
     BEAM,
     MAX_NEW,
     eos_leaning_model,
-    fairseq_generate,
-    generate_args,
+    fairseq_search,
     hf_generate,
-    hypotheses,
     import_from_hf,
     preprocessed,
-    search_args,
 )
 
 pytestmark = pytest.mark.filterwarnings(
@@ -54,21 +51,13 @@ def checkpoint_tool(*argv):
     assert main([str(a) for a in argv]) == 0, argv
 
 
-def fairseq_search(data_bin, path, results, beam, dictionary):
-    found = hypotheses(
-        fairseq_generate([*generate_args(data_bin, path), *search_args(beam), "--batch-size", "6"], results),
-        dictionary,
-    )
-    return [found[i] for i in range(len(found))]
-
-
 def assert_same_searches(data_bin, path, hf, results, dictionary):
     """fairseq-generate on ``path`` and HF's generate on ``hf``, greedy and beam: the same tokens (P- lines
     count the <s> H- lines leave out), the same beam scores, and a search that is tested (hypotheses ending
     before the maximum length and at it, beam search finding what greedy search does not)."""
     found = {}
     for beam in (1, BEAM):
-        ours = fairseq_search(data_bin, path, results / f"beam{beam}", beam, dictionary)
+        ours = fairseq_search(data_bin, path, results / f"beam{beam}", dictionary, beam)
         theirs, scores = hf_generate(hf, beam)
         assert [h["length"] for h in ours] == [len(row) + 1 for row in theirs], f"--beam {beam}"
         assert [h["tokens"] for h in ours] == [[t for t in row if t != dictionary.bos()] for row in theirs], beam

@@ -17,13 +17,10 @@ from hf_generation import (  # noqa: E402
     BEAM,
     MAX_NEW,
     eos_leaning_model,
-    fairseq_generate,
-    generate_args,
+    fairseq_search,
     hf_generate,
-    hypotheses,
     import_from_hf,
     preprocessed,
-    search_args,
 )
 from hf_nllb_moe import hf_model  # noqa: E402
 
@@ -34,11 +31,7 @@ def generated(data, data_bin, path, results, beam, lenpen=1.0):
     from fairseq.data import Dictionary
 
     dictionary = Dictionary.load(str(data / "dict.tgt.txt"))
-    found = hypotheses(
-        fairseq_generate([*generate_args(data_bin, path), *search_args(beam, lenpen), "--batch-size", "6"], results),
-        dictionary,
-    )
-    return [found[i] for i in range(len(found))], dictionary
+    return fairseq_search(data_bin, path, results, dictionary, beam, lenpen), dictionary
 
 
 def test_greedy_fairseq_generate_on_an_imported_set_gives_hf_generates_tokens(tmp_path):

@@ -11,10 +11,10 @@ import argparse
 import logging
 
 import pytest
-from fairseq import options, tasks, utils
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq import tasks
 
-from fairseq_helpers import USER_DIR
+from fairseq_helpers import translation_flags
+from tiny_fairseq_models import train_config
 from fairseq_moe_ext.checkpoint.compat import check_resumable
 from fairseq_moe_ext.training.resume_policy import (
     CHANGES_FUNCTION,
@@ -145,29 +145,7 @@ def test_an_unchanged_option_and_one_the_checkpoint_does_not_record_log_nothing(
 
 def build(data, *flags):
     """A moe_transformer_tiny model as fairseq-train builds it, and its cfg."""
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(
-        parser,
-        [
-            str(data),
-            "--user-dir",
-            USER_DIR,
-            "--task",
-            "translation",
-            "--source-lang",
-            "src",
-            "--target-lang",
-            "tgt",
-            "--arch",
-            "moe_transformer_tiny",
-            "--cpu",
-            "--seed",
-            "1",
-            *flags,
-        ],
-    )
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.set_torch_seed(cfg.common.seed)
+    cfg = train_config([*translation_flags(data, "moe_transformer_tiny"), "--cpu", "--seed", "1", *flags])
     return tasks.setup_task(cfg.task).build_model(cfg.model), cfg
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -90,24 +90,18 @@ def resume(*flags, damage: Callable[[Path], None] = lambda save_dir: None, sourc
     return make
 
 
+def generate_args(data, path: Path) -> List[str]:
+    """fairseq-generate's command line (beam 2, on the CPU) for the checkpoint ``path``."""
+    return [str(data), "--user-dir", USER_DIR, "--cpu", "--num-workers", "0", "--beam", "2", "--path", str(path)]
+
+
 def generate_from(source: str, damage: Callable[[Path], None], path: str = "checkpoint_last.pt") -> Make:
     """fairseq-generate --path into a damaged copy of a checkpoint dir, which must not change."""
 
     def make(inputs, work):
         directory = copy_of(getattr(inputs, source), work)
         damage(directory)
-        return [
-            str(inputs.data),
-            "--user-dir",
-            USER_DIR,
-            "--cpu",
-            "--num-workers",
-            "0",
-            "--beam",
-            "2",
-            "--path",
-            str(directory / path),
-        ], [directory]
+        return generate_args(inputs.data, directory / path), [directory]
 
     return make
 

@@ -89,22 +89,14 @@ def branch_model_state(model_state: Dict[str, torch.Tensor]):
     return shared, experts
 
 
-def write_branch_set(
-    prefix: Path,
-    model_state,
-    options: argparse.Namespace,
-    ranks: int,
-    num_updates: int = 300,
-    cfg_as_dict: bool = True,
-    declared_world: Optional[int] = None,
-    task: Optional[Dict] = None,
-) -> Path:
+def write_branch_set(prefix: Path, model_state, options: argparse.Namespace, ranks: int, **written) -> Path:
     """Write ``<prefix>-shared.pt`` and ``<prefix>-rank-<r>.pt`` for ``ranks`` workers; returns the prefix.
 
     ``options`` is a translation model's Namespace, or a language model's dict (``branch_lm_options``):
-    a moe_lm run's task is ``task`` (its cfg["task"]) and its criterion ``moe_cross_entropy``."""
+    a moe_lm run's task is ``task`` (its cfg["task"]) and its criterion ``moe_cross_entropy``. ``written``:
+    ``write_branch_parts``'s other keywords (num_updates, cfg_as_dict, declared_world, task)."""
     shared, experts = branch_model_state(model_state)
-    return write_branch_parts(prefix, shared, experts, options, ranks, num_updates, cfg_as_dict, declared_world, task)
+    return write_branch_parts(prefix, shared, experts, options, ranks, **written)
 
 
 def write_branch_parts(

@@ -215,6 +215,15 @@ def tail(output: str, lines: int = 40) -> str:
     return "\n".join(output.splitlines()[-lines:])
 
 
+def translation_flags(data, arch: str) -> List[str]:
+    """How fairseq-train's command line starts for a model of this plugin on the src-tgt pair of ``data``
+    (dictionaries are enough for a model built in this process)."""
+    # fmt: off
+    return [str(data), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
+            "--arch", arch]
+    # fmt: on
+
+
 def train_args(data: Path, save_dir: Path, *extra: str, max_update: int = 40) -> List[str]:
     """The flags every training run shares: CPU, json logs every few updates, no epoch checkpoints."""
     return [

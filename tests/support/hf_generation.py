@@ -138,6 +138,16 @@ def hypotheses(output: str, dictionary) -> Dict[int, dict]:
     return found
 
 
+def fairseq_search(data_bin: Path, path: Path, results: Path, dictionary, beam: int, lenpen: float = 1.0) -> List[dict]:
+    """fairseq-generate's ``hypotheses`` on SOURCES, in sentence order, from the search HF's ``hf_generate(hf, beam,
+    lenpen)`` runs (6 sentences a batch: one batch)."""
+    found = hypotheses(
+        fairseq_generate([*generate_args(data_bin, path), *search_args(beam, lenpen), "--batch-size", "6"], results),
+        dictionary,
+    )
+    return [found[i] for i in range(len(found))]
+
+
 class FairseqMaxLength:
     """An HF logits processor: at the last step of ``max_length`` only eos is allowed, keeping its
     log-probability, as fairseq's generator forces eos at its maximum length."""

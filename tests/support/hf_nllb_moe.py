@@ -195,25 +195,11 @@ def oracle_task(directory: Path):
     """fairseq's translation task on this file's dictionary (``task.data_dir`` is where it lies)."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq_helpers import USER_DIR
+    from fairseq_helpers import translation_flags
 
     data = write_dictionary(directory)
     args = options.parse_args_and_arch(
-        options.get_training_parser(),
-        [
-            str(data),
-            "--user-dir",
-            USER_DIR,
-            "--task",
-            "translation",
-            "--source-lang",
-            "src",
-            "--target-lang",
-            "tgt",
-            "--arch",
-            "transformer",
-            "--cpu",
-        ],
+        options.get_training_parser(), [*translation_flags(data, "transformer"), "--cpu"]
     )
     built = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
     built.data_dir = data

@@ -13,7 +13,7 @@ from fairseq import options, tasks, utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from fairseq_helpers import USER_DIR
+from tiny_fairseq_models import tiny_model_flags
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
 EXPERTS = 4
@@ -41,25 +41,7 @@ def joined_data(root: Path, symbols: int = 20) -> Path:
 def parse(data: Path, *flags, arch="moe_transformer_tiny", task="translation"):
     languages = ["--source-lang", "src", "--target-lang", "tgt"] if task == "translation" else []
     return options.parse_args_and_arch(
-        options.get_training_parser(),
-        [
-            str(data),
-            "--user-dir",
-            USER_DIR,
-            "--task",
-            task,
-            "--arch",
-            arch,
-            "--cpu",
-            "--seed",
-            "1",
-            "--dropout",
-            "0",
-            "--attention-dropout",
-            "0",
-            *languages,
-            *flags,
-        ],
+        options.get_training_parser(), tiny_model_flags(data, task, arch, *languages, *flags)
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fairseq_moe_ext
+from fairseq_helpers import translation_flags
 
 VOCAB = [f"w{i}" for i in range(30)]
 
@@ -34,17 +34,7 @@ def sentence_pairs(n, seed=0):
 
 def training_args(data_dir, world_size, extra=()):
     return [
-        data_dir,
-        "--user-dir",
-        fairseq_moe_ext.PACKAGE_DIR,
-        "--task",
-        "translation",
-        "--source-lang",
-        "src",
-        "--target-lang",
-        "tgt",
-        "--arch",
-        "moe_transformer_tiny",
+        *translation_flags(data_dir, "moe_transformer_tiny"),
         "--moe-expert-count",
         "4",
         "--moe-top-k",
@@ -81,16 +71,14 @@ def training_args(data_dir, world_size, extra=()):
 
 
 def build_trainer(argv):
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq import tasks
     from fairseq.trainer import Trainer
 
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, argv)
-    cfg = convert_namespace_to_omegaconf(args)
+    from tiny_fairseq_models import train_config
+
+    cfg = train_config(argv)
     if dist.is_initialized():
         cfg.distributed_training.distributed_rank = dist.get_rank()
-    torch.manual_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     criterion = task.build_criterion(cfg.criterion)

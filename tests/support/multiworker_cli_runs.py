@@ -16,14 +16,14 @@ from fairseq_helpers import USER_DIR, run_fairseq, torchrun
 BIN = Path(sys.executable).parent
 
 
-def moe_args(data, save_dir, max_update, *extra):
+def moe_args(data, save_dir, max_update, *extra, seed=1, max_tokens=300):
     return [
         str(data),
         "--user-dir",
         USER_DIR,
         "--cpu",
         "--seed",
-        "1",
+        str(seed),
         "--num-workers",
         "0",
         "--arch",
@@ -39,7 +39,7 @@ def moe_args(data, save_dir, max_update, *extra):
         "--lr",
         "3e-3",
         "--max-tokens",
-        "300",
+        str(max_tokens),
         "--clip-norm",
         "1.0",
         "--max-update",

@@ -15,30 +15,24 @@ from fairseq_helpers import USER_DIR
 Built = namedtuple("Built", "task model criterion")
 
 
+def tiny_model_flags(data, task, arch, *flags, seed=1):
+    """fairseq-train's command line for ``arch`` on ``task`` with this plugin, on the CPU, without dropout."""
+    # fmt: off
+    return [str(data), "--user-dir", USER_DIR, "--task", task, "--arch", arch, "--cpu", "--seed", str(seed),
+            "--dropout", "0", "--attention-dropout", "0", *flags]
+    # fmt: on
+
+
+def train_config(argv):
+    """fairseq-train's config for its command line ``argv``, with torch seeded by its --seed: what
+    fairseq_cli.train does right before building the model."""
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    utils.set_torch_seed(cfg.common.seed)
+    return cfg
+
+
 def build(data, task, arch, *flags, seed=1):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(
-        parser,
-        [
-            str(data),
-            "--user-dir",
-            USER_DIR,
-            "--task",
-            task,
-            "--arch",
-            arch,
-            "--cpu",
-            "--seed",
-            str(seed),
-            "--dropout",
-            "0",
-            "--attention-dropout",
-            "0",
-            *flags,
-        ],
-    )
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.set_torch_seed(cfg.common.seed)  # what fairseq_cli.train does right before building
+    cfg = train_config(tiny_model_flags(data, task, arch, *flags, seed=seed))
     built_task = tasks.setup_task(cfg.task)
     return Built(built_task, built_task.build_model(cfg.model), built_task.build_criterion(cfg.criterion))
 
