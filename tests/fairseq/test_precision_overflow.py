@@ -93,7 +93,7 @@ def fp16_optimizer_worker(rank, world, data_dir):
     }
 
 
-def test_multi_worker_fp16_builds_the_per_parameter_optimizer_with_experts_marked(tmp_path):
+def test_plain_fp16_on_two_workers_builds_the_per_parameter_optimizer_with_experts_marked(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     for result in run_on_workers(fp16_optimizer_worker, 2, data_dir):
