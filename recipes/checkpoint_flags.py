@@ -13,20 +13,33 @@ import os
 import sys
 
 from fairseq_moe_ext.checkpoint.safe_load import safe_load
+from fairseq_moe_ext.training.resume_policy import MAY_CHANGE, POLICY
 
+# fairseq's own shape options: what a fine-tuning run must repeat besides the MoE ones.
 # fmt: off
-VALUED = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
-          "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
-          "max_target_positions", "activation_fn", "moe_expert_count", "moe_freq", "encoder_moe_freq",
-          "decoder_moe_freq", "moe_top_k", "moe_expert_ffn_dim", "moe_capacity_factor", "moe_eval_capacity_factor",
-          "moe_eom", "moe_eval_capacity_token_fraction", "moe_second_expert_policy", "moe_normalize_expert_grad")
+SHAPE = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
+         "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "max_source_positions",
+         "max_target_positions", "encoder_normalize_before", "decoder_normalize_before", "share_all_embeddings",
+         "share_decoder_input_output_embed", "encoder_learned_pos", "decoder_learned_pos", "layernorm_embedding",
+         "no_scale_embedding", "no_token_positional_embeddings")
 # fmt: on
+# Every model option that the resume policy says the weights were made for (other parameters, or another
+# function of the same ones: router, top-k, gates, activation): derived, so that a new one is never missed.
+MADE_FOR = tuple(name for name, rule in POLICY.items() if rule.section == "model" and rule.kind != MAY_CHANGE)
+# Options a run may change, carried over so that fine-tuning starts routing as the checkpoint was trained to.
 # fmt: off
-SWITCHES = ("encoder_normalize_before", "decoder_normalize_before", "share_all_embeddings",
-            "share_decoder_input_output_embed", "encoder_learned_pos", "decoder_learned_pos", "layernorm_embedding",
-            "no_scale_embedding", "no_token_positional_embeddings", "moe_normalize_gate", "moe_gating_use_fp32",
-            "moe_batch_prioritized_routing", "moe_normalize_gate_after_dropping", "moe_batch_major_routing")
+TRAINED_ROUTING = ("moe_capacity_factor", "moe_eval_capacity_factor", "moe_eval_capacity_token_fraction",
+                   "moe_batch_prioritized_routing", "moe_batch_major_routing", "moe_normalize_expert_grad",
+                   "moe_gating_use_fp32")
 # fmt: on
+
+
+def spelled(name, value):
+    """The command-line flags that set option ``name`` to ``value``: a switch only when true."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else []
+    return [] if value is None else [flag, str(value)]
 
 
 def checkpoint_file(path):
@@ -43,10 +56,8 @@ def model_flags(path):
     options = (state.get("cfg") or {}).get("model") or state.get("args")
     options = options if isinstance(options, dict) else vars(options)
     flags = []
-    for name in VALUED:
-        if options.get(name) is not None:
-            flags += [f"--{name.replace('_', '-')}", str(options[name])]
-    flags += [f"--{name.replace('_', '-')}" for name in SWITCHES if options.get(name)]
+    for name in (*SHAPE, *MADE_FOR, *TRAINED_ROUTING):
+        flags += spelled(name, options.get(name))
     return flags
 
 
