@@ -26,11 +26,12 @@ SHAPE = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed
 # Every model option that the resume policy says the weights were made for (other parameters, or another
 # function of the same ones: router, top-k, gates, activation): derived, so that a new one is never missed.
 MADE_FOR = tuple(name for name, rule in POLICY.items() if rule.section == "model" and rule.kind != MAY_CHANGE)
-# Options a run may change, carried over so that fine-tuning starts routing as the checkpoint was trained to.
+# Options a run may change, carried over so that fine-tuning starts as the checkpoint was trained: its
+# capacities and slot dropping, its expert-gradient scaling, the moe branch's fp32-router flag.
 # fmt: off
-TRAINED_ROUTING = ("moe_capacity_factor", "moe_eval_capacity_factor", "moe_eval_capacity_token_fraction",
-                   "moe_batch_prioritized_routing", "moe_batch_major_routing", "moe_normalize_expert_grad",
-                   "moe_gating_use_fp32")
+CARRIED_OVER = ("moe_capacity_factor", "moe_eval_capacity_factor", "moe_eval_capacity_token_fraction",
+                "moe_batch_prioritized_routing", "moe_batch_major_routing", "moe_normalize_expert_grad",
+                "moe_gating_use_fp32")
 # fmt: on
 
 
@@ -56,7 +57,7 @@ def model_flags(path):
     options = (state.get("cfg") or {}).get("model") or state.get("args")
     options = options if isinstance(options, dict) else vars(options)
     flags = []
-    for name in (*SHAPE, *MADE_FOR, *TRAINED_ROUTING):
+    for name in (*SHAPE, *MADE_FOR, *CARRIED_OVER):
         flags += spelled(name, options.get(name))
     return flags
 
