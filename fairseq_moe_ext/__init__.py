@@ -5,15 +5,17 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 
 1. ``moe/``: the MoE math, torch only (router, dispatch, experts, collectives taking ``group=None``,
    the expert layout, which layers are MoE layers).
-2. ``checkpoint/``: per-rank checkpoint sets, torch only; imports ``moe/`` and itself. Its
+2. ``options/``: every ``--moe-*`` option as one record, from which the tables that name options are
+   derived; ``option_ranges.py`` (a numeric option checked against its record's range). Torch only.
+3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports ``moe/``, ``options/`` and itself. Its
    ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
-3. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
-   groups, gradient scaling), ``io_waits.py`` (where workers wait for another's file work),
-   ``option_ranges.py`` (every numeric option's range). Fairseq may appear here, models do not.
-4. ``models/``, ``criterions/`` and ``tasks/``: the fairseq architectures, criterions and tasks.
-5. ``training/``: what fairseq-train decides around the model (save dir, restore choice, set ids,
+4. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
+   groups, gradient scaling), ``io_waits.py`` (where workers wait for another's file work).
+   Fairseq may appear here, models do not.
+5. ``models/``, ``criterions/`` and ``tasks/``: the fairseq architectures, criterions and tasks.
+6. ``training/``: what fairseq-train decides around the model (save dir, restore choice, set ids,
    resume policy, upcycling).
-6. ``fairseq_integration/``: the hook table and its adapters; importing it installs the hooks.
+7. ``fairseq_integration/``: the hook table and its adapters; importing it installs the hooks.
 
 Installing into fairseq (registering the architectures and criterions, patching what
 ``fairseq_integration.HOOKS`` lists) happens only where fairseq is what is running: at import if

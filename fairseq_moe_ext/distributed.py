@@ -39,10 +39,10 @@ from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
 from .moe.torch_compat import foreach_mul_
+from .options.model import EXPERT_GRAD_NORMALIZATIONS  # noqa: F401  (--moe-normalize-expert-grad's choices)
 from .process_state import STATE
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp", "fully_sharded")
-EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
 
 
 def expert_grad_factor(normalization: str, parallel_size: int) -> float:

@@ -20,6 +20,7 @@ import argparse
 import math
 from typing import Dict, List, Tuple
 
+from ..options import BRANCH_NAMES, OPTIONS
 from .config_value import config_value
 from .errors import CheckpointSetError
 
@@ -121,17 +122,17 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
             f"(all, sampling, random): an unknown gate option (nothing was written)"
         )
     notes = []
-    experts = int(_get(options, "moe_expert_count", 0))
     # The branch routes B x T (batch-major) tensors, renormalises after dropping unless told otherwise, and
     # draws its second expert as its policy says, in evaluation too: each is an option here, set to match.
     after = not _get(options, "moe_normalize_gate_prob_before_dropping", False)
+    # The options carried as they are; absent, the type's zero (no expert count, no prioritising).
+    carried = {name: OPTIONS[name].type for name in BRANCH_NAMES}
     flags = {
-        "moe_expert_count": experts,
+        **{name: kind(_get(options, BRANCH_NAMES[name], kind())) for name, kind in carried.items()},
         "moe_top_k": 2,
         "moe_normalize_gate": True,
         "moe_capacity_factor": 1.0,
         "moe_gating_use_fp32": True,
-        "moe_batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
         "moe_batch_major_routing": True,
         "moe_normalize_gate_after_dropping": after,
         "moe_second_expert_policy": policy,

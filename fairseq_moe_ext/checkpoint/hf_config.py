@@ -14,6 +14,7 @@ import argparse
 from typing import Dict, List, Tuple
 
 from ..moe.placement import side_moe_freq
+from ..options import HF_NAMES, OPTIONS
 from .errors import CheckpointSetError
 from .hf_routing import exported_routing, imported_routing
 
@@ -185,13 +186,11 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "dropout": float(_get(options, "dropout", 0.1)),
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
-        "num_experts": int(_get(options, "moe_expert_count")),
+        **{hf: OPTIONS[name].type(_get(options, name, OPTIONS[name].default)) for name, hf in HF_NAMES.items()},
         "expert_capacity": None,
         "router_bias": False,
         "router_dtype": "float32",
         "router_ignore_padding_tokens": False,
-        "batch_prioritized_routing": bool(_get(options, "moe_batch_prioritized_routing", False)),
-        "moe_token_dropout": eom,
         **routing,
         "pad_token_id": PAD,
         "bos_token_id": BOS,
@@ -310,14 +309,12 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
         dropout=float(config.get("dropout", 0.1)),
         attention_dropout=float(config.get("attention_dropout", 0.1)),
         activation_dropout=float(config.get("activation_dropout", 0.1)),
-        moe_expert_count=int(config["num_experts"]),
+        **{name: OPTIONS[name].type(config[hf]) for name, hf in HF_NAMES.items()},  # the options carried as they are
         moe_top_k=2,
         moe_router="top",
         moe_capacity_factor=1.0,
         moe_gating_use_fp32=True,
         **routing,
-        moe_batch_prioritized_routing=bool(config.get("batch_prioritized_routing", False)),
-        moe_eom=eom,
         moe_freq=steps["encoder"] or steps["decoder"],
     )
     for side in SIDES:

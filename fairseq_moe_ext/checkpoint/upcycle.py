@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+# The routers' default initial std: --moe-upcycle-router-std's record says why 0.01.
+from ..options.run import DEFAULT_ROUTER_STD
 from .contents import check_is_checkpoint, is_dense
 from .errors import CheckpointSetError
 from .rank_state import moe_metadata
@@ -33,11 +35,6 @@ EXPERT_TENSORS = (("fc1.weight", "fc1.experts.batched_fc1_w"), ("fc1.bias", "fc1
                   ("fc2.weight", "fc1.experts.batched_fc2_w"), ("fc2.bias", "fc1.experts.batched_fc2_b"))
 # fmt: on
 ROUTER_WEIGHT = "fc1.router.wg.weight"
-# The routers' default initial std. At a zero router every token ties and topk picks the same k
-# experts for all of them: with experts on several workers one worker then receives every row of
-# every MoE layer. Any std > 0 spreads the tokens and keeps the dense function (normalised gates);
-# small, so the gates start near uniform.
-DEFAULT_ROUTER_STD = 0.01
 
 
 # fmt: off

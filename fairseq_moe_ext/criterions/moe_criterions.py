@@ -15,7 +15,7 @@ models); the MoE terms are logged beside it.
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from fairseq import metrics
@@ -25,33 +25,18 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass import FairseqDataclass
 
+from ..models.moe_config import dataclass_of
 from ..option_ranges import CRITERION_RANGES, check_options
+from ..options import CRITERION_OPTIONS
 
-COMBINE_METHODS = ChoiceEnum(["average", "sum"])
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
 LAYER_STATS = ("num_tokens", "num_slots", "dropped_slots", "router_entropy_sum")
 
 
-@dataclass
-class MoELossConfig(FairseqDataclass):
-    moe_gate_loss_wt: float = field(
-        default=0.01, metadata={"help": "weight of the balance loss (1.0 balanced, E collapsed) (default 0.01)"}
-    )
-    moe_z_loss_wt: float = field(
-        default=0.0, metadata={"help": "weight of the router z-loss, mean logsumexp(logits)^2 (default 0)"}
-    )
-    moe_gate_loss_combine_method: COMBINE_METHODS = field(
-        default="average", metadata={"help": "combine the MoE layers' losses by 'average' or 'sum' (default average)"}
-    )
-    moe_hide_expert_load: bool = field(
-        default=False,
-        metadata={
-            "help": "do not log every expert's share of token-slots per layer (moe_load_<layer>_e<i>); "
-            "moe_imbalance (largest share x E, 1.0 = balanced) is logged either way"
-        },
-    )
+# The criterions' options, one record each (options/criterion.py), as a fairseq dataclass.
+MoELossConfig = dataclass_of("MoELossConfig", CRITERION_OPTIONS, FairseqDataclass, module=__name__)
 
 
 def find_moe_cache(model):

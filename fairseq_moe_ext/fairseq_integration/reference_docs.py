@@ -3,8 +3,9 @@ and ``docs/options.md`` from the tables that define them, so the reference canno
 
 hooks.md is one row per entry of ``HOOKS`` (number, fairseq target, the module of its wrapper, why).
 options.md is every ``--moe-*`` option the plugin registers, read back from the argparse parsers
-fairseq builds from the option dataclasses (and the inference CLIs' flag), with its range from
-``option_ranges``. ``--check`` writes nothing and exits 1 naming each file that differs.
+fairseq builds from the option dataclasses (made from the option records, ``options/``; and the
+inference CLIs' flag), with its range from ``option_ranges``. ``--check`` writes nothing and exits 1
+naming each file that differs.
 """
 
 import argparse
@@ -102,7 +103,7 @@ def options_markdown() -> str:
         ),
     ]
     return (
-        HEADER.format(source="the option dataclasses and fairseq_moe_ext/option_ranges.py")
+        HEADER.format(source="fairseq_moe_ext/options/ (one record per option)")
         + "# Options\n\nEvery `--moe-*` option the plugin registers with fairseq. Numeric options are checked "
         "at start-up against their range; a value outside it stops the run with one line naming the flag "
         "and the fix.\n" + "".join(f"\n## {title}\n\n{table}" + "\n".join(rows) + "\n" for title, rows in sections)

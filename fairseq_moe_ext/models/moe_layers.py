@@ -16,11 +16,11 @@ from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from ..checkpoint.config_value import config_value
-from ..moe import MoELayer, MoELayerConfig, RoutingConfig
+from ..moe import MoELayer, MoELayerConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
 from ..process_state import STATE
-from .moe_config import bias_update_rate, moe_freq, moe_option
+from .moe_config import layer_config, layer_fields, moe_freq, moe_option
 
 
 class MoEFeedForward(MoELayer):
@@ -58,34 +58,16 @@ class MoEFeedForward(MoELayer):
 
 
 def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
-    """The one place fairseq args become an MoE layer's config (``moe/layer_config.py``); ``ffn_dim``:
-    the dense layer's ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim."""
+    """The one place fairseq args become an MoE layer's config (``moe/layer_config.py``): the fields the
+    ``--moe-*`` flags set (``moe_config.layer_fields``, from each option's record) and the dense layer's
+    own flags; ``ffn_dim``: its ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim."""
     activation_dropout = config_value(args, "activation_dropout") or config_value(args, "relu_dropout") or 0.0
-    expert_dim = moe_option(args, "moe_expert_ffn_dim") or ffn_dim
-    routing = RoutingConfig(
-        k=moe_option(args, "moe_top_k"),
-        router_type=str(moe_option(args, "moe_router")),
-        fp32=not moe_option(args, "moe_gating_no_fp32"),
-        gate_noise=moe_option(args, "moe_gate_noise"),
-        normalize_gates=moe_option(args, "moe_normalize_gate"),
-        batch_prioritized=moe_option(args, "moe_batch_prioritized_routing"),
-        balance_bias_rate=bias_update_rate(args),
-        second_expert_policy=str(moe_option(args, "moe_second_expert_policy")),
-        normalize_gates_after_dropping=bool(moe_option(args, "moe_normalize_gate_after_dropping")),
-    )
-    return MoELayerConfig(
+    fields = layer_fields(args)
+    return layer_config(
+        dict(fields, hidden_dim=fields["hidden_dim"] or ffn_dim),
         model_dim=model_dim,
-        hidden_dim=expert_dim,
-        num_experts=moe_option(args, "moe_expert_count"),
-        routing=routing,
-        capacity_factor=moe_option(args, "moe_capacity_factor"),
-        eval_capacity_factor=moe_option(args, "moe_eval_capacity_factor"),
         activation=utils.get_activation_fn(config_value(args, "activation_fn") or "relu"),
         activation_dropout=float(activation_dropout),
-        shared_expert_count=moe_option(args, "moe_shared_expert_count"),
-        shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim"),  # None: hidden_dim
-        expert_output_masking=float(moe_option(args, "moe_eom")),
-        eval_capacity_token_fraction=float(moe_option(args, "moe_eval_capacity_token_fraction")),
     )
 
 

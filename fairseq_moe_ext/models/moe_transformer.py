@@ -21,6 +21,7 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from ..checkpoint.config_value import config_value
+from ..options import MODEL_OPTIONS
 from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_moe_args, moe_option
 from .moe_runtime import check_ddp_backend
 
@@ -34,12 +35,9 @@ from .moe_model import (  # noqa: F401
     moe_layer_names,
 )
 
-# Read from the command line by the checkpoint loader (absent means no fallback): it shapes no model,
-# and the architectures have never written it into a model's args.
-# fmt: off
-NOT_SET_BY_ARCHITECTURE = ("moe_restore_fallback", "moe_allow_function_change", "moe_upcycle_from",
-                           "moe_upcycle_noise", "moe_upcycle_router_std")
-# fmt: on
+# Read from the command line when a run starts (absent means no fallback): they shape no model, and
+# the architectures have never written them into a model's args (their records' launch_only).
+NOT_SET_BY_ARCHITECTURE = tuple(o.name for o in MODEL_OPTIONS if o.launch_only)
 
 
 @register_model("moe_transformer")

@@ -6,12 +6,16 @@ the experts and capacity. What is not an option of the layer's function stays a 
 of ``MoELayer``: the process groups, the aux cache, the layer's name and its seed.
 
 Messages are the layer's own (``num_experts must be a positive integer``); the fairseq flags are
-checked, with their flag names, before a config is built (``option_ranges.py``).
+checked, with their flag names, before a config is built (``option_ranges.py``). The rules between
+options (k <= E, the sigmoid router needs k >= 2, the second-expert policy needs top-2 softmax,
+normalising after dropping needs the top router) are written here only: each raises
+``ConflictingOptions``, which names the fields (``k=5 exceeds num_experts=4``) and can name them as a
+caller's options instead (``models/moe_layers.py``: ``--moe-top-k 5 exceeds --moe-expert-count 4``).
 """
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Callable, Optional, Union
+from typing import Callable, Dict, Optional, Union
 
 from .balance_bias import check_bias_update_rate
 from .capacity import check_capacity_factor
@@ -20,6 +24,37 @@ from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
 
 ROUTER_TYPES = ("top", "cosine", "sigmoid")  # router.py says what each one computes
+
+
+class Named:
+    """One option in a ``ConflictingOptions`` message: ``{k}`` is its name with its value, ``{k.name}`` and
+    ``{k.value}`` each alone."""
+
+    def __init__(self, name: str, value, pair: str):
+        self.name, self.value, self._pair = name, value, pair
+
+    def __format__(self, spec) -> str:
+        return self._pair.format(self.name, self.value)
+
+
+class ConflictingOptions(ValueError):
+    """Options that do not go together. ``template`` names each option by its field's flat name (``{k}``),
+    ``given`` holds their values, ``wanted`` the values the fix asks for (``{top}``: ``router_type`` top).
+    ``str()`` names them as fields (``k=5``); ``worded(names)`` as a caller's options are named."""
+
+    def __init__(self, template: str, given: Dict, wanted: Optional[Dict] = None):
+        self.template, self.given, self.wanted = template, given, wanted or {}
+        super().__init__(self.worded({}, "{}={}"))
+
+    def __reduce__(self):  # pickled (e.g. from a worker process) with what it was made of, not its message
+        return type(self), (self.template, self.given, self.wanted)
+
+    def worded(self, names: Dict[str, str], pair: str = "{} {}") -> str:
+        """The message with field ``f`` named ``names.get(f, f)``, a name and its value written ``pair``."""
+        values = {key: Named(names.get(key, key), value, pair) for key, value in self.given.items()}
+        for key, (field_name, value) in self.wanted.items():
+            values[key] = Named(names.get(field_name, field_name), value, pair)
+        return self.template.format(**values)
 
 
 def _positive_int(name: str, value) -> None:
@@ -54,16 +89,22 @@ class RoutingConfig:
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
             raise ValueError(f"gate_noise must be a finite number >= 0, got {noise!r}")
         if self.router_type == "sigmoid" and k < 2:
-            raise ValueError(
-                "the sigmoid router normalises gates over the chosen k experts, so with k=1 every gate is 1 and "
-                "the router never learns: use k >= 2, or the 'top' router for k=1"
-            )
+            raise ConflictingOptions(
+                "{router_type} normalises the gates over the chosen experts, so with {k} every gate is 1 and the "
+                "router never learns: use {k.name} 2 or more, or {top}",
+                dict(router_type=self.router_type, k=k), dict(top=("router_type", "top")))
         if self.balance_bias_rate is not None:
             object.__setattr__(self, "balance_bias_rate", check_bias_update_rate(self.balance_bias_rate))
-        check_second_expert_policy(self.second_expert_policy, k, self.router_type)
+        policy = check_second_expert_policy(self.second_expert_policy)
+        if policy != "all" and (k != 2 or self.router_type != "top"):
+            raise ConflictingOptions(
+                "{second_expert_policy} is defined for the nllb branch's top-2 softmax routing: use {two} with "
+                "{top}, or drop {second_expert_policy.name}",
+                dict(second_expert_policy=policy), dict(two=("k", 2), top=("router_type", "top")))
         if self.normalize_gates_after_dropping and self.router_type != "top":
-            raise ValueError("normalize_gates_after_dropping renormalises softmax probabilities: use it with the "
-                             "'top' router")
+            raise ConflictingOptions(
+                "{normalize_gates_after_dropping.name} renormalises softmax probabilities: use it with {top}, or "
+                "drop it", dict(normalize_gates_after_dropping=True), dict(top=("router_type", "top")))
 # fmt: on
 
 
@@ -97,10 +138,8 @@ class MoELayerConfig:
             raise ValueError(f"routing must be a RoutingConfig, got {self.routing!r}")
         k = self.routing.k
         if k > self.num_experts:
-            raise ValueError(
-                f"top-k ({k}) exceeds the number of experts ({self.num_experts}): "
-                f"use k <= {self.num_experts} or add experts"
-            )
+            given = dict(k=k, num_experts=self.num_experts)
+            raise ConflictingOptions("{k} exceeds {num_experts}: use {k.name} <= {num_experts.value}", given)
         # Floats from here on, so a config built from an int compares and prints like one from a flag.
         object.__setattr__(self, "capacity_factor", check_capacity_factor(self.capacity_factor))
         object.__setattr__(

@@ -20,14 +20,10 @@ import torch
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 
 
-def check_second_expert_policy(policy: str, k: int, router_type: str) -> str:
+def check_second_expert_policy(policy: str) -> str:
+    """``policy`` if it is one of ours; that it needs top-2 softmax routing is ``RoutingConfig``'s rule."""
     if policy not in SECOND_EXPERT_POLICIES:
         raise ValueError(f"unknown second-expert policy {policy!r}: choose one of {', '.join(SECOND_EXPERT_POLICIES)}")
-    if policy != "all" and (k != 2 or router_type != "top"):
-        raise ValueError(
-            f"the second-expert policy {policy!r} is defined for top-2 softmax routing (the nllb "
-            f"branch's gate): use k=2 with the 'top' router, or the policy 'all'"
-        )
     return policy
 
 

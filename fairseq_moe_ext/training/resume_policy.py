@@ -7,8 +7,8 @@ another one, and overwrite checkpoint_best and checkpoint_last with it. Options 
 training (capacity, gate noise, the balance losses' weights, the balance bias's rate), logging, or
 how the workers are laid out and talk may change; each change is logged.
 
-``POLICY`` decides every ``--moe-*`` option of the architectures and criterions (a test checks that
-none is missing), plus fairseq's ``--activation-fn``, which is the experts' activation:
+``POLICY`` decides every ``--moe-*`` option of the architectures and criterions (each option's record,
+``options/``, says which rule and why), plus fairseq's ``--activation-fn``, which is the experts' activation:
 
 * ``MAY_CHANGE``: the run resumes; the change is logged;
 * ``CHANGES_FUNCTION``: refused in one line, unless ``--moe-allow-function-change`` is given, which
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from ..checkpoint.config_value import config_value
-from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
+from ..options import OPTIONS
+
+# Re-exported: the kinds are written in the option records (options/record.py).
+from ..options.record import CHANGES_FUNCTION, CHANGES_PARAMETERS, MAY_CHANGE, TRAINING_ONLY  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-MAY_CHANGE = "may change"
-CHANGES_FUNCTION = "changes what the saved weights compute"
-CHANGES_PARAMETERS = "changes the parameters"
 OVERRIDE_FLAG = "--moe-allow-function-change"
 
 
@@ -43,61 +43,10 @@ class Rule:
     effective: Optional[Callable] = None  # (value, section) -> the value the run uses, where None means a default
 
 
-def _bias_rate(value, model_cfg):
-    return DEFAULT_BIAS_UPDATE_RATE if value is None else value
-
-
-TRAINING_ONLY = "steers training only, not what the weights compute"
-
-# fmt: off
-POLICY: Dict[str, Rule] = {
-    # which experts a token reaches, and what they compute
-    "moe_router": Rule(CHANGES_FUNCTION, "top and sigmoid score the experts differently from the same weights; "
-                                         "cosine has other parameters"),
-    "moe_top_k": Rule(CHANGES_FUNCTION, "a token is sent to another number of experts"),
-    "moe_normalize_gate": Rule(CHANGES_FUNCTION, "the gates a token's expert outputs are weighted with"),
-    "moe_eom": Rule(CHANGES_FUNCTION, "inference multiplies every expert output by 1 - p"),
-    "moe_second_expert_policy": Rule(CHANGES_FUNCTION, "which second expert a token reaches, drawn at random or not"),
-    "moe_normalize_gate_after_dropping": Rule(CHANGES_FUNCTION, "the gates of tokens that lost a slot"),
-    "activation_fn": Rule(CHANGES_FUNCTION, "the activation of the experts and of the dense layers"),
-    # other parameters: compat.check_resumable refuses them by parameter shapes and names
-    "moe_expert_count": Rule(CHANGES_PARAMETERS, "another number of experts and router rows"),
-    "moe_freq": Rule(CHANGES_PARAMETERS, "other layers are MoE"),
-    "encoder_moe_freq": Rule(CHANGES_PARAMETERS, "other encoder layers are MoE"),
-    "decoder_moe_freq": Rule(CHANGES_PARAMETERS, "other decoder layers are MoE"),
-    "moe_expert_ffn_dim": Rule(CHANGES_PARAMETERS, "experts of another hidden size"),
-    "moe_shared_expert_count": Rule(CHANGES_PARAMETERS, "another number of shared experts"),
-    "moe_shared_expert_ffn_dim": Rule(CHANGES_PARAMETERS, "shared experts of another hidden size"),
-    "moe_balance": Rule(CHANGES_PARAMETERS, "the balance bias is a saved buffer of its own"),
-    # training, inference-time, precision, layout, communication, logging
-    "moe_capacity_factor": Rule(MAY_CHANGE, "which slots training drops; " + TRAINING_ONLY),
-    "moe_eval_capacity_factor": Rule(MAY_CHANGE, "validation and inference routing capacity, a choice of each run"),
-    "moe_batch_prioritized_routing": Rule(MAY_CHANGE, "which slots are dropped when a capacity is reached"),
-    "moe_batch_major_routing": Rule(MAY_CHANGE, "which slots are dropped when a capacity is reached"),
-    "moe_eval_capacity_token_fraction": Rule(MAY_CHANGE, "validation and inference routing capacity, a choice of "
-                                                         "each run"),
-    "moe_gate_noise": Rule(MAY_CHANGE, "exploration noise in training; " + TRAINING_ONLY),
-    "moe_normalize_expert_grad": Rule(MAY_CHANGE, "the expert gradients' scale, like a learning rate on experts; "
-                                                  + TRAINING_ONLY),
-    "moe_bias_update_rate": Rule(MAY_CHANGE, "how fast the bias moves from now on, like a learning rate",
-                                 effective=_bias_rate),
-    "moe_gating_no_fp32": Rule(MAY_CHANGE, "the router's precision, not its function"),
-    "moe_gating_use_fp32": Rule(MAY_CHANGE, "accepted for fairseq's moe branch; no effect"),
-    "moe_expert_parallel_size": Rule(MAY_CHANGE, "experts are resharded at load"),
-    "moe_comm_timeout": Rule(MAY_CHANGE, "how long a collective waits for a stalled peer"),
-    "moe_deterministic": Rule(MAY_CHANGE, "reproducibility of the kernels, not the function"),
-    "moe_restore_fallback": Rule(MAY_CHANGE, "which checkpoint a damaged one falls back to"),
-    "moe_allow_function_change": Rule(MAY_CHANGE, "this check's own override"),
-    "moe_upcycle_from": Rule(MAY_CHANGE, "used only by a run's first launch"),
-    "moe_upcycle_noise": Rule(MAY_CHANGE, "used only by a run's first launch"),
-    "moe_upcycle_router_std": Rule(MAY_CHANGE, "used only by a run's first launch"),
-    "moe_gate_loss_wt": Rule(MAY_CHANGE, "a loss weight; " + TRAINING_ONLY, section="criterion"),
-    "moe_z_loss_wt": Rule(MAY_CHANGE, "a loss weight; " + TRAINING_ONLY, section="criterion"),
-    "moe_gate_loss_combine_method": Rule(MAY_CHANGE, "how the layers' losses add up; " + TRAINING_ONLY,
-                                         section="criterion"),
-    "moe_hide_expert_load": Rule(MAY_CHANGE, "logging only", section="criterion"),
-}
-# fmt: on
+# Each --moe-* option's rule is its record's (resume, why); fairseq's --activation-fn, which is the
+# experts' activation, is fairseq's own option and has no record.
+POLICY: Dict[str, Rule] = {name: Rule(o.resume, o.why, o.section, o.effective) for name, o in OPTIONS.items()}
+POLICY["activation_fn"] = Rule(CHANGES_FUNCTION, "the activation of the experts and of the dense layers")
 
 _ABSENT = object()
 

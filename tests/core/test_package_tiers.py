@@ -19,8 +19,9 @@ ROOT = Path(fairseq_moe_ext.PACKAGE_DIR)
 # fmt: off
 TIERS = (
     ("moe",),
+    ("options", "option_ranges"),
     ("checkpoint",),
-    ("process_state", "distributed", "fully_sharded", "io_waits", "option_ranges"),
+    ("process_state", "distributed", "fully_sharded", "io_waits"),
     ("models", "criterions", "tasks"),
     ("training",),
     ("fairseq_integration",),
@@ -29,7 +30,7 @@ TIERS = (
 # fmt: on
 TIER_OF = {part: level for level, parts in enumerate(TIERS) for part in parts}
 # The tiers that must import and run where fairseq (and what comes with it) is not installed.
-WITHOUT_FAIRSEQ = ("moe", "checkpoint")
+WITHOUT_FAIRSEQ = ("moe", "options", "option_ranges", "checkpoint")
 FAIRSEQ_ONLY = ("fairseq", "fairseq_cli", "omegaconf", "hydra")
 # (importing module, imported module) pairs allowed to reach up, and only from inside a function: the
 # checkpoint tool's ``upcycle`` subcommand, imported in its main() so importing checkpoint/ never loads
@@ -120,10 +121,10 @@ def test_an_upward_import_is_reported_with_its_file_line_and_the_module_it_reach
     (fake / "checkpoint" / "names.py").write_text("def f():\n    import fairseq\n")
     (fake / "checkpoint" / "__main__.py").write_text("from ..training.upcycle_cli import upcycle\n")
     assert tier_violations(fake) == [
-        "fairseq_moe_ext/checkpoint/__main__.py:1 imports fairseq_moe_ext.training.upcycle_cli (tier 4) from tier 1: "
+        "fairseq_moe_ext/checkpoint/__main__.py:1 imports fairseq_moe_ext.training.upcycle_cli (tier 5) from tier 2: "
         "an upward import; move the code it needs down, or the importer up",
         "fairseq_moe_ext/checkpoint/names.py:2 imports fairseq: checkpoint/ must work without fairseq",
-        "fairseq_moe_ext/moe/layer.py:3 imports fairseq_moe_ext.checkpoint.names (tier 1) from tier 0: an upward "
+        "fairseq_moe_ext/moe/layer.py:3 imports fairseq_moe_ext.checkpoint.names (tier 2) from tier 0: an upward "
         "import; move the code it needs down, or the importer up",
     ]
 
@@ -205,7 +206,16 @@ def test_a_process_that_imported_the_plugin_before_fairseq_has_its_hooks_once_fa
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("module", [f"{PACKAGE}.moe", f"{PACKAGE}.checkpoint", f"{PACKAGE}.process_state"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        f"{PACKAGE}.moe",
+        f"{PACKAGE}.options",
+        f"{PACKAGE}.option_ranges",
+        f"{PACKAGE}.checkpoint",
+        f"{PACKAGE}.process_state",
+    ],
+)
 def test_importing_a_fairseq_free_module_leaves_fairseq_unimported(module):
     done = subprocess.run(
         [sys.executable, "-c", f"import sys, {module}; assert 'fairseq' not in sys.modules"],

@@ -1,0 +1,50 @@
+"""Every ``--moe-*`` option of the plugin, declared once: one ``Option`` record per option.
+
+The tables that used to spell each option out are derived from the records, where they are used:
+
+* the fairseq dataclasses ``MoEConfig`` / ``MoEEncoderDecoderConfig`` (``models/moe_config.py``) and
+  ``MoELossConfig`` (``criterions/moe_criterions.py``), hence argparse and docs/options.md;
+* ``option_ranges.MODEL_RANGES`` / ``CRITERION_RANGES`` (each record's ``range``);
+* ``training/resume_policy.POLICY`` (``resume``, ``why``, ``effective``);
+* the flags-to-layer-config translation ``models/moe_layers.moe_layer_config`` (``field``, ``to_field``),
+  which also names a conflict ``MoELayerConfig`` finds by its flags (``FLAG_OF_FIELD``);
+* the Hugging Face and nllb-branch names (``HF_NAMES``, ``BRANCH_NAMES``: ``checkpoint/hf_config.py``,
+  ``checkpoint/branch_options.py``).
+
+Torch only and fairseq-free (tier 1 in tests/core/test_package_tiers.py: above ``moe/``, whose
+constants the records name, below ``checkpoint/``). A new option is one record in ``model.py``,
+``run.py`` or ``criterion.py``; tests/fairseq/test_option_records.py checks it reaches every table.
+"""
+
+from typing import Dict
+
+from .criterion import CRITERION_OPTIONS
+from .model import MODEL_OPTIONS as _MODEL, TRANSLATION_OPTIONS
+from .record import CRITERION, EVERY_ARCH, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
+from .run import RUN_OPTIONS
+
+# Every architecture's options in the order argparse and docs/options.md list them, then the
+# translation architectures' own.
+ARCH_OPTIONS = _MODEL + RUN_OPTIONS
+MODEL_OPTIONS = ARCH_OPTIONS + TRANSLATION_OPTIONS
+OPTIONS: Dict[str, Option] = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS}
+
+# The layer-config field each option sets ("routing.k"), and back: the flag a layer config's field is
+# named by in a message.
+FIELD_OF: Dict[str, str] = {o.name: o.field for o in MODEL_OPTIONS if o.field}
+FLAG_OF_FIELD: Dict[str, str] = {o.field.rsplit(".", 1)[-1]: o.flag for o in MODEL_OPTIONS if o.field}
+HF_NAMES: Dict[str, str] = {o.name: o.hf for o in MODEL_OPTIONS if o.hf}
+BRANCH_NAMES: Dict[str, str] = {o.name: o.branch for o in MODEL_OPTIONS if o.branch}
+
+
+def default(name: str):
+    """The default of option ``name``, as its record declares it."""
+    return OPTIONS[name].default
+
+
+def record_problems():
+    """One line per incomplete record or name declared twice (empty: every record is whole)."""
+    found = [line for o in OPTIONS.values() for line in o.problems()]
+    if len(OPTIONS) != len(MODEL_OPTIONS) + len(CRITERION_OPTIONS):
+        found.append("an option name is declared by two records")
+    return found

@@ -1,0 +1,104 @@
+"""What one option record holds (``Option``), and the ranges and resume kinds it is written with.
+
+Torch only and fairseq-free, so every tier that derives a table from the records can import it:
+``checkpoint/`` (the Hugging Face and nllb-branch names), ``models/`` and ``criterions/`` (the fairseq
+dataclasses), ``option_ranges.py`` (the ranges), ``training/resume_policy.py`` (the resume rules).
+"""
+
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below half of it fp32 holds 0
+INT64_MAX = 2**63 - 1
+TIMEDELTA_MAX_S = float(timedelta.max.days * 86400)  # whole days: total_seconds() of the max rounds past it
+SIZE = "the int64 tensor sizes it becomes"
+FP32_LOSS = "the fp32 loss it multiplies"
+
+# What a change of the option does when a run resumes (training/resume_policy.py).
+MAY_CHANGE = "may change"
+CHANGES_FUNCTION = "changes what the saved weights compute"
+CHANGES_PARAMETERS = "changes the parameters"
+RESUME_KINDS = (MAY_CHANGE, CHANGES_FUNCTION, CHANGES_PARAMETERS)
+TRAINING_ONLY = "steers training only, not what the weights compute"
+
+# Where an option is declared: every MoE architecture, the translation ones only, or the criterions;
+# the first two live in a checkpoint's cfg "model" section, the last in its "criterion" section.
+EVERY_ARCH, TRANSLATION, CRITERION = "every architecture", "translation architectures", "criterions"
+
+
+# fmt: off
+@dataclass(frozen=True)
+class Range:
+    flag: str
+    integer: bool
+    requirement: str  # what a value must be, as the message says it: "a positive integer"
+    fix: str  # may name {experts}: the run's --moe-expert-count
+    low: Optional[float] = None  # the smallest value allowed, or the bound it must exceed (low_open)
+    low_open: bool = False
+    high: Optional[float] = None  # the largest value what holds it can hold ...
+    holder: str = ""  # ... and what holds it
+    smallest: Optional[float] = None  # a nonzero value below this is 0 in the holder
+    optional: bool = False  # None is allowed (the option then follows another one)
+# fmt: on
+
+
+def within(integer: bool, requirement: str, fix: str, **bounds) -> Range:
+    """A record's range; the record fills in its flag."""
+    return Range("", integer, requirement, fix, **bounds)
+
+
+# fmt: off
+@dataclass(frozen=True)
+class Option:
+    """One option, declared once: every table that names it is derived from this record."""
+
+    name: str  # the config field; the flag is --name-with-dashes
+    type: Any  # int, float, bool, str, Optional[int], ...: the fairseq dataclass field's type
+    default: Any
+    help: str  # argparse's help, as docs/options.md shows it
+    resume: str  # MAY_CHANGE, CHANGES_FUNCTION or CHANGES_PARAMETERS
+    why: str  # the reason, as the resume messages and docs/checkpoints.md say it
+    where: str = EVERY_ARCH
+    choices: Tuple[str, ...] = ()  # a choice option's values (a fairseq ChoiceEnum)
+    range: Optional[Range] = None  # a numeric option's range (option_ranges.check_option)
+    field: Optional[str] = None  # the MoELayerConfig field it sets ("routing.k", "num_experts")
+    to_field: Optional[Callable] = None  # (value, read) -> the field's value; read(name): another option's
+    effective: Optional[Callable] = None  # (value, cfg section) -> the value a run uses, where None is a default
+    launch_only: bool = False  # read from the command line when a run starts; architectures never set it
+    hf: Optional[str] = None  # the NllbMoeConfig field carried over one to one (export-hf, import-hf)
+    branch: Optional[str] = None  # the fairseq nllb/moe branch's option carried over one to one
+
+    def __post_init__(self):
+        if self.range is not None and not self.range.flag:
+            object.__setattr__(self, "range", replace(self.range, flag=self.flag))
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def section(self) -> str:
+        """Where a checkpoint's cfg holds it: "model" or "criterion"."""
+        return "criterion" if self.where == CRITERION else "model"
+
+    def problems(self):
+        """What the record lacks or gets wrong, one line each (an incomplete record is refused)."""
+        found = []
+        if not self.help.strip() or not self.why.strip():
+            found.append(f"{self.name}: every record says what it does (help) and why it may change or not (why)")
+        if self.resume not in RESUME_KINDS:
+            found.append(f"{self.name}: resume must be one of {RESUME_KINDS}, not {self.resume!r}")
+        if self.where not in (EVERY_ARCH, TRANSLATION, CRITERION):
+            found.append(f"{self.name}: where must be EVERY_ARCH, TRANSLATION or CRITERION, not {self.where!r}")
+        if self.choices and self.default not in self.choices:
+            found.append(f"{self.name}: the default {self.default!r} is not one of its choices {self.choices}")
+        if self.to_field is not None and self.field is None:
+            found.append(f"{self.name}: to_field without the field it converts to")
+        if self.where == CRITERION and (self.field or self.hf or self.branch):
+            found.append(f"{self.name}: a criterion option sets no layer field and has no checkpoint name")
+        return found
+# fmt: on
