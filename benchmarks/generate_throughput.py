@@ -26,10 +26,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+sys.path.insert(0, str(HERE.parent / "recipes"))  # what benchmarks share with tests and recipes
 
-from fairseq_helpers import USER_DIR, source_sentence, translate  # noqa: E402
-from train_wps import BIN, env_for, model_args, preprocess, run, torchrun, training_flags  # noqa: E402
+from toy_pair import source_sentence, translate  # noqa: E402
+from train_wps import BIN, USER_DIR, env_for, model_args, preprocess, run, torchrun, training_flags  # noqa: E402
 
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \([\d,]+ tokens\) in ([\d.]+)s")
 

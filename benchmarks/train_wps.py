@@ -29,12 +29,19 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+sys.path.insert(0, str(HERE.parent / "recipes"))  # what benchmarks share with tests and recipes
 sys.path.insert(0, str(HERE.parent))
 
-from fairseq_helpers import USER_DIR, json_logs, source_sentence, tail, translate  # noqa: E402
+from fairseq_logs import json_records  # noqa: E402
+from toy_pair import source_sentence, translate  # noqa: E402
+
+from fairseq_moe_ext import PACKAGE_DIR as USER_DIR  # noqa: E402
 
 BIN = Path(sys.executable).parent
+
+
+def tail(output: str, lines: int = 40) -> str:
+    return "\n".join(output.splitlines()[-lines:])
 
 
 def parse_args(argv=None):
@@ -214,7 +221,7 @@ def free_port() -> int:
 
 
 def measured_wps(output: str) -> float:
-    records = json_logs(output, "train_inner")
+    records = json_records(output, "train_inner")
     if len(records) < 2:
         sys.exit(f"train_wps.py: fewer than 2 train_inner records; raise --max-update\n{tail(output)}")
     return statistics.median(float(r["wps"]) for r in records[1:])

@@ -9,17 +9,17 @@ plus a panel with the balance loss, the imbalance (largest share x E) and the dr
 """
 
 import argparse
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
-RECORD = re.compile(r"\| (train_inner) \| (\{.*\})\s*$")
+from fairseq_logs import json_records
+
 LOAD = re.compile(r"^moe_load_(.+)_e(\d+)$")
 
 
 def train_records(log: str) -> list:
-    return [json.loads(m.group(2)) for line in log.splitlines() for m in [RECORD.search(line)] if m]
+    return json_records(log, "train_inner")
 
 
 def load_series(records: list):

@@ -17,24 +17,17 @@ upcycling); its updates count those N, and it is compared with every other run a
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from fairseq import checkpoint_utils
 from fairseq_moe_ext import checkpoint as moe_checkpoint
+from fairseq_logs import json_records
 from model_cost import model_cost
 from routing_extensions import effect_lines, routing_features
 
-RECORD = re.compile(r"\| (train_inner|valid) \| (\{.*\})\s*$")
-
 
 def records(log_file: Path, kind: str) -> list:
-    found = []
-    for line in log_file.read_text(errors="replace").splitlines():
-        match = RECORD.search(line)
-        if match and match.group(1) == kind:
-            found.append(json.loads(match.group(2)))
-    return found
+    return json_records(log_file.read_text(errors="replace"), kind)
 
 
 def checkpoint_cost(checkpoint: Path) -> dict:

@@ -4,10 +4,8 @@ Nothing is downloaded: the corpora are generated from a seeded RNG and are learn
 updates, so "the loss falls" is a real check and not noise.
 """
 
-import json
 import os
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,29 +17,18 @@ import fairseq_moe_ext
 import warm_fairseq
 from paths import REPO_ROOT
 
+sys.path.append(str(REPO_ROOT / "recipes"))  # the modules tests share with recipes and benchmarks
+import toy_pair  # noqa: E402
+from fairseq_logs import json_records  # noqa: E402
+from toy_pair import SPLITS, VOCAB, source_sentence, translate  # noqa: E402, F401
+
 USER_DIR = fairseq_moe_ext.PACKAGE_DIR
 CONFIG_DIR = os.path.join(USER_DIR, "config")
-VOCAB = 40
-SPLITS = {"train": 600, "valid": 40, "test": 16}
-
-
-def source_sentence(rng: random.Random) -> List[int]:
-    return [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
-
-
-def translate(source: List[int]) -> str:
-    """The "language pair": reverse the sentence and map every token through a fixed permutation."""
-    return " ".join(f"t{(7 * i + 3) % VOCAB}" for i in reversed(source))
 
 
 def write_parallel_corpus(raw: Path, seed: int = 0) -> Path:
-    raw.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    for split, lines in SPLITS.items():
-        sources = [source_sentence(rng) for _ in range(lines)]
-        (raw / f"{split}.src").write_text("".join(" ".join(f"s{i}" for i in s) + "\n" for s in sources))
-        (raw / f"{split}.tgt").write_text("".join(translate(s) + "\n" for s in sources))
-    return raw
+    """The toy pair of recipes/toy_pair.py, in the split sizes of ``SPLITS`` (which a caller may change)."""
+    return toy_pair.write_parallel_corpus(raw, seed, SPLITS)
 
 
 def write_lm_corpus(raw: Path, seed: int = 0) -> Path:
@@ -252,18 +239,9 @@ def train_args(data: Path, save_dir: Path, *extra: str, max_update: int = 40) ->
     ]
 
 
-# fairseq's own log lines ("... | INFO | train_inner | {...}") and hydra's ("[...][train_inner][INFO] - {...}").
-_JSON_RECORD = re.compile(r"(?:\| |\[)(train_inner|train|valid)(?: \| |\]\[INFO\] - )(\{.*\})\s*$")
-
-
 def json_logs(output: str, tag: str = "train_inner") -> List[dict]:
     """The ``--log-format json`` records of one kind (``train_inner``, ``train`` or ``valid``)."""
-    records = []
-    for line in output.splitlines():
-        match = _JSON_RECORD.search(line)
-        if match and match.group(1) == tag:
-            records.append(json.loads(match.group(2)))
-    return records
+    return json_records(output, tag)
 
 
 def logged_losses(output: str) -> List[float]:
