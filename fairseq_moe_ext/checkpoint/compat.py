@@ -5,7 +5,7 @@ import argparse
 from typing import Callable, Dict, Tuple
 
 from ..moe.experts import is_expert
-from .config_value import config_value
+from ..common.config_value import config_value
 
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, freq_of: Callable) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
 from ..process_state import STATE, LoadTarget

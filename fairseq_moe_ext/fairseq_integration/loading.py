@@ -11,7 +11,7 @@ from omegaconf import open_dict
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
 from ..moe.placement import places_moe_layer, side_moe_freq
 from ..option_ranges import MODEL_RANGES, check_option, check_options

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..options import OPTIONS
 
 # Re-exported: the kinds are written in the option records (options/record.py).
