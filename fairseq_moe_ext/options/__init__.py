@@ -8,6 +8,8 @@ The tables that used to spell each option out are derived from the records, wher
 * ``training/resume_policy.POLICY`` (``resume``, ``why``, ``effective``);
 * the flags-to-layer-config translation ``models/moe_layers.moe_layer_config`` (``field``, ``to_field``),
   which also names a conflict ``MoELayerConfig`` finds by its flags (``FLAG_OF_FIELD``);
+* the value of an option in any config, its default where the config lacks it (``option_value``,
+  ``moe_freq``), read by ``models/`` and, with no callback into them, by ``checkpoint/``;
 * the Hugging Face and nllb-branch names (``HF_NAMES``, ``BRANCH_NAMES``: ``checkpoint/hf_config.py``,
   ``checkpoint/branch_options.py``).
 
@@ -18,6 +20,8 @@ constants the records name, below ``checkpoint/``). A new option is one record i
 
 from typing import Dict
 
+from ..common.config_value import config_value
+from ..moe.placement import side_moe_freq
 from .criterion import CRITERION_OPTIONS
 from .model import MODEL_OPTIONS as _MODEL, TRANSLATION_OPTIONS
 from .record import CRITERION, EVERY_ARCH, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
@@ -40,6 +44,17 @@ BRANCH_NAMES: Dict[str, str] = {o.name: o.branch for o in MODEL_OPTIONS if o.bra
 def default(name: str):
     """The default of option ``name``, as its record declares it."""
     return OPTIONS[name].default
+
+
+def option_value(cfg, name: str):
+    """``cfg``'s value of option ``name`` (any config: Namespace, omegaconf, dict), or its default."""
+    return config_value(cfg, name, default(name))
+
+
+def moe_freq(cfg, side: str) -> int:
+    """The MoE layer frequency of ``side`` ("encoder" or "decoder"): --{side}-moe-freq, else --moe-freq,
+    their defaults where ``cfg`` lacks them. Models, upcycling and the resume check all read it here."""
+    return side_moe_freq(option_value(cfg, "moe_freq"), option_value(cfg, f"{side}_moe_freq"))
 
 
 def record_problems():
