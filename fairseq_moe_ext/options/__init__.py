@@ -15,7 +15,8 @@ The tables that used to spell each option out are derived from the records, wher
 
 Torch only and fairseq-free (tier 1 in tests/core/test_package_tiers.py: above ``moe/``, whose
 constants the records name, below ``checkpoint/``). A new option is one record in ``model.py``,
-``run.py`` or ``criterion.py``; tests/fairseq/test_option_records.py checks it reaches every table.
+``run.py``, ``criterion.py`` or ``inference.py`` (the inference CLIs' flags, which the plugin adds to
+their parsers); tests/fairseq/test_option_records.py checks it reaches every table.
 """
 
 from typing import Dict
@@ -23,15 +24,16 @@ from typing import Dict
 from ..common.config_value import config_value
 from ..moe.placement import side_moe_freq
 from .criterion import CRITERION_OPTIONS
+from .inference import INFERENCE_OPTIONS  # noqa: F401  (re-exported)
 from .model import MODEL_OPTIONS as _MODEL, TRANSLATION_OPTIONS
-from .record import CRITERION, EVERY_ARCH, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
+from .record import CRITERION, EVERY_ARCH, INFERENCE, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
 from .run import RUN_OPTIONS
 
 # Every architecture's options in the order argparse and docs/options.md list them, then the
 # translation architectures' own.
 ARCH_OPTIONS = _MODEL + RUN_OPTIONS
 MODEL_OPTIONS = ARCH_OPTIONS + TRANSLATION_OPTIONS
-OPTIONS: Dict[str, Option] = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS}
+OPTIONS: Dict[str, Option] = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS + INFERENCE_OPTIONS}
 
 # The layer-config field each option sets ("routing.k"), and back: the flag a layer config's field is
 # named by in a message.
@@ -60,6 +62,6 @@ def moe_freq(cfg, side: str) -> int:
 def record_problems():
     """One line per incomplete record or name declared twice (empty: every record is whole)."""
     found = [line for o in OPTIONS.values() for line in o.problems()]
-    if len(OPTIONS) != len(MODEL_OPTIONS) + len(CRITERION_OPTIONS):
+    if len(OPTIONS) != len(MODEL_OPTIONS) + len(CRITERION_OPTIONS) + len(INFERENCE_OPTIONS):
         found.append("an option name is declared by two records")
     return found
