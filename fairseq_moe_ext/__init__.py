@@ -3,11 +3,13 @@
 Tiers, lowest first; a module imports only from its own tier and the ones below
 (``tests/core/test_package_tiers.py`` scans every import):
 
+0. ``common/``: helpers of every tier and no one subject, torch only: ``config_value.py`` (the one
+   reader of a config value), ``torch_compat.py`` (the private torch APIs of data parallelism).
 1. ``moe/``: the MoE math, torch only (router, dispatch, experts, collectives taking ``group=None``,
    the expert layout, which layers are MoE layers).
 2. ``options/``: every ``--moe-*`` option as one record, from which the tables that name options are
    derived; ``option_ranges.py`` (a numeric option checked against its record's range). Torch only.
-3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports ``moe/``, ``options/`` and itself. Its
+3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports the tiers below and itself. Its
    ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
 4. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
    groups, gradient scaling), ``io_waits.py`` (where workers wait for another's file work).

@@ -38,7 +38,7 @@ from .fully_sharded import is_sharded, local_part, sharded_grad_norm_squared
 from .moe.collective_device import collective_device, on_group_device
 from .moe.comm import collective
 from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
-from .moe.torch_compat import foreach_mul_
+from .common.torch_compat import foreach_mul_
 from .options.model import EXPERT_GRAD_NORMALIZATIONS  # noqa: F401  (--moe-normalize-expert-grad's choices)
 from .process_state import STATE
 

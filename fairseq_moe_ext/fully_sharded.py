@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint.config_value import config_value
+from .common.config_value import config_value
 from .moe.comm import collective
 from .moe.experts import is_expert
 

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from .branch_import import import_branch_set
-from .config_value import config_value
+from ..common.config_value import config_value
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
 from .hf_export import export_hf, shard_size

@@ -25,7 +25,7 @@ import torch
 
 from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
 from .branch_vocab import check_vocabulary
-from .config_value import config_value
+from ..common.config_value import config_value
 from .errors import CheckpointSetError
 from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file

@@ -21,7 +21,7 @@ import math
 from typing import Dict, List, Tuple
 
 from ..options import BRANCH_NAMES, OPTIONS
-from .config_value import config_value
+from ..common.config_value import config_value
 from .errors import CheckpointSetError
 
 # Options whose non-default value changes what the model computes in a way this project cannot.

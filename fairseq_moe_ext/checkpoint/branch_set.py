@@ -20,7 +20,7 @@ import torch
 from .branch_consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
 from .branch_fsdp_shards import FsdpShards
 from .branch_options import branch_flags, is_language_model, model_options
-from .config_value import config_value
+from ..common.config_value import config_value
 from .errors import CheckpointSetError
 from .safe_load import safe_load
 

@@ -2,15 +2,16 @@
 of size mismatches, when a run is resumed with other flags than it was trained with."""
 
 import argparse
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 from ..moe.experts import is_expert
-from .config_value import config_value
+from ..options import moe_freq
+from ..common.config_value import config_value
 
 
-def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, freq_of: Callable) -> None:
+def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -> None:
     """``state``: the checkpoint already sliced for one of ``world_size`` workers; ``model``: that
-    worker's model; ``freq_of(cfg, side)``: the models' reading of --moe-freq / --{side}-moe-freq."""
+    worker's model; ``model_cfg``: its options."""
     params = dict(model.named_parameters())
     mismatched = [k for k, t in state["model"].items() if k in params and tuple(params[k].shape) != tuple(t.shape)]
     for key in mismatched:  # expert counts first: they also change every router's shape
@@ -32,8 +33,8 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, f
         return
     # Other parameters (not other shapes): name the flag that differs, if one of ours does. Without
     # such a flag, fairseq's own error (after its upgrades of old key names) stands.
-    saved = layout_flags(config_value(state.get("cfg"), "model"), freq_of)
-    current = layout_flags(model_cfg, freq_of)
+    saved = layout_flags(config_value(state.get("cfg"), "model"))
+    current = layout_flags(model_cfg)
     for what, (given, value) in saved.items():
         this_flag, this_value = current[what]
         if value is not None and this_value is not None and str(value) != str(this_value):
@@ -43,7 +44,7 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg, f
             )
 
 
-def layout_flags(cfg, freq_of: Callable) -> Dict[str, Tuple[str, object]]:
+def layout_flags(cfg) -> Dict[str, Tuple[str, object]]:
     """The flags that decide which parameters an MoE model has (beyond their shapes):
     {what: (flag as the user would pass it, value)}."""
     flags = {
@@ -54,6 +55,6 @@ def layout_flags(cfg, freq_of: Callable) -> Dict[str, Tuple[str, object]]:
     for side in ("encoder", "decoder"):
         side_freq = config_value(cfg, f"{side}_moe_freq")
         given = argparse.Namespace(moe_freq=config_value(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})
-        flags[f"{side} freq"] = (f"--{side}-moe-freq" if side_freq is not None else "--moe-freq", freq_of(given, side))
+        flags[f"{side} freq"] = (f"--{side}-moe-freq" if side_freq is not None else "--moe-freq", moe_freq(given, side))
         flags[f"{side} layers"] = (f"--{side}-layers", config_value(cfg, f"{side}_layers"))
     return flags

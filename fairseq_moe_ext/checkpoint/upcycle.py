@@ -11,8 +11,9 @@ renormalised to sum to 1 (``--moe-normalize-gate``) and dropless routing, the Mo
 is the dense model until training changes it. Every other parameter, and the layers not chosen
 (kept dense), carry over unchanged.
 
-Torch only, like the rest of ``checkpoint/``: which layers become MoE is asked of ``moe_layer``
-(the models' own reading of ``--moe-freq``) and the config is converted by the caller.
+Torch only, like the rest of ``checkpoint/``: which layers become MoE is read from the MoE config's
+``--moe-freq`` flags as the models read them (``options.moe_freq``); the config is converted by the
+caller.
 """
 
 import re
@@ -22,6 +23,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 # The routers' default initial std: --moe-upcycle-router-std's record says why 0.01.
+from ..moe.placement import is_moe_layer
+from ..options import moe_freq
 from ..options.run import DEFAULT_ROUTER_STD
 from .contents import check_is_checkpoint, is_dense
 from .errors import CheckpointSetError
@@ -119,11 +122,13 @@ def upcycle_model_state(
     return out, expert_keys
 
 
-def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, moe_layer: Callable[[str, int], bool], cfg) -> Dict:
-    """The whole MoE checkpoint (every expert, world size 1, update 0) for the MoE ``cfg``: a fresh
-    start, so no optimizer state, no training progress (fairseq then starts at epoch 1, update 0)."""
+def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, model_cfg, cfg) -> Dict:
+    """The whole MoE checkpoint (every expert, world size 1, update 0) for the MoE ``cfg``, its layers
+    placed by ``model_cfg``'s MoE frequencies: a fresh start, so no optimizer state, no training
+    progress (fairseq then starts at epoch 1, update 0)."""
     dense = check_upcyclable(dense, path, options)
-    model, expert_keys = upcycle_model_state(dense["model"], options, moe_layer)
+    freqs = {side: moe_freq(model_cfg, side) for side in ("encoder", "decoder")}
+    model, expert_keys = upcycle_model_state(dense["model"], options, lambda side, i: is_moe_layer(i, freqs[side]))
     meta = moe_metadata([], expert_keys, world_size=1, rank=0, num_updates=0, experts_per_worker=options.experts)
     meta["upcycled_from"] = path
     return {

@@ -24,14 +24,16 @@ import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
+from ..options import INFERENCE_OPTIONS, option_value
+from ..options.inference import EXPERT_PLACEMENTS
 from ..process_state import STATE, LoadTarget
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "sharded", "local")
+MODES = EXPERT_PLACEMENTS
 
 
 # fmt: off
@@ -52,22 +54,22 @@ class ShardedInference:
 
 
 def add_inference_experts_flag(parser) -> None:
-    if any("--moe-inference-experts" in a.option_strings for a in parser._actions):
-        return
-    parser.add_argument(
-        "--moe-inference-experts",
-        choices=MODES,
-        default="auto",
-        help="inference CLIs on N > 1 torchrun workers: 'sharded' keeps each worker's experts on it (N must "
-        "divide the experts; every worker joins every MoE call), 'local' gives every worker every expert; "
-        "'auto' (default) is sharded when the checkpoint set was saved by N workers, else local",
-    )
+    """Add every inference CLI record (``options/inference.py``) to ``parser``, once."""
+    for o in INFERENCE_OPTIONS:
+        if any(o.flag in a.option_strings for a in parser._actions):
+            continue
+        if o.type is bool:
+            parser.add_argument(o.flag, action="store_true", help=o.help)
+        elif o.choices:
+            parser.add_argument(o.flag, choices=o.choices, default=o.default, help=o.help)
+        else:
+            parser.add_argument(o.flag, type=o.value_type, default=o.default, help=o.help)
 
 
 def decide_sharded_inference(args) -> None:
     """At parse time, in every CLI: record in STATE whether this inference run keeps experts sharded."""
     STATE.sharded_inference = None
-    mode = config_value(args, "moe_inference_experts", "auto")
+    mode = option_value(args, "moe_inference_experts")
     path = config_value(args, "path")
     world = int(config_value(args, "distributed_world_size", 1) or 1)
     if not path or world <= 1 or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) != world:

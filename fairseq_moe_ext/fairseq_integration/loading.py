@@ -11,11 +11,10 @@ from omegaconf import open_dict
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
-from ..models.moe_config import moe_freq
 from ..process_state import STATE, LoadTarget
 from ..training.restore_choice import resolve_restore
 from ..training.training_save_dir import claim_save_dir
@@ -70,7 +69,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
             return full
         state = moe_ckpt.shard_state(full, target.rank, target.world_size)
     if target.model is not None:  # None: an expert-sharded inference load (no model yet to compare)
-        check_resumable(path, state, target.model, target.world_size, target.model_cfg, moe_freq)
+        check_resumable(path, state, target.model, target.world_size, target.model_cfg)
         check_resume_policy(
             path,
             state.get("cfg"),

@@ -32,8 +32,8 @@ from torch.amp.grad_scaler import OptState
 
 from .. import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
-from ..checkpoint.config_value import config_value
-from ..moe.torch_compat import scaler_optimizer_state
+from ..common.config_value import config_value
+from ..common.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from .saving import is_expert_parallel_trainer

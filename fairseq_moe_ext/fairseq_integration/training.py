@@ -12,12 +12,12 @@ from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
 from fairseq.logging import metrics
 
 from .. import distributed as moe_dist
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
 from ..fully_sharded import is_sharded
 from ..moe import rows_received
 from ..moe.balance_bias import balance_biases, update_balance_biases
-from ..moe.torch_compat import ignore_in_ddp
+from ..common.torch_compat import ignore_in_ddp
 from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
 from ..process_state import STATE

@@ -12,11 +12,12 @@ from typing import Dict, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
-from ..moe.placement import places_moe_layer, side_moe_freq
+from ..moe.placement import places_moe_layer
 from ..option_ranges import MODEL_RANGES, check_option, check_options
-from ..options import ARCH_OPTIONS, FLAG_OF_FIELD, MODEL_OPTIONS, OPTIONS, TRANSLATION_OPTIONS
+from ..options import ARCH_OPTIONS, FLAG_OF_FIELD, MODEL_OPTIONS, TRANSLATION_OPTIONS, default, option_value
+from ..options import moe_freq as options_moe_freq
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +43,16 @@ MOE_OPTIONS = tuple(o.name for o in MODEL_OPTIONS)
 
 def moe_default(name: str):
     """The default of option ``name``: its record is the only place defaults are written."""
-    return OPTIONS[name].default
+    return default(name)
 
 
 def moe_option(args, name: str):
     """``args.<name>``, or the option's default where ``args`` lacks it."""
-    return config_value(args, name, moe_default(name))
+    return option_value(args, name)
 
 
 def moe_freq(args, side: str) -> int:
-    return side_moe_freq(moe_option(args, "moe_freq"), moe_option(args, f"{side}_moe_freq"))
+    return options_moe_freq(args, side)
 
 
 def layer_fields(args) -> Dict:

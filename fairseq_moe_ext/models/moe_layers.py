@@ -15,7 +15,7 @@ import torch.nn as nn
 from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..moe import MoELayer, MoELayerConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection

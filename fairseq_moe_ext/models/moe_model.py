@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from fairseq.models.transformer.transformer_config import TransformerConfig
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
 from .moe_config import check_moe_args, check_moe_layers_placed, moe_option

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..distributed import (
     SUPPORTED_DDP_BACKENDS,
     default_expert_parallel_size,

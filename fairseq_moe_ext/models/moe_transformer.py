@@ -20,7 +20,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.utils import safe_getattr
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..options import MODEL_OPTIONS
 from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_moe_args, moe_option
 from .moe_runtime import check_ddp_backend

@@ -8,26 +8,32 @@ The tables that used to spell each option out are derived from the records, wher
 * ``training/resume_policy.POLICY`` (``resume``, ``why``, ``effective``);
 * the flags-to-layer-config translation ``models/moe_layers.moe_layer_config`` (``field``, ``to_field``),
   which also names a conflict ``MoELayerConfig`` finds by its flags (``FLAG_OF_FIELD``);
+* the value of an option in any config, its default where the config lacks it (``option_value``,
+  ``moe_freq``), read by ``models/`` and, with no callback into them, by ``checkpoint/``;
 * the Hugging Face and nllb-branch names (``HF_NAMES``, ``BRANCH_NAMES``: ``checkpoint/hf_config.py``,
   ``checkpoint/branch_options.py``).
 
 Torch only and fairseq-free (tier 1 in tests/core/test_package_tiers.py: above ``moe/``, whose
 constants the records name, below ``checkpoint/``). A new option is one record in ``model.py``,
-``run.py`` or ``criterion.py``; tests/fairseq/test_option_records.py checks it reaches every table.
+``run.py``, ``criterion.py`` or ``inference.py`` (the inference CLIs' flags, which the plugin adds to
+their parsers); tests/fairseq/test_option_records.py checks it reaches every table.
 """
 
 from typing import Dict
 
+from ..common.config_value import config_value
+from ..moe.placement import side_moe_freq
 from .criterion import CRITERION_OPTIONS
+from .inference import INFERENCE_OPTIONS  # noqa: F401  (re-exported)
 from .model import MODEL_OPTIONS as _MODEL, TRANSLATION_OPTIONS
-from .record import CRITERION, EVERY_ARCH, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
+from .record import CRITERION, EVERY_ARCH, INFERENCE, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
 from .run import RUN_OPTIONS
 
 # Every architecture's options in the order argparse and docs/options.md list them, then the
 # translation architectures' own.
 ARCH_OPTIONS = _MODEL + RUN_OPTIONS
 MODEL_OPTIONS = ARCH_OPTIONS + TRANSLATION_OPTIONS
-OPTIONS: Dict[str, Option] = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS}
+OPTIONS: Dict[str, Option] = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS + INFERENCE_OPTIONS}
 
 # The layer-config field each option sets ("routing.k"), and back: the flag a layer config's field is
 # named by in a message.
@@ -42,9 +48,20 @@ def default(name: str):
     return OPTIONS[name].default
 
 
+def option_value(cfg, name: str):
+    """``cfg``'s value of option ``name`` (any config: Namespace, omegaconf, dict), or its default."""
+    return config_value(cfg, name, default(name))
+
+
+def moe_freq(cfg, side: str) -> int:
+    """The MoE layer frequency of ``side`` ("encoder" or "decoder"): --{side}-moe-freq, else --moe-freq,
+    their defaults where ``cfg`` lacks them. Models, upcycling and the resume check all read it here."""
+    return side_moe_freq(option_value(cfg, "moe_freq"), option_value(cfg, f"{side}_moe_freq"))
+
+
 def record_problems():
     """One line per incomplete record or name declared twice (empty: every record is whole)."""
     found = [line for o in OPTIONS.values() for line in o.problems()]
-    if len(OPTIONS) != len(MODEL_OPTIONS) + len(CRITERION_OPTIONS):
+    if len(OPTIONS) != len(MODEL_OPTIONS) + len(CRITERION_OPTIONS) + len(INFERENCE_OPTIONS):
         found.append("an option name is declared by two records")
     return found

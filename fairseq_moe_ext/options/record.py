@@ -25,9 +25,12 @@ CHANGES_PARAMETERS = "changes the parameters"
 RESUME_KINDS = (MAY_CHANGE, CHANGES_FUNCTION, CHANGES_PARAMETERS)
 TRAINING_ONLY = "steers training only, not what the weights compute"
 
-# Where an option is declared: every MoE architecture, the translation ones only, or the criterions;
-# the first two live in a checkpoint's cfg "model" section, the last in its "criterion" section.
+# Where an option is declared: every MoE architecture, the translation ones only, the criterions, or
+# the inference CLIs; the first two live in a checkpoint's cfg "model" section, the criterions' in its
+# "criterion" section, and the inference CLIs' flags in none (no checkpoint saves them).
 EVERY_ARCH, TRANSLATION, CRITERION = "every architecture", "translation architectures", "criterions"
+INFERENCE = "inference CLIs"
+WHERE = (EVERY_ARCH, TRANSLATION, CRITERION, INFERENCE)
 
 
 # fmt: off
@@ -81,6 +84,12 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def value_type(self):
+        """The type of a value given on the command line: ``int`` for ``Optional[int]``."""
+        given = [kind for kind in getattr(self.type, "__args__", ()) if kind is not type(None)]
+        return given[0] if given else self.type
+
+    @property
     def section(self) -> str:
         """Where a checkpoint's cfg holds it: "model" or "criterion"."""
         return "criterion" if self.where == CRITERION else "model"
@@ -92,13 +101,13 @@ class Option:
             found.append(f"{self.name}: every record says what it does (help) and why it may change or not (why)")
         if self.resume not in RESUME_KINDS:
             found.append(f"{self.name}: resume must be one of {RESUME_KINDS}, not {self.resume!r}")
-        if self.where not in (EVERY_ARCH, TRANSLATION, CRITERION):
-            found.append(f"{self.name}: where must be EVERY_ARCH, TRANSLATION or CRITERION, not {self.where!r}")
+        if self.where not in WHERE:
+            found.append(f"{self.name}: where must be one of {WHERE}, not {self.where!r}")
         if self.choices and self.default not in self.choices:
             found.append(f"{self.name}: the default {self.default!r} is not one of its choices {self.choices}")
         if self.to_field is not None and self.field is None:
             found.append(f"{self.name}: to_field without the field it converts to")
-        if self.where == CRITERION and (self.field or self.hf or self.branch):
-            found.append(f"{self.name}: a criterion option sets no layer field and has no checkpoint name")
+        if self.where in (CRITERION, INFERENCE) and (self.field or self.hf or self.branch):
+            found.append(f"{self.name}: a criterion or inference option sets no layer field and has no checkpoint name")
         return found
 # fmt: on

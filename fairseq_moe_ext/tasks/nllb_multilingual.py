@@ -15,7 +15,7 @@ from fairseq.data.multilingual.multilingual_data_manager import MultilingualData
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 
 # The nllb branch's DATA_SOURCE_PREFIX_TAGS, in its order (a dict: insertion order is the order added).
 DATA_SOURCE_PREFIX_TAGS = ("<MINED_DATA>", "<MMT_BT_DATA>", "<SMT_BT_DATA>")

@@ -8,7 +8,7 @@ and world size, the seed and save dir (the same cfg everywhere), and the launch'
 
 import os
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..checkpoint.set_id import LAUNCH_ENVIRONMENT, derive_set_id
 
 

@@ -21,11 +21,10 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
-from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_freq, moe_option
+from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_option
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
-from ..moe.placement import is_moe_layer
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
 
 logger = logging.getLogger(__name__)
@@ -90,12 +89,6 @@ def upcycled_cfg(dense_cfg, path: str, moe_flags: dict):
     return cfg
 
 
-def moe_layer_test(model_cfg):
-    """(side, index) -> is that layer MoE, by the models' own reading of the frequency flags."""
-    args = model_cfg if isinstance(model_cfg, argparse.Namespace) else argparse.Namespace(**dict(model_cfg))
-    return lambda side, index: is_moe_layer(index, moe_freq(args, side))
-
-
 def upcycled_checkpoint(path: str, moe_flags: dict, noise: float, router_std: float, seed: int) -> dict:
     """The whole upcycled checkpoint (every expert, update 0) of the dense checkpoint ``path``."""
     dense = moe_ckpt.safe_load(dense_file(path))
@@ -104,7 +97,7 @@ def upcycled_checkpoint(path: str, moe_flags: dict, noise: float, router_std: fl
     )
     dense = check_upcyclable(dense, path, options)  # before the config: an MoE or non-FFN one is refused first
     cfg = upcycled_cfg(dense.get("cfg"), path, moe_flags)
-    return upcycle_state(dense, path, options, moe_layer_test(cfg["model"]), cfg)
+    return upcycle_state(dense, path, options, cfg["model"], cfg)
 
 
 def dense_file(path: str) -> str:
@@ -157,10 +150,10 @@ def load_upcycled(trainer, path: str) -> None:
     dense_model_cfg = config_value(dense.get("cfg"), "model")
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
         moe_architecture_of(dense_model_cfg, path)
-    full = upcycle_state(dense, path, options, moe_layer_test(model_cfg), dense.get("cfg"))
+    full = upcycle_state(dense, path, options, model_cfg, dense.get("cfg"))
     layout = moe_dist.model_layout(trainer._model)
     share = moe_ckpt.shard_state(full, layout.ep_rank, layout.parallel_size)
-    check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg, moe_freq)
+    check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg)
     trainer.model.load_state_dict(share["model"], strict=True, model_cfg=model_cfg)
     logger.info(
         f"upcycled the dense checkpoint {path}: {len(share['moe']['expert_keys']) // 4} MoE layer(s) of "

@@ -1,4 +1,4 @@
-"""One reader for configuration values (``checkpoint/config_value.py``): the same answer from every
+"""One reader for configuration values (``common/config_value.py``): the same answer from every
 kind of config the plugin is handed, and no second reader in the package."""
 
 import argparse
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import fairseq_moe_ext
-from fairseq_moe_ext.checkpoint.config_value import config_value
+from fairseq_moe_ext.common.config_value import config_value
 
 omegaconf = pytest.importorskip("omegaconf")
 
@@ -73,6 +73,6 @@ def test_no_module_of_the_package_reads_a_config_value_by_a_second_reader():
     found = []
     for path in sorted(root.rglob("*.py")):
         relative = str(path.relative_to(root.parent))
-        if relative != "fairseq_moe_ext/checkpoint/config_value.py":
+        if relative != "fairseq_moe_ext/common/config_value.py":
             found.extend(second_readers(path, relative))
-    assert not found, "read config values with checkpoint.config_value.config_value:\n" + "\n".join(found)
+    assert not found, "read config values with common.config_value.config_value:\n" + "\n".join(found)

@@ -18,6 +18,7 @@ ROOT = Path(fairseq_moe_ext.PACKAGE_DIR)
 # Lowest first: a module may import its own tier and the ones below.
 # fmt: off
 TIERS = (
+    ("common",),
     ("moe",),
     ("options", "option_ranges"),
     ("checkpoint",),
@@ -30,7 +31,7 @@ TIERS = (
 # fmt: on
 TIER_OF = {part: level for level, parts in enumerate(TIERS) for part in parts}
 # The tiers that must import and run where fairseq (and what comes with it) is not installed.
-WITHOUT_FAIRSEQ = ("moe", "options", "option_ranges", "checkpoint")
+WITHOUT_FAIRSEQ = ("common", "moe", "options", "option_ranges", "checkpoint")
 FAIRSEQ_ONLY = ("fairseq", "fairseq_cli", "omegaconf", "hydra")
 # (importing module, imported module) pairs allowed to reach up, and only from inside a function: the
 # checkpoint tool's ``upcycle`` subcommand, imported in its main() so importing checkpoint/ never loads
@@ -114,17 +115,22 @@ def test_an_upward_import_is_reported_with_its_file_line_and_the_module_it_reach
     fake = tmp_path / PACKAGE
     (fake / "moe").mkdir(parents=True)
     (fake / "checkpoint").mkdir()
+    (fake / "common").mkdir()
     (fake / "__init__.py").write_text("")
+    (fake / "common" / "__init__.py").write_text("")
+    (fake / "common" / "config_value.py").write_text("from ..moe.placement import side_moe_freq\n")
     (fake / "moe" / "__init__.py").write_text("")
     (fake / "checkpoint" / "__init__.py").write_text("")
     (fake / "moe" / "layer.py").write_text("import torch\n\nfrom ..checkpoint import names\n")
     (fake / "checkpoint" / "names.py").write_text("def f():\n    import fairseq\n")
     (fake / "checkpoint" / "__main__.py").write_text("from ..training.upcycle_cli import upcycle\n")
     assert tier_violations(fake) == [
-        "fairseq_moe_ext/checkpoint/__main__.py:1 imports fairseq_moe_ext.training.upcycle_cli (tier 5) from tier 2: "
+        "fairseq_moe_ext/checkpoint/__main__.py:1 imports fairseq_moe_ext.training.upcycle_cli (tier 6) from tier 3: "
         "an upward import; move the code it needs down, or the importer up",
         "fairseq_moe_ext/checkpoint/names.py:2 imports fairseq: checkpoint/ must work without fairseq",
-        "fairseq_moe_ext/moe/layer.py:3 imports fairseq_moe_ext.checkpoint.names (tier 2) from tier 0: an upward "
+        "fairseq_moe_ext/common/config_value.py:1 imports fairseq_moe_ext.moe.placement (tier 1) from tier 0: an "
+        "upward import; move the code it needs down, or the importer up",
+        "fairseq_moe_ext/moe/layer.py:3 imports fairseq_moe_ext.checkpoint.names (tier 3) from tier 1: an upward "
         "import; move the code it needs down, or the importer up",
     ]
 

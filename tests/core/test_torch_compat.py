@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fairseq_moe_ext.common.torch_compat import ignore_in_ddp
 from fairseq_moe_ext.moe import BatchedExperts, torch_compat
 from fairseq_moe_ext.moe.cache import inside_backward
 from fairseq_moe_ext.moe.grouped_mm import check_expert_matmul, grouped_mm_applies
@@ -89,7 +90,7 @@ def test_without_ddps_private_setter_experts_are_marked_ignored_exactly_as_torch
     def marks():
         model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         names = ["0.weight", "1.running_mean"]
-        torch_compat.ignore_in_ddp(model, names)
+        ignore_in_ddp(model, names)
         tensors = dict(model.named_parameters(), **dict(model.named_buffers()))
         return model._ddp_params_and_buffers_to_ignore, {
             n: getattr(t, "_ddp_ignored", False) for n, t in tensors.items()

@@ -6,7 +6,6 @@ record is whole, reaches every table it should, and no table names an option tha
 import argparse
 import dataclasses
 import inspect
-import typing
 
 import pytest
 from fairseq.dataclass.utils import gen_parser_from_dataclass
@@ -18,6 +17,7 @@ from fairseq_moe_ext.criterions.moe_criterions import (
     MoELabelSmoothedCrossEntropyCriterion,
     MoELossConfig,
 )
+from fairseq_moe_ext.fairseq_integration.inference import add_inference_experts_flag
 from fairseq_moe_ext.fairseq_integration.reference_docs import options_markdown
 from fairseq_moe_ext.models.moe_config import (
     MOE_OPTIONS,
@@ -35,6 +35,7 @@ from fairseq_moe_ext.options import (
     BRANCH_NAMES,
     CRITERION_OPTIONS,
     HF_NAMES,
+    INFERENCE_OPTIONS,
     MODEL_OPTIONS,
     OPTIONS,
     TRANSLATION,
@@ -60,8 +61,8 @@ def changed(record: Option):
     """A value other than the default that the layer config takes alone."""
     if record.choices:
         return next(choice for choice in reversed(record.choices) if choice != record.default)
-    wanted = typing.get_args(record.type)[0] if typing.get_origin(record.type) is typing.Union else record.type
-    return {bool: True, int: 16 if record.default is None else record.default + 1, float: 0.5, str: "x"}[wanted]
+    value = {bool: True, int: 16 if record.default is None else record.default + 1, float: 0.5, str: "x"}
+    return value[record.value_type]
 
 
 def defaults(**changes) -> argparse.Namespace:
@@ -70,7 +71,7 @@ def defaults(**changes) -> argparse.Namespace:
 
 def test_every_record_is_whole_and_an_incomplete_one_is_named_with_what_it_lacks():
     assert record_problems() == []
-    assert [o.name for o in MODEL_OPTIONS + CRITERION_OPTIONS] == list(OPTIONS)
+    assert [o.name for o in MODEL_OPTIONS + CRITERION_OPTIONS + INFERENCE_OPTIONS] == list(OPTIONS)
     whole = OPTIONS["moe_top_k"]
     assert dataclasses.replace(whole, help=" ").problems() == [
         "moe_top_k: every record says what it does (help) and why it may change or not (why)"
@@ -94,7 +95,9 @@ def test_the_fairseq_dataclasses_and_argparse_hold_each_record_s_type_default_an
     parser = argparse.ArgumentParser()
     gen_parser_from_dataclass(parser, MoEEncoderDecoderConfig())
     gen_parser_from_dataclass(parser, MoELossConfig())
+    add_inference_experts_flag(parser)  # the inference CLIs' flags, added to their parsers
     actions = {a.dest: a for a in parser._actions}
+    assert {name for name in actions if "moe" in name} == set(OPTIONS)
     for o in OPTIONS.values():
         action = actions[o.name]
         assert (action.option_strings, action.default, action.help) == ([o.flag], o.default, o.help), o.name
@@ -107,8 +110,9 @@ def test_each_range_resume_rule_and_launch_only_flag_is_its_record_s_and_nothing
     assert MODEL_RANGES == {o.name: o.range for o in MODEL_OPTIONS if o.range}
     assert CRITERION_RANGES == {o.name: o.range for o in CRITERION_OPTIONS if o.range}
     assert all(spec.flag == OPTIONS[name].flag for name, spec in {**MODEL_RANGES, **CRITERION_RANGES}.items())
-    assert set(POLICY) == set(OPTIONS) | FAIRSEQ_OPTIONS_IN_POLICY
-    for name, o in OPTIONS.items():
+    saved = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS}  # the inference CLIs' flags are never saved
+    assert set(POLICY) == set(saved) | FAIRSEQ_OPTIONS_IN_POLICY
+    for name, o in saved.items():
         rule = POLICY[name]
         assert (rule.kind, rule.why, rule.section, rule.effective) == (o.resume, o.why, o.section, o.effective)
     assert POLICY["activation_fn"].kind == CHANGES_FUNCTION

@@ -24,7 +24,7 @@ from fairseq_moe_ext.training.resume_policy import (
     check_resume_policy,
 )
 from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
-from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default, moe_freq
+from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 PATH = "ck/checkpoint_last.pt"
@@ -184,7 +184,7 @@ def test_an_option_giving_the_model_other_parameters_is_refused_even_if_overridd
     model, cfg = build(data, *flags, "--moe-allow-function-change")
     state = {"model": saved_model.state_dict(), "cfg": {"model": saved_cfg.model}}
     with pytest.raises(ValueError) as refused:
-        check_resumable(PATH, state, model, 1, cfg.model, moe_freq)
+        check_resumable(PATH, state, model, 1, cfg.model)
     line = str(refused.value)
     assert "\n" not in line and line.startswith(PATH) and names in line, line
     assert line.endswith(", or use a new --save-dir"), line

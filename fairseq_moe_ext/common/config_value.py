@@ -1,7 +1,7 @@
 """The one reader of configuration values, for every kind of config the plugin is handed: an
 argparse Namespace (fairseq's args, old checkpoints' ``args``), an omegaconf section (fairseq's cfg,
 the models' dataclass config), a plain dict (a checkpoint's saved ``cfg``), or None (a checkpoint
-without that section). Here, the lowest tier that reads configs: the checkpoint tools read saved
+without that section). In the bottom tier, ``common/``: the checkpoint tools read saved
 ones without fairseq; ``models/``, ``training/`` and the fairseq hooks read the live ones through it.
 """
 
