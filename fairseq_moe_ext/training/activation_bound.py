@@ -101,14 +101,15 @@ def batch_shape(cfg, model) -> (int, int):
     max_tokens = config_value(cfg.dataset, "max_tokens")
     batch_size = config_value(cfg.dataset, "batch_size")
     limits = [config_value(cfg.task, name) for name in ("max_source_positions", "max_target_positions")]
-    limits = [int(v) for v in limits if v] or [int(model.max_positions()[0] if isinstance(model.max_positions(), tuple) else model.max_positions())]  # fmt: skip
-    length = min(limits)
+    length = min(int(v) for v in limits if v) if any(limits) else 1024
     if max_tokens:
         length = min(length, int(max_tokens))
         return max(1, int(max_tokens) // length), length
     if batch_size:
         return int(batch_size), length
-    raise ValueError("plan needs --max-tokens (or --batch-size) to bound the activations: give the one you will train with")
+    raise ValueError(
+        "plan needs --max-tokens (or --batch-size) to bound the activations: give the one you will train with"
+    )
 
 
 def saved_bytes(cfg, model, precision: Precision, rows_for) -> Dict[str, int]:
@@ -131,7 +132,8 @@ def saved_bytes(cfg, model, precision: Precision, rows_for) -> Dict[str, int]:
 
     tokens = torch.full((sentences, length), 4, dtype=torch.long, device="meta")
     lengths = torch.full((sentences,), length, dtype=torch.long, device="meta")
-    with _DataDependentAnswers(), _moe_standins(model, rows_for), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # fmt: skip
+    saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with _DataDependentAnswers(), _moe_standins(model, rows_for), saving:
         if getattr(model, "encoder", None) is not None and hasattr(model, "decoder"):
             out = model(tokens, lengths, tokens)
         else:

@@ -41,7 +41,7 @@ def split_argv(argv: List[str]):
         raise PlanError(f"--world-size must be at least 1, got {own.world_size}: give the number of GPUs")
     if own.dictionary_size is not None and own.dictionary_size < 5:
         raise PlanError(f"--dictionary-size must be at least 5 (4 special symbols), got {own.dictionary_size}")
-    memory = None if own.device_memory is None else mp.parse_size(own.device_memory)
+    memory = [] if own.device_memory is None else [mp.parse_size(m) for m in own.device_memory.split(",") if m]
     asked, kept, skip = {}, [], False
     for i, arg in enumerate(rest):
         if skip:
@@ -79,8 +79,8 @@ def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
     data = None
     if dictionary_size is not None:
         data = _fake_data_dir(dictionary_size, argv)
-        positional = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
-        argv = [data, *argv] if positional is None else [*argv[:positional], data, *argv[positional + 1 :]]
+        # fairseq-train's data directory comes first (DATA --task ...): replaced, or added when absent.
+        argv = [data, *argv[1:]] if argv and not argv[0].startswith("-") else [data, *argv]
     try:
         try:
             args = options.parse_args_and_arch(options.get_training_parser(), argv)
@@ -176,7 +176,7 @@ def plan_rows(shapes, units, precision, optimizer, options, world, refused, acti
             note = "experts sharded over replicas: issue 43 item 2, not on this build"
         rows.append(dict(layout=layout, shared=held["shared"], expert=held["expert"], buffers=held["buffers"],
                          gathered=gathered, activations=act, total=total,
-                         fits=None if memory is None else total <= memory, note=note))  # fmt: skip
+                         fits=[total <= m for m in memory], note=note))  # fmt: skip
     return rows
 
 
@@ -192,7 +192,7 @@ def format_rows(rows, header: List[str]) -> str:
     for r in rows:
         lay, s, e = r["layout"], r["shared"], r["expert"]
         pgo = lambda h: f"{size(h.params)}/{size(h.grads)}/{size(h.optimizer)}"
-        fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
+        fits = "/".join("yes" if f else "no" for f in r["fits"]) or "-"
         if r["note"]:
             if r["note"] not in notes:
                 notes.append(r["note"])
@@ -223,7 +223,7 @@ def main(argv: List[str]) -> int:
     from ..fully_sharded import refused_options
     from .activation_bound import activation_bytes
 
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    logging.disable(logging.INFO)  # fairseq's and hydra's start-up notes: the table is the output
     warnings.filterwarnings("ignore")  # hydra's and torch's deprecation notes: the table is the output
     try:
         own, memory, asked, fairseq_argv = split_argv(argv)
@@ -242,14 +242,14 @@ def main(argv: List[str]) -> int:
             shapes, unit_numels(model), precision, optimizer, options, own.world_size, refused, activation, memory
         )
     except (PlanError, ValueError) as error:
-        print(f"plan: {error}", file=sys.stderr)
+        print(f"plan: error: {error}", file=sys.stderr)
         return 2
     experts = sum(math.prod(s) for s in shapes.experts)
     shared = sum(math.prod(s) for s in shapes.shared)
     header = [
         f"model: {shared + experts:,} parameters ({shared:,} shared, {experts:,} in {shapes.num_experts} experts "
         f"per MoE layer); {precision.flag}, --optimizer {optimizer}; W = {own.world_size}"
-        + (f"; device memory {mp.gib(memory)} GiB" if memory else ""),
+        + (f"; fits: {own.device_memory} ({', '.join(mp.gib(m) for m in memory)} GiB)" if memory else ""),
         f"worker 0 (the largest slices); activations: {activation.describe}",
     ]
     if asked:
