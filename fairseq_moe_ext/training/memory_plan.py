@@ -180,6 +180,15 @@ def gathered_unit_bytes(unit_numels: Sequence[int], layout: Layout, precision: P
     return dtype * (root + sum(layers[:2]))
 
 
+def gathered_expert_bytes(layer_numel: int, layout: Layout, precision: Precision) -> int:
+    """Experts sharded over their replica group: one MoE layer's E/P experts gathered whole (and the
+    next one prefetched) in the compute dtype; ``layer_numel``: one MoE layer's parameters, all E experts."""
+    if not layout.experts_sharded:
+        return 0
+    dtype = FP32 if precision.name in ("fp32", "amp") else 2
+    return 2 * dtype * (layer_numel // layout.parallel_size)
+
+
 def parse_size(text: str) -> int:
     """'80GiB', '80GB', '141G', '512MiB', '1073741824' -> bytes (GB = 10**9, GiB = 2**30)."""
     units = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}

@@ -120,15 +120,19 @@ def model_shapes(model) -> mp.ModelShapes:
     return mp.ModelShapes(tuple(shared), tuple(experts), counts.pop())
 
 
-def unit_numels(model) -> List[int]:
-    """fully_sharded's units: the root's shared numel first, then each layer's (fully_sharded.wrap_units)."""
+def unit_numels(model):
+    """fully_sharded's units: the root's shared numel first, then each layer's (fully_sharded.wrap_units);
+    and the largest MoE layer's expert numel."""
     from ..fully_sharded import wrap_units
     from ..moe.experts import is_expert
+    from ..moe.layer import MoELayer
 
     units = wrap_units(model)
     in_units = {id(p) for u in units for p in u.parameters()}
     root = sum(p.numel() for p in model.parameters() if not is_expert(p) and id(p) not in in_units)
-    return [root, *(sum(p.numel() for p in u.parameters() if not is_expert(p)) for u in units)]
+    units = [root, *(sum(p.numel() for p in u.parameters() if not is_expert(p)) for u in units)]
+    experts = [sum(p.numel() for p in m.experts.parameters()) for m in model.modules() if isinstance(m, MoELayer)]
+    return units, max(experts, default=0)
 
 
 def optimizer_of(cfg) -> (str, Dict):
@@ -162,11 +166,13 @@ def worker_bytes(shapes, layout, precision, optimizer, options, rank=0) -> dict:
 
 def plan_rows(shapes, units, precision, optimizer, options, world, refused, activation, memory) -> List[dict]:
     """One dict per layout: the bytes of worker 0 (the largest slices: torch.chunk gives the first
-    ranks ceil(rows / W))."""
+    ranks ceil(rows / W)). ``units``: (fully_sharded's unit numels, one MoE layer's expert numel)."""
+    units, expert_layer = units
     rows = []
     for layout in mp.layouts(world, shapes.num_experts):
         held = worker_bytes(shapes, layout, precision, optimizer, options)
         gathered = mp.gathered_unit_bytes(units, layout, precision)
+        gathered += mp.gathered_expert_bytes(expert_layer, layout, precision)
         act = activation(layout)
         total = held["shared"].total + held["expert"].total + held["buffers"] + gathered + act
         note = ""

@@ -124,3 +124,24 @@ def test_plan_predicts_the_bytes_each_worker_holds_after_a_training_step(counted
             assert got == {kind: getattr(held, kind) for kind in KINDS}, f"rank {rank}, {side}"
             assert got["params"] > 0 and (got["optimizer"] > 0) == (optimizer != ["--optimizer", "sgd"])
         assert count["buffers"] == want["buffers"], f"rank {rank}: legacy_ddp's all-reduce buffer"
+
+
+def test_plan_prints_every_backend_and_parallel_size_and_whether_each_fits(tmp_path, capsys):
+    """W = 4, E = 4: P in {1, 2, 4}; legacy_ddp and fully_sharded for each, experts sharded where W > P.
+    Dropless routing bounds a worker's expert rows by every slot of its P-worker group, so the
+    activation bound grows with P."""
+    from fairseq_moe_ext.training.plan_cli import main
+
+    argv = argv_of(str(tmp_path / "absent"), ["--max-tokens", "64", *ADAM])
+    assert main([*argv, "--dictionary-size", "30", "--world-size", "4", "--device-memory", "1MB,10GiB"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in table if line.startswith(("legacy_ddp", "fully_sharded"))]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (backend, p, experts)
+        for p in ("1", "2", "4")
+        for backend, experts in (("legacy_ddp", "whole"), ("fully_sharded", "whole"), ("fully_sharded", "sharded"))
+        if not (p == "4" and experts == "sharded")
+    ]
+    assert all(r[9] == "no/yes" for r in rows), table
+    activations = {r[1]: float(r[7]) for r in rows if r[0] == "legacy_ddp"}
+    assert activations["1"] < activations["2"] < activations["4"], table
