@@ -175,11 +175,11 @@ def plan_rows(shapes, units, precision, optimizer, options, world, refused, acti
         gathered += mp.gathered_expert_bytes(expert_layer, layout, precision)
         act = activation(layout)
         total = held["shared"].total + held["expert"].total + held["buffers"] + gathered + act
-        note = ""
+        note = []
         if layout.backend == "fully_sharded" and refused:
-            note = f"refused on this build: {refused}"
-        elif layout.experts_sharded:
-            note = "experts sharded over replicas: issue 43 item 2, not on this build"
+            note.append(f"refused on this build: {refused}")
+        if layout.experts_sharded:
+            note.append("experts sharded over their replica group: not on this build (issue 43, item 2)")
         rows.append(dict(layout=layout, shared=held["shared"], expert=held["expert"], buffers=held["buffers"],
                          gathered=gathered, activations=act, total=total,
                          fits=[total <= m for m in memory], note=note))  # fmt: skip
@@ -199,10 +199,11 @@ def format_rows(rows, header: List[str]) -> str:
         lay, s, e = r["layout"], r["shared"], r["expert"]
         pgo = lambda h: f"{size(h.params)}/{size(h.grads)}/{size(h.optimizer)}"
         fits = "/".join("yes" if f else "no" for f in r["fits"]) or "-"
+        for note in r["note"]:
+            if note not in notes:
+                notes.append(note)
         if r["note"]:
-            if r["note"] not in notes:
-                notes.append(r["note"])
-            fits += " " + "*" * (notes.index(r["note"]) + 1)
+            fits += " " + ",".join("*" * (notes.index(note) + 1) for note in r["note"])
         lines.append(
             f"{lay.backend:<14}{lay.parallel_size:>4} {'sharded' if lay.experts_sharded else 'whole':<8}"
             f"{pgo(e):>22}{pgo(s):>22}{size(s.master + e.master):>9}{size(r['buffers'] + r['gathered']):>9}"
