@@ -3,7 +3,8 @@ the ``meta`` device (shapes only) by running the model's forward and the loss on
 and adding the bytes of every tensor autograd saves (each storage once, parameters left out).
 
 The batch: sentences as long as the model takes (``--max-source-positions``/``--max-target-positions``,
-at most ``--max-tokens``), as many as ``--max-tokens`` allows (``--batch-size`` sentences when no
+``--tokens-per-sample`` for a language model, at most ``--max-tokens``), as many as ``--max-tokens``
+allows (``--batch-size`` sentences when no
 ``--max-tokens`` is given), on both sides; padding is assumed present (the masked path).
 
 The MoE layers run a stand-in with the real layer's saved tensors for the worst case a worker can
@@ -100,7 +101,8 @@ def batch_shape(cfg, model) -> (int, int):
     """(sentences, tokens per sentence) of the worst-case batch of one worker."""
     max_tokens = config_value(cfg.dataset, "max_tokens")
     batch_size = config_value(cfg.dataset, "batch_size")
-    limits = [config_value(cfg.task, name) for name in ("max_source_positions", "max_target_positions")]
+    names = ("max_source_positions", "max_target_positions", "tokens_per_sample")  # translation; language models
+    limits = [config_value(cfg.task, name) for name in names]
     length = min(int(v) for v in limits if v) if any(limits) else 1024
     if max_tokens:
         length = min(length, int(max_tokens))
