@@ -76,6 +76,8 @@ def refusal(backend, precision):
 def counting_worker(rank, world, data_dir, cases):
     from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 
+    from fairseq_moe_ext import fully_sharded
+
     results = []
     for flags in cases:
         task, trainer = build_trainer(argv_of(data_dir, flags))
@@ -87,6 +89,7 @@ def counting_worker(rank, world, data_dir, cases):
         buffer = legacy[0].buffer if legacy else None
         counted["buffers"] = 0 if buffer is None else buffer.numel() * buffer.element_size()
         counted["steps"] = trainer.get_num_updates()
+        counted["held"] = fully_sharded.held_bytes(trainer.get_model(), trainer.optimizer.optimizer)
         results.append(counted)
     return results
 
@@ -124,6 +127,10 @@ def test_plan_predicts_the_bytes_each_worker_holds_after_a_training_step(counted
             assert got == {kind: getattr(held, kind) for kind in KINDS}, f"rank {rank}, {side}"
             assert got["params"] > 0 and (got["optimizer"] > 0) == (optimizer != ["--optimizer", "sgd"])
         assert count["buffers"] == want["buffers"], f"rank {rank}: legacy_ddp's all-reduce buffer"
+        if not PRECISIONS[precision]:  # fp32: fully_sharded.held_bytes counts the same tensors
+            kinds = [f"{side}_{kind}" for side in ("shared", "expert") for kind in ("params", "grads", "optimizer")]
+            counted_here = {key: count[key.split("_")[0]][key.split("_")[1]] for key in kinds}
+            assert counted_here == {key: count["held"][key] for key in kinds}, f"rank {rank}"
 
 
 def test_plan_prints_every_backend_and_parallel_size_and_whether_each_fits(tmp_path, capsys):
