@@ -1,6 +1,6 @@
 """Bad input, round three: numeric options outside what holds them, resumes that would change what the
-saved weights compute, --moe-upcycle-from given a set or skipped for a checkpoint it cannot load, and
-a tool's output under a regular file. The same table-driven runner as tests/cli/test_bad_input.py (each
+saved weights compute, --moe-upcycle-from given a set or skipped for a checkpoint it cannot load,
+a tool's output under a regular file, and ``python -m fairseq_moe_ext plan``'s own flags. The same table-driven runner as tests/cli/test_bad_input.py (each
 case through the real command line: a non-zero exit, one last line naming the problem and the fix,
 no file changed or added); a full disk is tests/cli/test_disk_full.py (it needs a filesystem mounted to
 fill up). The resume policy's every row, in process: tests/fairseq/test_resume_policy.py; every numeric
