@@ -3,13 +3,17 @@
 # environment and plugin import; the MoE layer against an fp64 CPU reference, the precision matrix,
 # grouped GEMM against the loop, a bitwise repeat; a one-rank NCCL group and two ranks sharing the
 # GPU over cuda:gloo (emulation); the layer benchmark; fairseq on one GPU in fp32, --fp16, --bf16,
-# --amp and a combined bf16 run; two fairseq ranks over cuda:gloo, generation, determinism.
+# --amp and a combined bf16 run, determinism, and beside them two-rank cuda:gloo runs (legacy_ddp,
+# c10d, fully_sharded --bf16) and generation from the first.
 # One line per result is appended to $OUT/summary.txt as it comes (PASS/FAIL/SKIP/INFO name: figures);
 # once ONESHOT_DEADLINE_S (default 510) seconds have passed since the start, what is left says
 # SKIP (deadline). $OUT gets summary.txt, figures.json and logs.tar.gz (no .pt files). Exit 1 if a
 # line is FAIL, 2 when python3 or torch is missing (the summary says which).
 # Wheels in .whl/ (ONESHOT_WHEELS; benchmarks/device/prepare_wheels.sh) are installed first with
-# --no-index --no-deps --target. Without CUDA (and not a dry run) only the environment step runs.
+# --no-index --no-deps --target, stopped after ONESHOT_WHEELS_TIMEOUT_S (default 120). Without CUDA
+# (and not a dry run) only the environment step runs. Every line ends with [card: name, memory].
+# figures.json and logs.tar.gz are rewritten after every check (a run cut off still brings them back);
+# the fairseq check keeps 200 s that no earlier check may take.
 # ONESHOT_DRY_RUN=1: the same checks on CPU with tiny sizes, under this machine's Python narrowed to
 # the GPU machine's packages (benchmarks/device/device_site); CUDA-only parts say SKIP (cuda).
 # ONESHOT_TIME_SCALE=F (dry run only, default 1): every limit and the deadline times F, for a CPU shared
@@ -28,12 +32,22 @@ ROOT=$PWD
 export ONESHOT_STARTED=$(date +%s)
 DRY_RUN=${ONESHOT_DRY_RUN:-0}
 WHEELS=${ONESHOT_WHEELS:-.whl}
+WHEELS_TIMEOUT=${ONESHOT_WHEELS_TIMEOUT_S:-120}
 OUT=${OUT:-$ROOT/work-dirs/oneshot-out}
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
 export ONESHOT_WORK=${ONESHOT_WORK:-$(mktemp -d -t oneshot.XXXXXX)}
 mkdir -p "$ONESHOT_WORK/logs"
-say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+# Every line names the card it ran on (nvidia-smi's name and memory, asked once with a timeout).
+if [[ "$DRY_RUN" == 1 ]]; then
+    CARD="cpu, dry run"
+elif CARD=$(timeout 20 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1) && [[ -n "$CARD" ]]; then
+    :
+else
+    CARD="no GPU seen by nvidia-smi"
+fi
+export ONESHOT_CARD=$CARD
+say() { echo "$* [card: $CARD]" | tee -a "$OUT/summary.txt"; }
 
 if [[ "$DRY_RUN" == 1 ]]; then
     PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
@@ -64,9 +78,11 @@ if [[ "$DRY_RUN" == 1 ]]; then
     say "SKIP wheels: (dry run) the cp312 set is not installed here; imports are narrowed to the GPU machine's packages and benchmarks/device/wheels.txt"
 elif compgen -G "$WHEELS/*.whl" >/dev/null; then
     started=$SECONDS
-    if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$ONESHOT_WORK/site" \
-            "$WHEELS"/*.whl >"$ONESHOT_WORK/logs/wheels.log" 2>&1; then
+    if timeout "$WHEELS_TIMEOUT" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$ONESHOT_WORK/site" "$WHEELS"/*.whl >"$ONESHOT_WORK/logs/wheels.log" 2>&1; then
         say "PASS wheels: $(ls "$WHEELS"/*.whl | wc -l) wheels installed with --no-index --no-deps --target in $(( SECONDS - started ))s"
+    elif (( SECONDS - started >= WHEELS_TIMEOUT )); then
+        say "FAIL wheels: pip install did not finish in ${WHEELS_TIMEOUT}s (ONESHOT_WHEELS_TIMEOUT_S), stopped: $(tail -n 1 "$ONESHOT_WORK/logs/wheels.log")"
     else
         say "FAIL wheels: pip install --no-index --no-deps failed: $(tail -n 1 "$ONESHOT_WORK/logs/wheels.log")"
     fi

@@ -132,8 +132,8 @@ def shard_model(
         from torch.distributed.fsdp import fully_shard
     except ImportError:
         raise ImportError(
-            f"--ddp-backend fully_sharded needs torch >= 2.6 (torch.distributed.fsdp.fully_shard), "
-            f"found torch {torch.__version__}: upgrade torch or use --ddp-backend legacy_ddp"
+            f"--ddp-backend fully_sharded needs torch >= 2.7 (torch.distributed.fsdp.fully_shard with "
+            f"ignored_params), found torch {torch.__version__}: upgrade torch or use --ddp-backend legacy_ddp"
         ) from None
     group = group if group is not None else dist.group.WORLD
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

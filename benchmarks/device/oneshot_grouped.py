@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """One-shot step 3: the experts' grouped GEMM (``torch._grouped_mm``) against the per-expert loop,
 both in bf16, and both against the loop in fp32, at d=2048, H=8192 with E=8 and E=64, for rows per
-expert cycling 0, 1, 7 (empty experts, a single row, rows that break 16-byte alignment), one hot
+expert cycling 0, 1, 7 (empty experts, a single row, rows that break 16-byte alignment) and 1, 7, 13
+(every expert non-empty, every offset misaligned), one hot
 expert (4096 rows, the rest 16) and a rank that received no rows at all. Passes when the grouped
 path is no further from fp32 than twice the loop's distance (or 2e-2, whichever is larger; relative
 Frobenius error of y, dx and every weight and bias gradient), an expert without rows gets exactly
@@ -44,6 +45,8 @@ def experts_on(dev, d, h, e, matmul):
 def count_patterns(e):
     return {
         "0,1,7": [(0, 1, 7)[i % 3] for i in range(e)],
+        # Every expert non-empty, none a multiple of 8 rows: offsets that break 16-byte alignment everywhere.
+        "1,7,13": [(1, 7, 13)[i % 3] for i in range(e)],
         "hot": [4096 if i == 0 else 16 for i in range(e)],
         "all_empty": [0] * e,
     }

@@ -35,9 +35,10 @@ def left() -> float:
 
 
 def emit(status: str, name: str, text: str = "", **figures) -> bool:
-    """Append ``STATUS name: text`` to the summary (and print it) and the figures as one JSON line.
+    """Append ``STATUS name: text [card: ...]`` to the summary (and print it) and the figures as one JSON
+    line; the card (name and memory, or "cpu, dry run") comes from gpu_oneshot.sh (ONESHOT_CARD).
     Returns whether the status is PASS (or INFO), so callers can count failures."""
-    line = f"{status} {name}: {text}".rstrip(": ")
+    line = f"{f'{status} {name}: {text}'.rstrip(': ')} [card: {os.environ.get('ONESHOT_CARD', '?')}]"
     print(line, flush=True)
     summary = os.environ.get("ONESHOT_SUMMARY")
     if summary:

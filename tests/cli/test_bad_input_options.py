@@ -1,6 +1,6 @@
 """Bad input, round three: numeric options outside what holds them, resumes that would change what the
-saved weights compute, --moe-upcycle-from given a set or skipped for a checkpoint it cannot load, and
-a tool's output under a regular file. The same table-driven runner as tests/cli/test_bad_input.py (each
+saved weights compute, --moe-upcycle-from given a set or skipped for a checkpoint it cannot load,
+a tool's output under a regular file, and ``python -m fairseq_moe_ext plan``'s own flags. The same table-driven runner as tests/cli/test_bad_input.py (each
 case through the real command line: a non-zero exit, one last line naming the problem and the fix,
 no file changed or added); a full disk is tests/cli/test_disk_full.py (it needs a filesystem mounted to
 fill up). The resume policy's every row, in process: tests/fairseq/test_resume_policy.py; every numeric
@@ -12,7 +12,7 @@ import re
 import pytest
 
 from bad_input_makers import fresh_training, resume
-from bad_input_runner import SET, Case, check_case, checkpoint_tool, copy_of, fairseq_train, train_args
+from bad_input_runner import SET, Case, check_case, checkpoint_tool, copy_of, fairseq_train, plan_tool, train_args
 from fairseq_helpers import run_fairseq
 
 pytestmark = pytest.mark.slow
@@ -44,8 +44,26 @@ def merge_under_a_regular_file(inputs, work):
     return ["merge", source / "checkpoint_last.pt", work / "notes.txt" / "checkpoint_last.pt"], [source, work]
 
 
+def planning(*flags):
+    """``python -m fairseq_moe_ext plan`` with fairseq-train's arguments for the tiny model, and ``flags``."""
+
+    def make(inputs, work):
+        return train_args(inputs.data, work / "ck", *flags), [work]
+
+    make.needs_checkpoints = False
+    return make
+
+
 # fmt: off
 CASES = [
+    # -- python -m fairseq_moe_ext plan: its own flags, and what it cannot plan
+    Case("plan-without-a-world-size", plan_tool, planning(), "plan: error",
+         "plan needs --world-size W, the number of GPUs", "e.g. --world-size 8"),
+    Case("plan-with-a-memory-that-is-no-size", plan_tool, planning("--world-size", "2", "--device-memory", "80gigs"),
+         "plan: error", "--device-memory '80gigs' is not a size", "e.g. 80GiB, 80GB or 141GB"),
+    Case("plan-memory-efficient-fp16-with-sgd", plan_tool,
+         planning("--world-size", "2", "--memory-efficient-fp16", "--optimizer", "sgd"), "plan: error",
+         "--memory-efficient-fp16 needs an optimizer that keeps fp32 state", "use --optimizer adam"),
     # -- numeric options outside the range of what holds them (every option: tests/fairseq/test_option_ranges.py)
     Case("bias-update-rate-beyond-fp32", fairseq_train,
          fresh_training("--moe-balance", "bias", "--moe-bias-update-rate", "1e39"), "ValueError",

@@ -9,6 +9,7 @@ import glob
 import hashlib
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import Future
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
-from paths import SUPPORT
+from paths import REPO_ROOT, SUPPORT
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
 BIN = Path(sys.executable).parent
@@ -160,6 +161,20 @@ def two_workers_without_world_size(args):
     return torchrun(
         2, BIN / "fairseq-train", ["--ddp-backend", "legacy_ddp", *args], expect_failure=True, world_size_flag=False
     )
+
+
+def plan_tool(args):
+    """``python -m fairseq_moe_ext plan <args>``, expected to fail; its output, stderr last."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fairseq_moe_ext", "plan", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=str(REPO_ROOT),
+    )
+    if done.returncode == 0:
+        pytest.fail(f"expected plan {' '.join(map(str, args))} to fail:\n{tail(done.stdout)}", pytrace=False)
+    return done.stdout + done.stderr
 
 
 def checkpoint_tool(args):

@@ -1,0 +1,265 @@
+"""``python -m fairseq_moe_ext plan <fairseq-train arguments> --world-size W [--device-memory 80GiB]``:
+what one worker holds, per backend and expert-parallel size, before any GPU is rented.
+
+The model is built from the same arguments as fairseq-train builds it, on the ``meta`` device (shapes
+only: no memory, no weights); ``--dictionary-size N`` builds it with N-entry dictionaries when the
+data directory is not there yet. The bytes come from ``memory_plan.py``, the activation bound from
+``activation_bound.py``. A bad argument is one line, as everywhere in the plugin.
+"""
+
+import argparse
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Dict, List, Optional
+
+from . import memory_plan as mp
+
+PLAN_FLAGS = ("--world-size", "--device-memory", "--dictionary-size")
+# Options plan decides itself (every backend, every P, the world size given): removed from the arguments
+# the model is built with, so that fairseq-train's own checks of them do not refuse a layout plan prints.
+DECIDED_HERE = ("--ddp-backend", "--moe-expert-parallel-size", "--distributed-world-size")
+
+
+class PlanError(ValueError):
+    """A bad argument: printed as one line."""
+
+
+def split_argv(argv: List[str]):
+    parser = argparse.ArgumentParser(prog="python -m fairseq_moe_ext plan", add_help=False)
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--device-memory", default=None)
+    parser.add_argument("--dictionary-size", type=int, default=None)
+    own, rest = parser.parse_known_args(argv)
+    if own.world_size is None:
+        raise PlanError("plan needs --world-size W, the number of GPUs (workers) to plan for, e.g. --world-size 8")
+    if own.world_size < 1:
+        raise PlanError(f"--world-size must be at least 1, got {own.world_size}: give the number of GPUs")
+    if own.dictionary_size is not None and own.dictionary_size < 5:
+        raise PlanError(f"--dictionary-size must be at least 5 (4 special symbols), got {own.dictionary_size}")
+    memory = [] if own.device_memory is None else [mp.parse_size(m) for m in own.device_memory.split(",") if m]
+    asked, kept, skip = {}, [], False
+    for i, arg in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        name, eq, value = arg.partition("=")
+        if name in DECIDED_HERE:
+            if not eq and i + 1 >= len(rest):
+                raise PlanError(f"{name} needs a value")
+            asked[name] = value if eq else rest[i + 1]
+            skip = not eq
+            continue
+        kept.append(arg)
+    return own, memory, asked, kept
+
+
+def _fake_data_dir(size: int, argv: List[str]) -> str:
+    """A directory with dict.txt and dict.<lang>.txt of ``size`` entries (fairseq adds 4 specials)."""
+    folder = tempfile.mkdtemp(prefix="moe-plan-")
+    langs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--source-lang", "-s", "--target-lang", "-t")}
+    for name in ["dict.txt", *(f"dict.{lang}.txt" for lang in langs)]:
+        with open(os.path.join(folder, name), "w") as f:
+            f.writelines(f"plan{i} 1\n" for i in range(size - 4))
+    return folder
+
+
+def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
+    """(cfg, model) as fairseq-train builds them, the model's tensors on the meta device."""
+    import torch
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    if "--user-dir" not in argv:
+        argv = [*argv, "--user-dir", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    data = None
+    if dictionary_size is not None:
+        data = _fake_data_dir(dictionary_size, argv)
+        # fairseq-train's data directory comes first (DATA --task ...): replaced, or added when absent.
+        argv = [data, *argv[1:]] if argv and not argv[0].startswith("-") else [data, *argv]
+    try:
+        try:
+            args = options.parse_args_and_arch(options.get_training_parser(), argv)
+        except SystemExit as exit:
+            raise PlanError(
+                "fairseq-train refused these arguments (its message is above): plan takes fairseq-train's "
+                "arguments plus --world-size W"
+            ) from exit
+        if getattr(args, "arch", None) is None or not str(args.arch).startswith("moe_"):
+            raise PlanError(f"--arch {getattr(args, 'arch', None)} is not an MoE architecture of this plugin")
+        cfg = convert_namespace_to_omegaconf(args)
+        try:
+            task = tasks.setup_task(cfg.task)
+        except FileNotFoundError as error:
+            raise PlanError(
+                f"{error.filename or error}: no dictionaries to build the model with: give the data "
+                f"directory fairseq-train reads, or --dictionary-size N to plan before it exists"
+            ) from None
+        with torch.device("meta"):
+            model = task.build_model(cfg.model)
+        return cfg, args, model
+    finally:
+        if data is not None:
+            shutil.rmtree(data, ignore_errors=True)
+
+
+def model_shapes(model) -> mp.ModelShapes:
+    from ..moe.experts import is_expert
+    from ..moe.layer import MoELayer
+
+    shared, experts = [], []
+    for p in model.parameters():  # each tensor once (a shared embedding is listed once)
+        (experts if is_expert(p) else shared).append(tuple(p.shape))
+    counts = {m.num_experts for m in model.modules() if isinstance(m, MoELayer)}
+    if len(counts) != 1:
+        raise PlanError(f"the model has MoE layers with {sorted(counts) or 'no'} experts: plan needs one E")
+    return mp.ModelShapes(tuple(shared), tuple(experts), counts.pop())
+
+
+def unit_numels(model):
+    """fully_sharded's units: the root's shared numel first, then each layer's (fully_sharded.wrap_units);
+    and the largest MoE layer's expert numel."""
+    from ..fully_sharded import wrap_units
+    from ..moe.experts import is_expert
+    from ..moe.layer import MoELayer
+
+    units = wrap_units(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    root = sum(p.numel() for p in model.parameters() if not is_expert(p) and id(p) not in in_units)
+    units = [root, *(sum(p.numel() for p in u.parameters() if not is_expert(p)) for u in units)]
+    experts = [sum(p.numel() for p in m.experts.parameters()) for m in model.modules() if isinstance(m, MoELayer)]
+    return units, max(experts, default=0)
+
+
+def optimizer_of(cfg) -> (str, Dict):
+    name = str(cfg.optimizer._name if hasattr(cfg.optimizer, "_name") else cfg.optimizer)
+    if name not in mp.OPTIMIZER_STATE:
+        raise PlanError(
+            f"--optimizer {name}: plan knows the state of {', '.join(sorted(mp.OPTIMIZER_STATE))}: use one of them"
+        )
+    o = cfg.optimizer
+    options = {
+        "amsgrad": bool(getattr(o, "amsgrad", False)),
+        "momentum": float(getattr(o, "momentum", 0) or 0),
+        "beta1": getattr(o, "beta1", None),
+        "adafactor_unfactored": not bool(getattr(o, "factored", True)) if name == "adafactor" else False,
+    }
+    return name, options
+
+
+def worker_bytes(shapes, layout, precision, optimizer, options, rank=0) -> dict:
+    """What worker ``rank`` holds under ``layout``: Held for "shared" and "expert", and "buffers"
+    (legacy_ddp's all-reduce buffer: min(2**28, this worker's parameters) in the model's dtype)."""
+    held = mp.held_shapes(shapes, layout, rank)
+    flat = precision.name == "fp16" and layout.world_size == 1  # hook 12: per-parameter on >1 workers
+    out = {side: mp.held_bytes(held[side], layout, precision, optimizer, options, flat) for side in held}
+    out["buffers"] = 0
+    if layout.backend == "legacy_ddp" and layout.world_size > 1:
+        mine = sum(math.prod(s) for side in held.values() for s in side)
+        out["buffers"] = min(2**28, mine) * precision.param_bytes
+    return out
+
+
+def plan_rows(shapes, units, precision, optimizer, options, world, refused, activation, memory) -> List[dict]:
+    """One dict per layout: the bytes of worker 0 (the largest slices: torch.chunk gives the first
+    ranks ceil(rows / W)). ``units``: (fully_sharded's unit numels, one MoE layer's expert numel)."""
+    units, expert_layer = units
+    rows = []
+    for layout in mp.layouts(world, shapes.num_experts):
+        held = worker_bytes(shapes, layout, precision, optimizer, options)
+        gathered = mp.gathered_unit_bytes(units, layout, precision)
+        gathered += mp.gathered_expert_bytes(expert_layer, layout, precision)
+        act = activation(layout)
+        total = held["shared"].total + held["expert"].total + held["buffers"] + gathered + act
+        note = []
+        if layout.backend == "fully_sharded" and refused:
+            note.append(f"refused on this build: {refused}")
+        if layout.experts_sharded:
+            note.append("experts sharded over their replica group: not on this build (issue 43, item 2)")
+        rows.append(dict(layout=layout, shared=held["shared"], expert=held["expert"], buffers=held["buffers"],
+                         gathered=gathered, activations=act, total=total,
+                         fits=[total <= m for m in memory], note=note))  # fmt: skip
+    return rows
+
+
+def format_rows(rows, header: List[str]) -> str:
+    unit, name = (2**30, "GiB") if max(r["total"] for r in rows) >= 2**30 else (2**20, "MiB")
+    size = lambda n: f"{n / unit:.2f}"
+    lines = [*header, f"per worker, {name}: parameters/gradients/optimizer state of experts and of shared parameters"]
+    lines.append(
+        f"{'backend':<14}{'P':>4} {'experts':<8}{'experts p/g/opt':>22}{'shared p/g/opt':>22}"
+        f"{'master':>9}{'buffers':>9}{'activ.':>9}{'total':>10}  fits"
+    )
+    notes = []
+    for r in rows:
+        lay, s, e = r["layout"], r["shared"], r["expert"]
+        pgo = lambda h: f"{size(h.params)}/{size(h.grads)}/{size(h.optimizer)}"
+        fits = "/".join("yes" if f else "no" for f in r["fits"]) or "-"
+        for note in r["note"]:
+            if note not in notes:
+                notes.append(note)
+        if r["note"]:
+            fits += " " + ",".join("*" * (notes.index(note) + 1) for note in r["note"])
+        lines.append(
+            f"{lay.backend:<14}{lay.parallel_size:>4} {'sharded' if lay.experts_sharded else 'whole':<8}"
+            f"{pgo(e):>22}{pgo(s):>22}{size(s.master + e.master):>9}{size(r['buffers'] + r['gathered']):>9}"
+            f"{size(r['activations']):>9}{size(r['total']):>10}  {fits}"
+        )
+    lines += [f"{'*' * (i + 1)} {note}" for i, note in enumerate(notes)]
+    return "\n".join(lines)
+
+
+def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int, rank: int) -> dict:
+    """``worker_bytes`` for fairseq-train's ``argv`` (without ``plan``'s own flags): what the test
+    compares with the bytes counted on real workers."""
+    _, _, _, fairseq_argv = split_argv([*argv, "--world-size", str(world_size)])
+    cfg, _, model = build_on_meta(fairseq_argv, None)
+    precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
+    optimizer, options = optimizer_of(cfg)
+    shapes = model_shapes(model)
+    experts_sharded = False
+    layout = mp.Layout(backend, world_size, parallel_size, experts_sharded)
+    return worker_bytes(shapes, layout, precision, optimizer, options, rank)
+
+
+def main(argv: List[str]) -> int:
+    from ..fully_sharded import refused_options
+    from .activation_bound import activation_bytes
+
+    logging.disable(logging.INFO)  # fairseq's and hydra's start-up notes: the table is the output
+    warnings.filterwarnings("ignore")  # hydra's and torch's deprecation notes: the table is the output
+    try:
+        own, memory, asked, fairseq_argv = split_argv(argv)
+        cfg, args, model = build_on_meta(fairseq_argv, own.dictionary_size)
+        shapes = model_shapes(model)
+        precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
+        optimizer, options = optimizer_of(cfg)
+        if precision.name.startswith("memory_efficient") and optimizer in ("sgd", "adagrad", "adadelta"):
+            raise PlanError(
+                f"{precision.flag} needs an optimizer that keeps fp32 state for fp16 weights (fairseq refuses "
+                f"--optimizer {optimizer} with it): use --optimizer adam, or drop {precision.flag}"
+            )
+        refused = (refused_options(args) or [""])[0].split(":")[0]
+        activation = activation_bytes(cfg, model, shapes, precision)
+        rows = plan_rows(
+            shapes, unit_numels(model), precision, optimizer, options, own.world_size, refused, activation, memory
+        )
+    except (PlanError, ValueError) as error:
+        print(f"plan: error: {error}", file=sys.stderr)
+        return 2
+    experts = sum(math.prod(s) for s in shapes.experts)
+    shared = sum(math.prod(s) for s in shapes.shared)
+    header = [
+        f"model: {shared + experts:,} parameters ({shared:,} shared, {experts:,} in {shapes.num_experts} experts "
+        f"per MoE layer); {precision.flag}, --optimizer {optimizer}; W = {own.world_size}"
+        + (f"; fits: {own.device_memory} ({', '.join(mp.gib(m) for m in memory)} GiB)" if memory else ""),
+        f"worker 0 (the largest slices); activations: {activation.describe}",
+    ]
+    if asked:
+        header.append("asked: " + ", ".join(f"{k} {v}" for k, v in asked.items()) + " (plan shows every choice)")
+    print(format_rows(rows, header))
+    return 0
