@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..checkpoint.config_value import config_value
+from ..common.config_value import config_value
 from ..moe.layer import MoELayer
 from .memory_plan import Layout, ModelShapes, Precision
 
