@@ -130,7 +130,9 @@ def main() -> None:
             f"set: {args.ranks} rank files of {rank:.1f} MiB (model {rank_model:.1f} MiB, the rest optimizer state) "
             f"+ shared {shared:.1f} MiB (model {shared_model:.1f} MiB) = {files:.1f} MiB"
         )
-        print(f"{'W':>3} {'reader':>10} {'peak MiB':>9} {'bound MiB':>10} {'peak/bound':>10} {'MiB/s wall':>10} {'MiB/s CPU':>9}")
+        print(
+            f"{'W':>3} {'reader':>10} {'peak MiB':>9} {'bound MiB':>10} {'peak/bound':>10} {'MiB/s wall':>10} {'MiB/s CPU':>9}"
+        )
         for workers in (1, 4, 16):
             # shared model + one source rank file's model + one output file's experts (rank 0's output file also
             # holds the shared model: the same tensors, not a copy)
