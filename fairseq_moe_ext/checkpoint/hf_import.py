@@ -3,12 +3,14 @@
 Input: ``config.json`` (``hf_config.imported_options``) and either ``model.safetensors`` or shards
 listed by ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or else
 ``pytorch_model.bin`` or ``pytorch_model-*.bin`` shards listed by ``pytorch_model.bin.index.json`` (the
-older format, ``torch_bin_file.py``: read through the restricted unpickler, one shard at a time). Every shard's header is
-read and checked first (present, complete, every tensor the config implies there with its shape), so
-bad input is refused before a file is written. Then output file r of the set is assembled and written
-in turn: each tensor is read on its own by seeking in whichever shard holds it (rank 0 also takes
-every non-expert parameter; each file takes the stacked experts ``r*E/W ...`` of every MoE layer).
-Peak memory is one output file, not the model. Written staged and atomically, as the other tools.
+older format, ``torch_bin_file.py``: read through the restricted unpickler, one shard at a time).
+Every shard's header (a .bin shard's pickle) is read and checked first (present, complete, every
+tensor the config implies there with its shape), so bad input is refused before a file is written.
+Then output file r of the set is assembled and written in turn: its tensors are read grouped by the
+shard that holds them (a safetensors tensor by seeking, a .bin shard whole, once per output file that
+needs it; rank 0 also takes every non-expert parameter; each file takes the stacked experts ``r*E/W
+...`` of every MoE layer). Peak memory is one output file (plus one .bin shard), not the model.
+Written staged and atomically, as the other tools.
 """
 
 import json
