@@ -4,7 +4,7 @@ NLLB-200 MoE release is: fp16 weights, and in every file ``last_optimizer_state`
     python benchmarks/import_memory.py [--ranks 16] [--layers 4] [--dim 256] [--hidden 2048]
 
 Writes a branch set (``<prefix>-shared.pt`` + 16 ``-rank-N.pt`` files, one expert each in every MoE
-layer) into a temporary directory, then imports it into W = 1, 4 and 16 output files, each in a fresh
+layer) into a temporary directory, then imports it into W = 1, 8 and 16 output files, each in a fresh
 process, twice: with the import's reader (``one_read.load_skipping``: each byte once, the optimizer
 state never) and, side by side, with the reader it replaced (``safe_load``: a CRC pass over the whole
 file, then ``torch.load`` of all of it). For each it prints the process's peak resident memory above
@@ -133,7 +133,7 @@ def main() -> None:
         print(
             f"{'W':>3} {'reader':>10} {'peak MiB':>9} {'bound MiB':>10} {'peak/bound':>10} {'MiB/s wall':>10} {'MiB/s CPU':>9}"
         )
-        for workers in (1, 4, 16):
+        for workers in (1, 8, 16):
             # shared model + one source rank file's model + one output file's experts (rank 0's output file also
             # holds the shared model: the same tensors, not a copy)
             bound = shared_model + rank_model + max(1, args.ranks // workers) * rank_model
