@@ -167,6 +167,20 @@ def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_f
     assert_set(work / "finetune" / "ckpt")  # fine-tuned on the GPUS=2 workers, saved as a 2-file set
 
 
+def test_nllb_langs_gives_stock_fairseq_one_comma_list_and_refuses_a_code_twice_in_one_line(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from nllb_langs import main
+
+    (tmp_path / "langs.txt").write_text("eng_Latn,fra_Latn\ndeu_Latn\n")
+    assert main([str(tmp_path / "langs.txt")]) == 0
+    assert capsys.readouterr().out == "eng_Latn,fra_Latn,deu_Latn\n"
+    (tmp_path / "langs.txt").write_text("eng_Latn,fra_Latn,eng_Latn\n")
+    assert main([str(tmp_path / "langs.txt")]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and len(printed.err.strip().splitlines()) == 1, printed.err
+    assert "eng_Latn is listed twice (codes 1 and 3)" in printed.err
+
+
 def test_nllb_moe_without_the_downloaded_files_says_where_to_get_them(tmp_path):
     done = subprocess.run(
         ["bash", str(ROOT / "recipes" / "nllb_moe.sh")],
