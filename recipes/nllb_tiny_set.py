@@ -142,6 +142,9 @@ def release_cfg(args):
                           "fp16_adam_stats": True},
             "lr_scheduler": {"_name": "inverse_sqrt", "warmup_updates": 8000, "warmup_init_lr": 1e-07},
             "optimization": {"lr": [0.002], "max_update": UPDATES, "clip_norm": 0.0, "update_freq": [1]},
+            "dataset": {"max_tokens": 4096, "train_subset": "train,train_mining,train_mmt_bt,train_smt_bt",
+                        "skip_invalid_size_inputs_valid_test": True},
+            "checkpoint": {"save_interval_updates": 10000, "best_checkpoint_metric": "nll_loss"},
             "distributed_training": {"distributed_world_size": RANKS, "ddp_backend": "fully_sharded"}}
     # fmt: on
 
