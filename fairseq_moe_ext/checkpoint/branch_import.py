@@ -263,7 +263,18 @@ def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:
             )
         else:
             model[key] = tensor
+    # The released NLLB shared file holds the tied embedding three times (FSDP saves each name's own copy):
+    # equal copies are stored once, as torch.save stores a tensor shared by several names; fairseq ties them.
+    embedding = model.get("encoder.embed_tokens.weight")
+    for key in TIED_COPIES:
+        copy_ = model.get(key)
+        if embedding is not None and copy_ is not None and copy_ is not embedding:
+            if copy_.shape == embedding.shape and copy_.dtype == embedding.dtype and torch.equal(copy_, embedding):
+                model[key] = embedding
     return model
+
+
+TIED_COPIES = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
 
 
 def _state(branch: BranchSet, head, model, shard, shards, set_id, single) -> Dict:

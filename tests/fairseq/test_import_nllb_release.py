@@ -71,6 +71,11 @@ def test_the_release_imports_from_all_rank_files_or_the_first_e_alone_to_the_sam
         assert f"ranks {EXPERTS}..{RANKS - 1} hold replicas only" in notes[0]
     ours = [torch.load(out / f"imported-rank-{r}-of-2.pt", weights_only=False)["model"] for r in (0, 1)]
     assert all(t.dtype == torch.float16 for m in ours for t in m.values() if t.is_floating_point())
+    # the shared file's three copies of the tied embedding are written once
+    tied = [
+        ours[0][f"{k}.weight"] for k in ("encoder.embed_tokens", "decoder.embed_tokens", "decoder.output_projection")
+    ]
+    assert len({t.untyped_storage().data_ptr() for t in tied}) == 1
     # the experts are the source's: rank file r (r < E) holds expert r under local number 0
     source = torch.load(f"{prefix}-rank-3.pt", weights_only=False)["model"]
     key = next(k for k in source if k.endswith("fc1.weight"))
