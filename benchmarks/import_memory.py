@@ -1,14 +1,19 @@
-"""Peak memory of ``import-fairseq-moe`` on a synthetic 16-rank moe/nllb-branch set.
+"""Peak memory and read rate of ``import-fairseq-moe`` on a synthetic moe/nllb-branch set shaped as the
+NLLB-200 MoE release is: fp16 weights, and in every file ``last_optimizer_state`` with fp16 Adam moments.
 
     python benchmarks/import_memory.py [--ranks 16] [--layers 4] [--dim 256] [--hidden 2048]
 
-Writes a branch set (``<prefix>-shared.pt`` + 16 ``-rank-N.pt`` files, one expert each in every
-MoE layer, fp32) into a temporary directory, then imports it into W = 1, 4 and 16 output files, each
-in a fresh process, and prints the process's peak resident memory above what it held before the
-import started (torch and the package imported), beside the sizes the import should stay near:
-the shared file plus one rank file plus one output file's experts. W = 1 writes every expert into
-one file, so its peak is the whole model by construction; with W = 16 each output file holds
-1/16 of the experts.
+Writes a branch set (``<prefix>-shared.pt`` + 16 ``-rank-N.pt`` files, one expert each in every MoE
+layer) into a temporary directory, then imports it into W = 1, 8 and 16 output files, each in a fresh
+process, twice: with the import's reader (``one_read.load_skipping``: each byte once, the optimizer
+state never) and, side by side, with the reader it replaced (``safe_load``: a CRC pass over the whole
+file, then ``torch.load`` of all of it). For each it prints the process's peak resident memory above
+what it held before the import (torch and the package imported) and its ratio to the bound the import
+promises: the shared file's model + one rank file's model + one output file's experts (rank 0's output
+file holds the shared model too, the same tensors), none of it optimizer state; and the rate, in input-file bytes per second of wall time
+(reading, checking replicas, writing the output) and per second of the process's CPU time (the rate
+one free core reaches when the disk keeps up). W = 1 writes every expert into one file, so its
+bound is the whole model by construction.
 """
 
 import argparse
@@ -16,13 +21,27 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
 MB = 1 << 20
 
 
-def write_synthetic_set(prefix: str, ranks: int, layers: int, dim: int, hidden: int, vocab: int = 8000) -> None:
+def adam(tensors):
+    """The branch's per-parameter state (--fp16-adam-stats): fp16 moments beside each fp16 parameter."""
+    return {
+        "state": {
+            i: {"step": 1, "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t), "exp_avg_scale": 1.0}
+            for i, t in enumerate(tensors.values())
+        },
+        "param_groups": [{"lr": [0.002], "params": list(range(len(tensors)))}],
+        "loss_scale": 8.0,
+    }
+
+
+def write_synthetic_set(prefix: str, ranks: int, layers: int, dim: int, hidden: int, vocab: int = 8000):
+    """Returns (bytes of the shared model, bytes of one rank file's model)."""
     options = argparse.Namespace(
         arch="transformer",
         moe_expert_count=ranks,
@@ -34,38 +53,60 @@ def write_synthetic_set(prefix: str, ranks: int, layers: int, dim: int, hidden: 
         moe_second_expert_policy="all",
         moe_eval_capacity_token_fraction=1.0,
     )
+    half = torch.float16
     moe_layers = [f"{side}.layers.{i}" for side in ("encoder", "decoder") for i in range(layers // 2)]
-    shared = {f"{layer}.moe_layer.gate.wg.weight": torch.randn(ranks, dim) for layer in moe_layers}
-    shared["encoder.embed_tokens.weight"] = torch.randn(vocab, dim)
-    shared["decoder.embed_tokens.weight"] = torch.randn(vocab, dim)
-    torch.save({"model": shared}, f"{prefix}-shared.pt")
+    shared = {f"{layer}.moe_layer.gate.wg.weight": torch.randn(ranks, dim, dtype=half) for layer in moe_layers}
+    shared["encoder.embed_tokens.weight"] = torch.randn(vocab, dim, dtype=half)
+    shared["decoder.embed_tokens.weight"] = torch.randn(vocab, dim, dtype=half)
     cfg = {"model": options, "distributed_training": {"distributed_world_size": ranks}}
+    head = {"cfg": cfg, "optimizer_history": [{"num_updates": 1}]}
+    torch.save({**head, "model": shared, "last_optimizer_state": adam(shared)}, f"{prefix}-shared.pt")
     for rank in range(ranks):
         model = {}
         for layer in moe_layers:
-            model[f"{layer}.moe_layer.experts.0.fc1.weight"] = torch.randn(hidden, dim)
-            model[f"{layer}.moe_layer.experts.0.fc1.bias"] = torch.randn(hidden)
-            model[f"{layer}.moe_layer.experts.0.fc2.weight"] = torch.randn(dim, hidden)
-            model[f"{layer}.moe_layer.experts.0.fc2.bias"] = torch.randn(dim)
-        torch.save({"cfg": cfg, "model": model, "optimizer_history": [{"num_updates": 1}]}, f"{prefix}-rank-{rank}.pt")
+            model[f"{layer}.moe_layer.experts.0.fc1.weight"] = torch.randn(hidden, dim, dtype=half)
+            model[f"{layer}.moe_layer.experts.0.fc1.bias"] = torch.randn(hidden, dtype=half)
+            model[f"{layer}.moe_layer.experts.0.fc2.weight"] = torch.randn(dim, hidden, dtype=half)
+            model[f"{layer}.moe_layer.experts.0.fc2.bias"] = torch.randn(dim, dtype=half)
+        torch.save({**head, "model": model, "last_optimizer_state": adam(model)}, f"{prefix}-rank-{rank}.pt")
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors.values())  # noqa: E731
+    return size(shared), size(model)
 
 
-def measure_one(prefix: str, output: str, workers: int) -> None:
-    """In a fresh process: print the peak RSS growth (MiB) of one import."""
-    from fairseq_moe_ext.checkpoint.branch_import import import_branch_set
+def measure_one(prefix: str, output: str, workers: int, loader: str) -> None:
+    """In a fresh process: print the peak RSS growth (MiB), the wall time and the CPU time (s) of one import."""
+    from fairseq_moe_ext.checkpoint import branch_import
+    from fairseq_moe_ext.checkpoint.safe_load import safe_load
 
+    if loader == "safe_load":  # the reader before one_read: CRC pass, then torch.load of everything
+        branch_import.load_skipping = lambda path, on_read=None: safe_load(path)
     # Not ru_maxrss: it survives fork + exec, so this child would report the parent's peak (the parent
     # wrote the set). Reset this process's high-water mark (Linux: 5 > clear_refs) and read VmHWM.
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status_kib("VmRSS")
-    import_branch_set(prefix, output, workers, report=lambda line: None)
-    print(f"{(_status_kib('VmHWM') - before) / 1024:.1f}")
+    start, cpu = time.perf_counter(), time.process_time()
+    branch_import.import_branch_set(prefix, output, workers, report=lambda line: None)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    print(f"{(_status_kib('VmHWM') - before) / 1024:.1f} {elapsed:.3f} {cpu:.3f}")
 
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def run_one(prefix: str, root: str, workers: int, loader: str):
+    out = os.path.join(root, f"out-{loader}-{workers}")
+    os.mkdir(out)
+    run = subprocess.run(
+        [sys.executable, __file__, "--measure", prefix, os.path.join(out, "imported.pt"), str(workers), loader],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    peak, seconds, cpu = (float(x) for x in run.stdout.strip().splitlines()[-1].split())
+    return peak, seconds, cpu
 
 
 def main() -> None:
@@ -74,32 +115,44 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--measure", nargs=3, metavar=("PREFIX", "OUTPUT", "W"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure", nargs=4, metavar=("PREFIX", "OUTPUT", "W", "LOADER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        measure_one(args.measure[0], args.measure[1], int(args.measure[2]))
+        measure_one(args.measure[0], args.measure[1], int(args.measure[2]), args.measure[3])
         return
     with tempfile.TemporaryDirectory() as root:
         prefix = os.path.join(root, "checkpoint_best")
-        write_synthetic_set(prefix, args.ranks, args.layers, args.dim, args.hidden)
+        shared_model, rank_model = (b / MB for b in write_synthetic_set(prefix, **_shape(args)))
         shared = os.path.getsize(f"{prefix}-shared.pt") / MB
         rank = os.path.getsize(f"{prefix}-rank-0.pt") / MB
-        whole = shared + args.ranks * rank
-        print(f"set: {args.ranks} rank files of {rank:.1f} MiB + shared {shared:.1f} MiB = {whole:.1f} MiB")
-        print(f"{'W':>3} {'peak MiB':>9} {'bound MiB':>10} {'peak/bound':>10} {'peak/whole':>10}")
-        for workers in (1, 4, 16):
-            out = os.path.join(root, f"out{workers}")
-            os.mkdir(out)
-            run = subprocess.run(
-                [sys.executable, __file__, "--measure", prefix, os.path.join(out, "imported.pt"), str(workers)],
-                capture_output=True,
-                text=True,
-                check=True,
+        files = shared + args.ranks * rank
+        print(
+            f"set: {args.ranks} rank files of {rank:.1f} MiB (model {rank_model:.1f} MiB, the rest optimizer state) "
+            f"+ shared {shared:.1f} MiB (model {shared_model:.1f} MiB) = {files:.1f} MiB"
+        )
+        print(
+            f"{'W':>3} {'reader':>10} {'peak MiB':>9} {'bound MiB':>10} {'peak/bound':>10} {'MiB/s wall':>10} {'MiB/s CPU':>9}"
+        )
+        for workers in (1, 8, 16):
+            # shared model + one source rank file's model + one output file's experts (rank 0's output file also
+            # holds the shared model: the same tensors, not a copy)
+            bound = shared_model + rank_model + max(1, args.ranks // workers) * rank_model
+            rows = {}
+            for loader in ("one_read", "safe_load"):
+                peak, seconds, cpu = rows[loader] = run_one(prefix, root, workers, loader)
+                print(
+                    f"{workers:>3} {loader:>10} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} "
+                    f"{files / seconds:>10.1f} {files / cpu:>9.1f}"
+                )
+            (new_peak, new_s, new_cpu), (old_peak, old_s, old_cpu) = rows["one_read"], rows["safe_load"]
+            print(
+                f"    W={workers}: one_read / safe_load: peak {new_peak / old_peak:.2f}, wall {new_s / old_s:.2f}, "
+                f"CPU {new_cpu / old_cpu:.2f}"
             )
-            peak = float(run.stdout.strip().splitlines()[-1])
-            # shared + one source rank file + one output file's experts (+ the shared part it also holds)
-            bound = shared + rank + max(1, args.ranks // workers) * rank
-            print(f"{workers:>3} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} {peak / whole:>10.2f}")
+
+
+def _shape(args):
+    return dict(ranks=args.ranks, layers=args.layers, dim=args.dim, hidden=args.hidden)
 
 
 if __name__ == "__main__":

@@ -4,30 +4,36 @@
 # the flags of NLLB's README (examples/nllb/modeling/README.md on fairseq's nllb branch).
 #
 #   bash recipes/nllb_moe.sh              # the released model (download it first, below); GPUs
-#   bash recipes/nllb_moe.sh --dry-run    # a tiny synthetic set in the same layout, on CPU (CI, ~40 s)
+#   bash recipes/nllb_moe.sh --dry-run    # a tiny lookalike of the release (recipes/nllb_tiny_set.py), on CPU
+#   TINY_VARIANT=first-half bash recipes/nllb_moe.sh --dry-run   # ... holding only rank files 0..E-1
 #
 # Download (the README's link, "NLLB-200 | MoE-128 | transformer_24_24_big | 54.5B"; it asks for
 #   `wget --trust-server-names <url>`): https://tinyurl.com/nllb200moe54bmodel . Unpack it into
 #   MODEL_DIR, which then holds checkpoint_2_300000-shared.pt and checkpoint_2_300000-rank-{0..255}.pt
 #   (256 rank files: trained on 256 GPUs, so each of the 128 experts has a replica; the README's
 #   replication_count 2), the README's fine-tuning restores "$MODEL_FOLDER/checkpoint_2_300000.pt".
+#   Ranks 128..255 hold replicas only: keeping only rank files 0..127 (as transformers' converter and
+#   pasero read them) is enough; the import says so in a NOTE.
 #   Also needed: NLLB's dictionary (DICT) and SentencePiece model (SPM) and the 202-language list
-#   (LANGS: examples/nllb/modeling/scripts/flores200/langs.txt on the nllb branch, in that order: it
-#   fixes the language tokens' ids), and DATA, your bitext binarized with that SPM and dictionary
+#   (LANGS: examples/nllb/modeling/scripts/flores200/langs.txt on the nllb branch, one line of
+#   comma-separated codes, in that order: it fixes the language tokens' ids; passed to fairseq as
+#   --langs, the comma list stock fairseq reads), and DATA, your bitext binarized with that SPM and dictionary
 #   (fairseq-preprocess -s SRC -t TGT --srcdict DICT --tgtdict DICT).
 # Stages: import (import-fairseq-moe checks DICT and LANGS against the embedding: NLLB's dictionary
 #   has 3 data-source tags after the language tokens, so the task is translation_multi_simple_epoch_nllb
 #   --add-data-source-prefix-tags); generate (bf16: about 109 GB of weights, one H200 in one process, or
-#   GPUS workers each holding 128/GPUS experts); fine-tune (--restore-file the import, reset_all).
+#   GPUS workers each holding 128/GPUS experts; the dry run does both, from a set for GPUS=2 workers);
+#   fine-tune (--restore-file the import, reset_all). Disk, memory and time: docs/interop.md.
 # Fine-tuning 54.5B with Adam needs far more than one node (NLLB's config: 16 nodes x 8 GPUs, FSDP):
 #   run the printed command with torchrun on every node, or set FINETUNE=0.
-# Outputs (under WORK): imported/ (the set), generate.out, finetune/ (train.log, ckpt/).
+# Outputs (under WORK): imported/ (the set), generate.out (one process), generate-sharded.out (GPUS workers),
+#   finetune/ (train.log, ckpt/).
 #
 # Knobs (environment; defaults in brackets):
 #   WORK [./work-dirs/nllb_moe]   MODEL_DIR [./nllb-200-moe]   PREFIX [checkpoint_2_300000]
 #   DICT [$MODEL_DIR/dictionary.txt]   SPM [$MODEL_DIR/sentencepiece.bpe.model]   LANGS [$MODEL_DIR/langs.txt]
 #   DATA [required unless --dry-run]   SRC [eng_Latn] TGT [fra_Latn]   GPUS [8] (1: one process)
-#   BEAM [4] GEN_SUBSET [test] MAX_SENTENCES [16]
+#   BEAM [4] GEN_SUBSET [test] MAX_SENTENCES [16]   TINY_VARIANT [replicas] (--dry-run: or first-half)
 #   FINETUNE [1] DROPOUT [0.3] LR [5e-05] WARMUP [10] MAX_UPDATE [50] MAX_TOKENS [250] UPDATE_FREQ [16]
 #   DDP_BACKEND [fully_sharded]   (the README's: --moe-eom 0.2 --moe-gate-loss-wt 0, lr 5e-5, warmup 10,
 #   50 updates, 250 tokens per GPU; UPDATE_FREQ 16 on 8 GPUs keeps its 128 GPUs' batch)
@@ -37,7 +43,7 @@ source recipes/lib/common.sh
 recipe_args "$@"
 
 if [ "$DRY_RUN" = 1 ]; then
-  : "${WORK:=./work-dirs/nllb_moe_dry_run}" "${GPUS:=1}" "${MAX_UPDATE:=3}" "${WARMUP:=2}" "${MAX_TOKENS:=400}"
+  : "${WORK:=./work-dirs/nllb_moe_dry_run}" "${GPUS:=2}" "${MAX_UPDATE:=3}" "${WARMUP:=2}" "${MAX_TOKENS:=400}"
   : "${UPDATE_FREQ:=1}" "${DDP_BACKEND:=legacy_ddp}" "${LR:=1e-3}" "${DROPOUT:=0.1}"
 fi
 : "${WORK:=./work-dirs/nllb_moe}" "${MODEL_DIR:=./nllb-200-moe}" "${PREFIX:=checkpoint_2_300000}"
@@ -51,11 +57,18 @@ setup_environment
 
 stage 2 "the NLLB-200 MoE files"
 if [ "$DRY_RUN" = 1 ]; then
+  : "${TINY_VARIANT:=replicas}"
+  case $TINY_VARIANT in
+    replicas) tiny_flags=() ;;
+    first-half) tiny_flags=(--first-experts-only) ;;
+    *) echo "$0: TINY_VARIANT=$TINY_VARIANT: give replicas or first-half" >&2; exit 2 ;;
+  esac
   MODEL_DIR=$WORK/tiny_nllb DATA=$WORK/data-bin
-  if needs_run "$MODEL_DIR/.done" "tiny-1"; then
+  if needs_run "$MODEL_DIR/.done" "tiny-2 $TINY_VARIANT"; then
     rm -rf "$MODEL_DIR" "$DATA"
-    python recipes/nllb_tiny_set.py "$MODEL_DIR" --data-bin "$DATA" 2>&1 | grep -v "INFO" | sed 's/^/    /'
-    mark_done "$MODEL_DIR/.done" "tiny-1"
+    python recipes/nllb_tiny_set.py "$MODEL_DIR" --data-bin "$DATA" "${tiny_flags[@]}" 2>&1 | grep -v "INFO" \
+      | sed 's/^/    /'
+    mark_done "$MODEL_DIR/.done" "tiny-2 $TINY_VARIANT"
   fi
 fi
 : "${DICT:=$MODEL_DIR/dictionary.txt}" "${SPM:=$MODEL_DIR/sentencepiece.bpe.model}" "${LANGS:=$MODEL_DIR/langs.txt}"
@@ -70,6 +83,9 @@ if [ -z "${DATA:-}" ] || [ ! -d "$DATA" ]; then
   exit 2
 fi
 echo "    $(ls "$MODEL_DIR" | grep -c -- "$PREFIX-rank-") rank files + $PREFIX-shared.pt in $MODEL_DIR; data $DATA"
+# LANGS as stock fairseq's --langs reads it: one comma list (NLLB's langs.txt is one; a file of one code per
+# line works too). An empty or duplicated list stops here.
+LANG_LIST=$(python recipes/nllb_langs.py "$LANGS")
 
 stage 3 "import-fairseq-moe for $GPUS worker(s), dictionary checked against the embedding"
 imported=$WORK/imported/model.pt
@@ -85,7 +101,7 @@ fi
 # on the encoder side and the target's first in the decoder, and the 3 data-source tags after them.
 task_args=(
   "$DATA" --user-dir "$USER_DIR" --task translation_multi_simple_epoch_nllb --add-data-source-prefix-tags
-  --lang-dict "$LANGS" --lang-pairs "$SRC-$TGT" --source-lang "$SRC" --target-lang "$TGT"
+  --langs "$LANG_LIST" --lang-pairs "$SRC-$TGT" --source-lang "$SRC" --target-lang "$TGT"
   --encoder-langtok src --decoder-langtok --num-workers 0
 )
 if [ "$DRY_RUN" = 1 ]; then
@@ -102,14 +118,18 @@ if [ "$DRY_RUN" = 1 ]; then
 else
   gen_args+=(--bpe sentencepiece --sentencepiece-model "$SPM" --scoring sacrebleu)
 fi
+if [ "$GPUS" = 1 ] || [ "$DRY_RUN" = 1 ]; then
+  # One process holding every expert (a set imported for several workers is merged as it loads).
+  fairseq_tool generate "${gen_args[@]}" > "$WORK/generate.out" 2>&1
+  echo "    one process: $(grep -c '^H-' "$WORK/generate.out") hypotheses; $(grep -E 'BLEU' "$WORK/generate.out" | tail -1)"
+fi
 if [ "$GPUS" -gt 1 ]; then
   # Each worker holds 128/GPUS experts (the set was imported for GPUS workers) and prints its own sentences.
   python -m torch.distributed.run --standalone --nproc_per_node "$GPUS" "$FAIRSEQ_BIN/fairseq-generate" \
-    "${gen_args[@]}" --distributed-world-size "$GPUS" > "$WORK/generate.out" 2>&1
-else
-  fairseq_tool generate "${gen_args[@]}" > "$WORK/generate.out" 2>&1
+    "${gen_args[@]}" --distributed-world-size "$GPUS" > "$WORK/generate-sharded.out" 2>&1
+  echo "    $GPUS workers: $(grep -c '^H-' "$WORK/generate-sharded.out") hypotheses;" \
+    "$(grep -E 'BLEU' "$WORK/generate-sharded.out" | tail -1)"
 fi
-echo "    $(grep -c '^H-' "$WORK/generate.out") hypotheses; $(grep -E 'BLEU' "$WORK/generate.out" | tail -1)"
 
 stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0, --moe-normalize-expert-grad sqrt_world_size)"
 if [ "$FINETUNE" != 1 ]; then

@@ -6,12 +6,14 @@ Here each MoE layer's experts are stacked tensors (``<side>.layers.<i>.fc1.exper
 ``[E, hidden, d]`` etc., ``moe/experts.py``) beside the router ``fc1.router.wg.weight``. The import
 streams: the shared file stays loaded until output rank 0 is written, then one source rank file at a
 time is read and its experts go into the output file they belong to, which is written as soon as
-all its experts are in. Peak memory is the shared file, one source rank file and one output file's
-experts, not the model (benchmarks/import_memory.py measures it). Replicas are compared by sha256.
+all its experts are in. Each file is read once (``one_read.py``: no CRC pass before the load; every
+tensor's CRC-32 is checked as it is read) and its ``last_optimizer_state`` never: peak memory is the
+shared file's model, one source rank file's model and one output file, not the model and not the
+optimizer state (benchmarks/import_memory.py measures it). Replicas are compared by sha256. On a
+terminal a progress bar shows the bytes done, the rate and the time left.
 
 No optimizer state is carried over (the branch's is per expert module, and FSDP's flattened):
-continued training starts a fresh optimizer, as after upcycling. Files are read through
-``safe_load`` (the branch's pickles hold argparse Namespaces and numpy scalars, both allowed).
+continued training starts a fresh optimizer, as after upcycling.
 """
 
 import argparse
@@ -19,16 +21,18 @@ import copy
 import math
 import os
 import secrets
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
 from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
-from .branch_vocab import check_vocabulary
+from .branch_vocab import check_vocabulary, read_languages
 from ..common.config_value import config_value
 from .errors import CheckpointSetError
 from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file
+from .one_read import load_skipping
+from .progress import Progress
 from .rank_state import moe_metadata
 from .staging import write_all_or_nothing
 
@@ -145,12 +149,35 @@ def import_branch_set(
     report: Callable[[str], None] = print,
     dictionary: Optional[str] = None,
     langs: Optional[str] = None,
+    progress_stream: Optional[TextIO] = None,
 ) -> str:
     """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written.
-    With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``)."""
+    With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``). A progress
+    bar goes to ``progress_stream`` (default stderr) when it is a terminal."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
-    branch = BranchSet(prefix)
+    if langs is not None:
+        read_languages(langs)  # an empty or duplicated list is refused before any file is read
+    progress = Progress(f"reading {os.path.basename(prefix)}", stream=progress_stream)
+    sizes = {}
+
+    def load(path):
+        state = load_skipping(path, on_read=progress.read)
+        progress.file_done(sizes.get(path, 0))
+        return state
+
+    def files(paths):
+        sizes.update((p, os.path.getsize(p)) for p in paths)
+        progress.set_total(sum(sizes.values()))
+
+    try:
+        branch = BranchSet(prefix, load=load, on_files=files)
+        return _import(branch, output, workers, report, dictionary, langs)
+    finally:
+        progress.close()
+
+
+def _import(branch: BranchSet, output: str, workers: int, report, dictionary, langs) -> str:
     if dictionary is not None:
         branch.notes.extend(
             check_vocabulary(
@@ -236,7 +263,18 @@ def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:
             )
         else:
             model[key] = tensor
+    # The released NLLB shared file holds the tied embedding three times (FSDP saves each name's own copy):
+    # equal copies are stored once, as torch.save stores a tensor shared by several names; fairseq ties them.
+    embedding = model.get("encoder.embed_tokens.weight")
+    for key in TIED_COPIES:
+        copy_ = model.get(key)
+        if embedding is not None and copy_ is not None and copy_ is not embedding:
+            if copy_.shape == embedding.shape and copy_.dtype == embedding.dtype and torch.equal(copy_, embedding):
+                model[key] = embedding
     return model
+
+
+TIED_COPIES = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
 
 
 def _state(branch: BranchSet, head, model, shard, shards, set_id, single) -> Dict:

@@ -5,8 +5,10 @@ holding its experts, numbered from 0 in each file (``<side>.layers.<i>.moe_layer
 .weight|bias``), and the data-parallel master wrote ``<prefix>-shared.pt`` holding everything else,
 the routers (``...moe_layer.gate.wg.weight``, ``[E, d]``) included. With E >= R rank files, rank r
 holds experts ``r*E/R + j``; with E < R, rank r holds expert ``r % E`` (the others are replicas,
-which must be identical: compared by sha256). Files are read through ``safe_load`` (the branch's
-pickles hold argparse Namespaces and numpy scalars, both allowed). ``branch_import`` writes the set.
+which must be identical: compared by sha256; a run's first E rank files alone carry every expert and are
+imported with a NOTE). Files are read by ``one_read.load_skipping``: once, with the restricted types of
+``safe_load`` (the branch's pickles hold argparse Namespaces and numpy scalars, both allowed), each
+tensor's CRC-32 checked as it is read, and ``last_optimizer_state`` never read. ``branch_import`` writes the set.
 """
 
 import glob
@@ -22,7 +24,7 @@ from .branch_fsdp_shards import FsdpShards
 from .branch_options import branch_flags, is_language_model, model_options
 from ..common.config_value import config_value
 from .errors import CheckpointSetError
-from .safe_load import safe_load
+from .one_read import load_skipping
 
 BRANCH_EXPERT = re.compile(
     r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<local>\d+)\."
@@ -82,13 +84,22 @@ def digest_of(tensor: torch.Tensor) -> str:
 class BranchSet:
     """What the shared file and rank 0 say about the set: options, MoE layers, expert count, shapes."""
 
-    def __init__(self, prefix: str, load: Callable[[str], Dict] = safe_load):
+    def __init__(
+        self,
+        prefix: str,
+        load: Callable[[str], Dict] = load_skipping,
+        on_files: Optional[Callable[[List[str]], None]] = None,
+    ):
+        """``load`` reads one file (default: in one read, without its optimizer state); ``on_files`` hears
+        the list of files the set will read before the first is read."""
         prefix, consolidated = resolve_prefix(prefix)
         self.prefix = prefix
         sharded = [] if _plain_rank_files(prefix) else sharded_files(prefix)
         shards = FsdpShards(prefix, sharded) if sharded else None  # the raw -shard files of an FSDP run
         self.load = shards.load if shards is not None else load
         self.shared_path, self.rank_paths = (shards.shared_path, shards.rank_paths) if shards else branch_files(prefix)
+        if on_files is not None:
+            on_files([*(shards.shared_files if shards else [self.shared_path]), *self.rank_paths])
         self.shared = self._load(self.shared_path)
         first = self._load(self.rank_paths[0])
         self.options = model_options(first, self.rank_paths[0])
@@ -112,18 +123,29 @@ class BranchSet:
             )
         world = len(self.rank_paths)
         declared_world = _declared_world(first)
+        replicas_left_out = None
         if declared_world is not None and declared_world != world:
-            if world < declared_world:
+            if self.experts <= world < declared_world and declared_world % self.experts == 0:
+                # A run with more workers than experts: rank r held expert r % E, so ranks 0..E-1 hold every
+                # expert and the others replicas (NLLB-200 MoE: 128 experts, 256 rank files).
+                replicas_left_out = (
+                    f"{world} of the run's {declared_world} rank files are here (distributed_world_size "
+                    f"{declared_world}, {self.experts} experts: rank r held expert r % {self.experts}); ranks "
+                    f"{world}..{declared_world - 1} hold replicas only, so the first {self.experts} carry every "
+                    f"expert; replicas are compared where present"
+                )
+            elif world < declared_world:
                 raise CheckpointSetError(
                     f"{prefix}-rank-{world}.pt is missing: the run had {declared_world} workers "
                     f"(distributed_world_size), {world} rank files are here; copy the others beside them"
                     f"{missing_rank_hint(prefix, world)} (nothing was written)"
                 )
-            raise CheckpointSetError(
-                f"{prefix}-rank-{declared_world}.pt is an extra rank file from another run: the run had "
-                f"{declared_world} workers (distributed_world_size); move -rank-{declared_world}.pt ... "
-                f"-rank-{world - 1}.pt away (nothing was written)"
-            )
+            else:
+                raise CheckpointSetError(
+                    f"{prefix}-rank-{declared_world}.pt is an extra rank file from another run: the run had "
+                    f"{declared_world} workers (distributed_world_size); move -rank-{declared_world}.pt ... "
+                    f"-rank-{world - 1}.pt away (nothing was written)"
+                )
         self.world = world
         self.local = max(1, self.experts // world)
         # A moe_lm set (transformer_lm) is decoder-only: its options hold no encoder to place MoE layers in.
@@ -132,6 +154,7 @@ class BranchSet:
         layers = {side: int(getattr(self.options, f"{side}_layers", 0) or 0) for side in sides}
         self.flags, self.notes = branch_flags(self.options, self.rank_paths[0], layers)
         self.notes[:0] = [consolidated] if consolidated else [shards.note()] if shards else []
+        self.notes[:0] = [replicas_left_out] if replicas_left_out else []
         self.first_state = first  # rank 0's experts, consumed by the first pass of ``rank_experts``
         self.num_updates = int(((first.get("optimizer_history") or [{}])[-1] or {}).get("num_updates", 0) or 0)
 

@@ -23,8 +23,8 @@ def _task_option(task, name):
 
 
 def language_list(task, langs: Optional[str]) -> Optional[List[str]]:
-    """The languages, in token order: ``langs`` (a comma list or a file, one per line) if given, else the
-    run's ``--langs`` / ``--lang-dict`` as its checkpoint records them (a file only if it is here)."""
+    """The languages, in token order: ``langs`` (a comma list or a file) if given, else the run's ``--langs``
+    / ``--lang-dict`` as its checkpoint records them (a file only if it is here)."""
     value = langs if langs is not None else _task_option(task, "langs")
     if value is None and langs is None:
         value = _task_option(task, "lang_dict")
@@ -33,11 +33,37 @@ def language_list(task, langs: Optional[str]) -> Optional[List[str]]:
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    if os.path.isfile(str(value)):
-        with open(str(value), encoding="utf-8") as f:
-            return [line.strip() for line in f if line.strip()]
-    return [v for v in str(value).split(",") if v]
+        return read_languages(",".join(str(v) for v in value), "the checkpoint's --langs")
+    return read_languages(str(value), "--langs")
+
+
+def read_languages(value: str, flag: str = "--langs") -> List[str]:
+    """The language codes of ``value``, a file or the list itself, as the ``nllb`` branch reads them and
+    more: codes separated by commas and/or newlines (NLLB's ``langs.txt`` is one comma line; the branch's
+    ``--langs`` reads a file's contents and splits them at commas, stock fairseq's ``--lang-dict`` reads
+    one code per line). An empty list, or one naming a code twice, is refused in one line: the order of
+    the list fixes the language tokens' ids."""
+    source = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    codes = [code.strip() for line in value.splitlines() for code in line.split(",")]
+    codes = [code for code in codes if code]
+    if not codes:
+        raise CheckpointSetError(
+            f"{flag} {source}: no language in it; pass the language list the model was trained with (NLLB's "
+            f"langs.txt: one line of comma-separated codes; one code per line works too) (nothing was written)"
+        )
+    seen = {}
+    for position, code in enumerate(codes, 1):
+        if code in seen:
+            raise CheckpointSetError(
+                f"{flag} {source}: {code} is listed twice (codes {seen[code]} and {position}): the list's order "
+                f"fixes the language tokens' ids; pass the list the model was trained with, each code once "
+                f"(nothing was written)"
+            )
+        seen[code] = position
+    return codes
 
 
 def dictionary_symbols(path: str) -> int:

@@ -1,12 +1,16 @@
 """``import-hf``: a Hugging Face NllbMoe checkpoint directory becomes this project's set.
 
 Input: ``config.json`` (``hf_config.imported_options``) and either ``model.safetensors`` or shards
-listed by ``model.safetensors.index.json`` (what ``save_pretrained`` writes). Every shard's header is
-read and checked first (present, complete, every tensor the config implies there with its shape), so
-bad input is refused before a file is written. Then output file r of the set is assembled and written
-in turn: each tensor is read on its own by seeking in whichever shard holds it (rank 0 also takes
-every non-expert parameter; each file takes the stacked experts ``r*E/W ...`` of every MoE layer).
-Peak memory is one output file, not the model. Written staged and atomically, as the other tools.
+listed by ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or else
+``pytorch_model.bin`` or ``pytorch_model-*.bin`` shards listed by ``pytorch_model.bin.index.json`` (the
+older format, ``torch_bin_file.py``: read through the restricted unpickler, one shard at a time).
+Every shard's header (a .bin shard's pickle) is read and checked first (present, complete, every
+tensor the config implies there with its shape), so bad input is refused before a file is written.
+Then output file r of the set is assembled and written in turn: its tensors are read grouped by the
+shard that holds them (a safetensors tensor by seeking, a .bin shard whole, once per output file that
+needs it; rank 0 also takes every non-expert parameter; each file takes the stacked experts ``r*E/W
+...`` of every MoE layer). Peak memory is one output file (plus one .bin shard), not the model.
+Written staged and atomically, as the other tools.
 """
 
 import json
@@ -25,10 +29,13 @@ from .manifest import describe_file, write_manifest
 from .names import base_of, manifest_path, rank_file
 from .rank_state import moe_metadata
 from .safetensors_file import SafetensorsFile
+from .torch_bin_file import TorchBinFile
 from .staging import write_all_or_nothing
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
 
 
 def read_config(hf_dir: str) -> Dict:
@@ -65,8 +72,16 @@ def read_config(hf_dir: str) -> Dict:
 
 
 def open_shards(hf_dir: str) -> Dict[str, SafetensorsFile]:
-    """Tensor name -> the checked shard that holds it."""
-    index = os.path.join(hf_dir, INDEX)
+    """Tensor name -> the checked shard that holds it (safetensors, else ``pytorch_model*.bin``)."""
+    for index_name, single, kind in ((INDEX, SINGLE, SafetensorsFile), (BIN_INDEX, BIN_SINGLE, TorchBinFile)):
+        index = os.path.join(hf_dir, index_name)
+        if os.path.isfile(index) or os.path.isfile(os.path.join(hf_dir, single)):
+            break
+    else:
+        raise CheckpointSetError(
+            f"{hf_dir} has none of {INDEX}, {SINGLE}, {BIN_INDEX} or {BIN_SINGLE}: not a Hugging Face checkpoint "
+            f"directory, or its weights were not downloaded (nothing was written)"
+        )
     if os.path.isfile(index):
         try:
             with open(index) as f:
@@ -77,29 +92,23 @@ def open_shards(hf_dir: str) -> Dict[str, SafetensorsFile]:
                 f"cannot read {index}: {' '.join(str(e).split())}; restore it from the "
                 f"checkpoint's source (nothing was written)"
             ) from None
-    elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
-        weight_map, files = None, [SINGLE]
     else:
-        raise CheckpointSetError(
-            f"{hf_dir} has neither {INDEX} nor {SINGLE}: only safetensors checkpoints are "
-            f"imported; save the model with save_pretrained(safe_serialization=True) (nothing "
-            f"was written)"
-        )
+        weight_map, files = None, [single]
     shards = {}
     for name in files:
         if os.path.basename(name) != name or not os.path.isfile(os.path.join(hf_dir, name)):
             raise CheckpointSetError(
-                f"{INDEX} names {name}, which is missing from {hf_dir}: download or copy the "
+                f"{index_name} names {name}, which is missing from {hf_dir}: download or copy the "
                 f"whole checkpoint (nothing was written)"
             )
-        shards[name] = SafetensorsFile(os.path.join(hf_dir, name))
+        shards[name] = kind(os.path.join(hf_dir, name))
     where = {}
     for name, shard in shards.items():
         where.update(dict.fromkeys(shard.entries, shard))
     for tensor, name in (weight_map or {}).items():
         if tensor not in shards[name].entries:
             raise CheckpointSetError(
-                f"{INDEX} places {tensor} in {name}, which does not hold it: files from "
+                f"{index_name} places {tensor} in {name}, which does not hold it: files from "
                 f"different checkpoints (nothing was written)"
             )
     return where
@@ -213,7 +222,7 @@ def import_hf(
     shards, single, base = math.gcd(workers, experts), workers == 1, base_of(output)
     per = experts // shards
     report(
-        f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} safetensors file(s), sparse steps "
+        f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} weight file(s), sparse steps "
         f"{options.encoder_moe_freq}/{options.decoder_moe_freq}, vocabulary {vocab}"
     )
     report(precision)
@@ -225,24 +234,34 @@ def import_hf(
         tensor = where[name].read(name)
         return tensor if dtype is None else tensor.to(dtype)
 
+    order = {shard: i for i, shard in enumerate(dict.fromkeys(where.values()))}
+
+    def read_grouped(wanted):
+        """{HF name: tensor}, read file by file (a .bin shard is held one at a time)."""
+        return {name: read(name) for name in sorted(wanted, key=lambda n: order[where[n]])}
+
     def write(staging):
         written, files = [], []
         expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
         for shard in range(shards):
             model = {}
+            ids = range(shard * per, (shard + 1) * per)
+            got = read_grouped(
+                [*(names.values() if shard == 0 else ()), *(hf_expert_key(*lt, j) for lt in expert_layers for j in ids)]
+            )
             if shard == 0:
-                model = {key: read(name) for key, name in names.items()}
+                model = {key: got[name] for key, name in names.items()}
                 for key in TIED_HERE:  # one tensor: torch.save stores it once, fairseq ties them again
                     model[key] = model[EMBEDDING]
                 for side in SIDES:
                     model[f"{side}.version"] = torch.tensor([VERSION])
             for (layer, tensor), key in zip(expert_layers, expert_keys):
-                first = read(hf_expert_key(layer, tensor, shard * per))
+                first = got[hf_expert_key(layer, tensor, ids[0])]
                 stacked = first.new_empty((per, *first.shape))
-                stacked[0] = first
-                for j in range(1, per):
-                    stacked[j] = read(hf_expert_key(layer, tensor, shard * per + j))
+                for j in ids:
+                    stacked[j - ids[0]] = got.pop(hf_expert_key(layer, tensor, j))
                 model[key] = stacked
+            TorchBinFile.release()
             meta = moe_metadata(
                 [],
                 expert_keys,

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from bad_input_makers import fresh_training, resume
+from bad_input_makers import fresh_training, import_release_lookalike, resume
 from bad_input_runner import SET, Case, check_case, checkpoint_tool, copy_of, fairseq_train, plan_tool, train_args
 from fairseq_helpers import run_fairseq
 
@@ -102,6 +102,12 @@ CASES = [
     # -- the checkpoint tool's output path
     Case("merge-into-a-path-under-a-regular-file", checkpoint_tool, merge_under_a_regular_file, "error",
          "notes.txt is a file, not a directory", "choose an output name inside a directory"),
+    # -- the language list of an NLLB import (NLLB's langs.txt is one comma line; one code per line works too)
+    Case("import-with-an-empty-language-list", checkpoint_tool, import_release_lookalike(" ,\n"), "error",
+         "langs.txt: no language in it", "pass the language list the model was trained with"),
+    Case("import-with-a-language-listed-twice", checkpoint_tool,
+         import_release_lookalike("eng_Latn,fra_Latn\ndeu_Latn,eng_Latn\n"), "error",
+         "eng_Latn is listed twice (codes 1 and 4)", "pass the list the model was trained with, each code once"),
 ]
 # fmt: on
 

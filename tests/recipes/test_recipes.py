@@ -143,19 +143,42 @@ def test_python_stdlib_lm_quick_mode_compares_moe_and_dense_perplexity(tmp_path)
 
 
 @pytest.mark.slow
-def test_nllb_moe_dry_run_imports_a_tiny_nllb_layout_set_generates_and_fine_tunes_from_it(tmp_path):
+@pytest.mark.parametrize("variant", ["replicas", "first-half"])
+def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_fine_tunes(tmp_path, variant):
     work = tmp_path / "nllb"
-    output = run_recipe("nllb_moe.sh", work, "--dry-run")
+    output = run_recipe("nllb_moe.sh", work, "--dry-run", TINY_VARIANT=variant, timeout=420)
     for stage in range(1, 6):
         assert f"==> [{stage}/5]" in output
     imported = (work / "imported" / "import.log").read_text()
-    assert "8 rank files + shared" in imported and "4 experts (2 replicas each)" in imported
-    # NLLB's dictionary: the language tokens, then the 3 data-source tags, which the task must add
+    if variant == "replicas":
+        assert "8 rank files + shared" in imported and "4 experts (2 replicas each)" in imported
+        assert "NOTE 4 of the run's 8 rank files are here" not in imported
+    else:  # the first E rank files of the 2E-worker run: every expert, with one NOTE
+        assert "4 rank files + shared" in imported and "NOTE 4 of the run's 8 rank files are here" in imported
+    # NLLB's langs.txt is one comma line: 3 languages, then the 3 data-source tags, which the task must add
     assert "+ 3 language tokens + 3 data-source tags = 70 rows" in imported and "--moe-eom 0.2" in imported
-    assert len(hypotheses(work / "generate.out")) == 8  # the tiny set's 8 test sentences
+    assert "wrote " in imported and "imported/model.set.json" in imported  # imported for GPUS=2 workers
+    assert len(hypotheses(work / "generate.out")) == 8  # one process: the tiny set's 8 test sentences
+    assert len(hypotheses(work / "generate-sharded.out")) == 8  # 2 workers, each its own sentences
+    assert "expert-sharded inference: worker 1 of 2 holds experts 2..3" in (work / "generate-sharded.out").read_text()
     log = (work / "finetune" / "train.log").read_text()
     assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
-    assert "num_updates: 3 >= max_update: 3" in log and (work / "finetune" / "ckpt" / "checkpoint_last.pt").is_file()
+    assert "num_updates: 3 >= max_update: 3" in log
+    assert_set(work / "finetune" / "ckpt")  # fine-tuned on the GPUS=2 workers, saved as a 2-file set
+
+
+def test_nllb_langs_gives_stock_fairseq_one_comma_list_and_refuses_a_code_twice_in_one_line(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from nllb_langs import main
+
+    (tmp_path / "langs.txt").write_text("eng_Latn,fra_Latn\ndeu_Latn\n")
+    assert main([str(tmp_path / "langs.txt")]) == 0
+    assert capsys.readouterr().out == "eng_Latn,fra_Latn,deu_Latn\n"
+    (tmp_path / "langs.txt").write_text("eng_Latn,fra_Latn,eng_Latn\n")
+    assert main([str(tmp_path / "langs.txt")]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and len(printed.err.strip().splitlines()) == 1, printed.err
+    assert "eng_Latn is listed twice (codes 1 and 3)" in printed.err
 
 
 def test_nllb_moe_without_the_downloaded_files_says_where_to_get_them(tmp_path):

@@ -266,3 +266,35 @@ def restore_file_naming_a_damaged_set() -> Make:
 def with_inputs(factory) -> Make:
     """A Make built from the trained inputs (for damage that needs another run's files)."""
     return lambda inputs, work: factory(inputs)(inputs, work)
+
+
+def import_release_lookalike(langs: str) -> Make:
+    """``import-fairseq-moe`` of the NLLB-200 MoE release lookalike (``recipes/nllb_tiny_set.py``, its first E
+    rank files) with ``--dictionary`` and a ``--langs`` file holding ``langs``; the set and the output directory
+    must not change."""
+
+    def make(inputs, work):
+        import sys
+
+        from paths import REPO_ROOT
+
+        sys.path.insert(0, str(REPO_ROOT / "recipes"))
+        from nllb_tiny_set import write_release_set
+
+        prefix = write_release_set(str(work / "nllb"), first_experts_only=True)
+        (work / "langs.txt").write_text(langs)
+        (work / "out").mkdir()
+        dictionary, listed = work / "nllb" / "dictionary.txt", work / "langs.txt"
+        args = [
+            "import-fairseq-moe",
+            prefix,
+            work / "out" / "imported.pt",
+            "--dictionary",
+            dictionary,
+            "--langs",
+            listed,
+        ]
+        return args, [work / "nllb", work / "out"]
+
+    make.needs_checkpoints = False
+    return make

@@ -1,0 +1,188 @@
+"""Loading a torch checkpoint file in one read, leaving parts of it unread: ``load_skipping``.
+
+``torch.load`` reads every tensor a file pickles, and ``safe_load`` first reads the whole file once
+more to check its CRC-32s. A fairseq ``moe``/``nllb``-branch file also carries
+``last_optimizer_state`` (Adam's two moments for every parameter it holds, plus their fp16 scales),
+which an import never uses: loading it costs memory and, with the CRC pass, reading the file twice.
+
+Here the archive is opened with Python's ``zipfile`` through a reader that counts what it reads
+(``CountingReader``: every read's offset and length, and a callback for a progress bar). Only the
+pickle is read first, and unpickled by torch's weights-only unpickler (the same restricted types as
+``safe_load``: ``CHECKPOINT_SAFE_GLOBALS``) with every storage on the ``meta`` device. Then each tensor
+outside the skipped top-level keys is read from its archive member, once, and ``zipfile`` checks
+that member's CRC-32 as it reads it; the skipped keys' tensors are never read and are dropped. So
+each byte of a file is read at most once, the members it skips not at all, and a damaged member is
+still refused (in the one line ``safe_load`` uses). Legacy (pre-zip) files go through ``safe_load``.
+"""
+
+import io
+import pickle
+import sys
+import zipfile
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import _weights_only_unpickler
+
+from .errors import DamagedCheckpointError, load_another
+from .safe_load import CHECKPOINT_SAFE_GLOBALS, check_file_intact, safe_load, unloadable_error
+
+CHUNK = 16 << 20
+
+
+class CountingReader(io.RawIOBase):
+    """A file opened for reading that records ``(offset, length)`` of every read and reports each."""
+
+    def __init__(self, path: str, on_read: Optional[Callable[[int], None]] = None):
+        super().__init__()
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self.reads: List[Tuple[int, int]] = []
+        self._on_read = on_read
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        return self._file.seek(offset, whence)
+
+    def tell(self):
+        return self._file.tell()
+
+    def readinto(self, buffer):
+        start = self._file.tell()
+        count = self._file.readinto(buffer)
+        if count:
+            self.reads.append((start, count))
+            if self._on_read is not None:
+                self._on_read(count)
+        return count
+
+    def close(self):
+        self._file.close()
+        super().close()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(length for _, length in self.reads)
+
+
+def _damaged(path: str, error: BaseException) -> DamagedCheckpointError:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return DamagedCheckpointError(
+        f"{path} is damaged or incomplete ({text}): it was truncated or corrupted after it was written; "
+        f"{load_another()}"
+    )
+
+
+def load_skipping(
+    path: str,
+    skip: Iterable[str] = ("last_optimizer_state",),
+    on_read: Optional[Callable[[int], None]] = None,
+    reads: Optional[List[Tuple[int, int]]] = None,
+    tensors: bool = True,
+) -> Dict:
+    """The checkpoint at ``path`` without its top-level keys ``skip``, whose tensors are never read.
+    ``on_read(n)`` hears of every read; ``reads`` (a list) receives each read's ``(offset, length)``.
+    ``tensors=False``: read the pickle only, every tensor left on the ``meta`` device (names, shapes, dtypes)."""
+    reader = CountingReader(path, on_read)
+    try:
+        try:
+            archive = zipfile.ZipFile(reader)
+        except zipfile.BadZipFile:
+            archive = None  # empty, not a checkpoint, or a legacy (pre-zip) pickle: told apart below
+        if archive is None:
+            check_file_intact(path)  # empty or garbage: its one line; a legacy pickle passes
+            state = safe_load(path, verified=True)
+            return {k: v for k, v in state.items() if k not in set(skip)} if isinstance(state, dict) else state
+        with archive:
+            return _load(archive, path, set(skip), tensors)
+    except (zipfile.BadZipFile, EOFError, ValueError) as error:
+        raise _damaged(path, error) from None
+    finally:
+        if reads is not None:
+            reads.extend(reader.reads)
+        reader.close()
+
+
+def _load(archive: zipfile.ZipFile, path: str, skip, tensors: bool) -> Dict:
+    names = archive.namelist()
+    pickled = next((n for n in names if n.endswith("/data.pkl") and n.count("/") == 1), None)
+    if pickled is None:
+        raise DamagedCheckpointError(f"{path} holds no data.pkl: not a torch checkpoint; {load_another()}")
+    root = pickled[: -len("data.pkl")]
+    if root + "byteorder" in names and archive.read(root + "byteorder").decode() != sys.byteorder:
+        state = safe_load(path, verified=True)  # torch swaps the bytes; rare enough to read it all
+        return {k: v for k, v in state.items() if k not in skip}
+    storages: Dict[str, Tuple[torch.UntypedStorage, torch.dtype]] = {}
+
+    def persistent_load(saved_id):
+        typename, storage_type, key, _location, numel = saved_id
+        if typename not in ("storage", b"storage"):
+            raise pickle.UnpicklingError(f"persistent id {typename!r} in {path}: not a torch storage")
+        key = key.decode() if isinstance(key, bytes) else key
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if key not in storages:
+            size = numel * torch._utils._element_size(dtype)
+            storages[key] = (torch.UntypedStorage(size, device="meta"), dtype)
+        storage, _ = storages[key]
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
+        try:
+            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.read(pickled)), encoding="utf-8")
+            unpickler.persistent_load = persistent_load
+            state = unpickler.load()
+        except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
+            one_line = unloadable_error(path, error)
+            raise (one_line or error) from None
+    if not isinstance(state, dict):
+        return state
+    state = {k: v for k, v in state.items() if k not in skip}
+    if not tensors:
+        return state
+    key_of = {storage._cdata: key for key, (storage, _) in storages.items()}
+    loaded: Dict[str, torch.UntypedStorage] = {}
+
+    def materialise(tensor: torch.Tensor) -> torch.Tensor:
+        key = key_of[tensor.untyped_storage()._cdata]
+        if key not in loaded:
+            loaded[key] = _read_member(archive, root + "data/" + key, storages[key][0].nbytes())
+        out = torch.empty(0, dtype=tensor.dtype)
+        return out.set_(loaded[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    return _map_tensors(state, materialise)
+
+
+def _read_member(archive: zipfile.ZipFile, name: str, size: int) -> torch.UntypedStorage:
+    """The member's bytes as a storage, read once; zipfile checks its CRC-32 when the read reaches its end."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    with archive.open(name) as member:
+        done = 0
+        while done < size:
+            count = member.readinto(view[done : done + CHUNK])
+            if not count:
+                raise EOFError(f"{name} ends after {done} of {size} bytes")
+            done += count
+        if member.read(1):
+            raise ValueError(f"{name} holds more than its {size} bytes")
+    if not size:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _map_tensors(value, function):
+    if isinstance(value, torch.Tensor):
+        return function(value) if value.device.type == "meta" else value
+    if isinstance(value, dict):
+        for key, item in value.items():  # in place: an OrderedDict or defaultdict stays what it is
+            value[key] = _map_tensors(item, function)
+        return value
+    if isinstance(value, list):
+        return [_map_tensors(v, function) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(v, function) for v in value)
+    return value
