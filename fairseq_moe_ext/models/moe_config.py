@@ -24,6 +24,7 @@ MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
 MOE_BALANCE_CHOICES = ChoiceEnum(["none", "bias"])
 MOE_SECOND_EXPERT_CHOICES = ChoiceEnum(list(SECOND_EXPERT_POLICIES))
 MOE_EXPERT_GRAD_CHOICES = ChoiceEnum(list(EXPERT_GRAD_NORMALIZATIONS))
+MOE_FULLY_SHARDED_UNIT_CHOICES = ChoiceEnum(["layer", "model"])
 
 
 # fmt: off
@@ -154,6 +155,13 @@ class MoEConfig(FairseqDataclass):
     # MoE collective as far apart as they reach fairseq's gradient all-reduce (the same per-step
     # skew), so it needs no more patience; on NCCL a dead peer is only seen when it runs out (the
     # watchdog then aborts the job), and 1800 s kept every GPU idle for half an hour.
+    moe_fully_sharded_unit: MOE_FULLY_SHARDED_UNIT_CHOICES = field(
+        default="layer",
+        metadata={"help": "--ddp-backend fully_sharded: what FSDP2 gathers at a time. layer: each transformer "
+                  "layer (an MoE layer whole), the embeddings and output projection with the root (least "
+                  "memory); model: every shared parameter at once (fewest collectives, the whole shared part "
+                  "gathered during forward and backward) (default layer)"},
+    )
     moe_comm_timeout: float = field(
         default=600.0,
         metadata={"help": "seconds a worker waits for its peers in an MoE collective before it fails (default 600, "

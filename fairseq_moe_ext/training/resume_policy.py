@@ -84,6 +84,7 @@ POLICY: Dict[str, Rule] = {
     "moe_gating_no_fp32": Rule(MAY_CHANGE, "the router's precision, not its function"),
     "moe_gating_use_fp32": Rule(MAY_CHANGE, "accepted for fairseq's moe branch; no effect"),
     "moe_expert_parallel_size": Rule(MAY_CHANGE, "experts are resharded at load"),
+    "moe_fully_sharded_unit": Rule(MAY_CHANGE, "how FSDP2 gathers the shared part, not what it computes"),
     "moe_comm_timeout": Rule(MAY_CHANGE, "how long a collective waits for a stalled peer"),
     "moe_deterministic": Rule(MAY_CHANGE, "reproducibility of the kernels, not the function"),
     "moe_restore_fallback": Rule(MAY_CHANGE, "which checkpoint a damaged one falls back to"),
