@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import logging
 import sys
+from itertools import chain
 
 import torch
 from omegaconf import open_dict
@@ -36,6 +37,7 @@ from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
+from . import sharding
 from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ def wrap_build_optimizer(original):
     @functools.wraps(original)
     def _build_optimizer(self):
         common = self.cfg.common
+        if (common.fp16 or common.bf16) and sharding.is_fully_sharded_backend(self.cfg.distributed_training):
+            return build_fully_sharded_mixed_precision_optimizer(self)
         flattens = common.fp16 and not (common.memory_efficient_fp16 or common.bf16 or common.fp16_no_flatten_grads)
         if flattens and needs_expert_marker(self):
             with open_dict(common):
@@ -93,6 +97,23 @@ def wrap_build_optimizer(original):
         return original(self)
 
     return _build_optimizer
+
+
+def build_fully_sharded_mixed_precision_optimizer(trainer) -> None:
+    """--fp16/--bf16 under fully_sharded: the parameters the optimizer sees are fp32 (FSDP2's shards,
+    the experts' fp32 weights), so no fp32 copy is made (fairseq's FP16Optimizer would copy them).
+    fairseq's MemoryEfficientFP16Optimizer steps them in place and keeps its dynamic loss scaling for
+    fp16 (none for bf16), as fairseq does for its own fully_sharded backend; any optimizer is allowed,
+    since none of them sees a low-precision tensor. Its overflow check reads the global gradient norm
+    (hook 4), so every worker skips an overflowing step and lowers the scale alike."""
+    from fairseq import optim
+    from fairseq.optim import lr_scheduler
+
+    params = [p for p in chain(trainer.model.parameters(), trainer.criterion.parameters()) if p.requires_grad]
+    fp32_optimizer = optim.build_optimizer(trainer.cfg.optimizer, params)
+    trainer._optimizer = optim.MemoryEfficientFP16Optimizer(trainer.cfg, params, fp32_optimizer, allow_unsupported=True)
+    trainer._lr_scheduler = lr_scheduler.build_lr_scheduler(trainer.cfg.lr_scheduler, trainer.optimizer)
+    trainer._lr_scheduler.step_update(0)
 
 
 def needs_expert_marker(trainer) -> bool:

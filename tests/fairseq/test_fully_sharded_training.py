@@ -1,0 +1,116 @@
+"""What a user meets under ``--ddp-backend fully_sharded`` beyond one plain step, through fairseq's
+own Trainer on 2 gloo workers: ``--update-freq`` reduce-scatters once per update (counted) and equals
+one process; ``--checkpoint-activations`` equals one process; ``--eval-bleu`` generates during
+validation (fairseq's generator calls the encoder directly) and scores what one process scores; the
+root keeps its parameters gathered between forward and backward, the layers do not.
+"""
+
+import json
+
+import pytest
+
+from dist_utils import run_on_workers
+from in_process_trainer import (
+    assert_step_equals_one_process,
+    build_trainer,
+    collate,
+    micro_batches,
+    one_step,
+    replicated_case_flags,
+    sentence_pairs,
+    training_args,
+    write_dictionaries,
+)
+
+pytestmark = pytest.mark.slow
+SHARES = [5, 7]
+FULLY_SHARDED = ["--ddp-backend", "fully_sharded"]
+# fmt: off
+CASES = {  # name: (extra flags, micro-batches per update)
+    "update_freq": (["--update-freq", "2"], 2),
+    "checkpoint_activations": (["--checkpoint-activations"], 1),
+}
+# fmt: on
+
+
+def counting_reduce_scatters():
+    """Every reduce-scatter FSDP2 issues (one per unit per backward that syncs), counted."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    calls = [0]
+    original = _fsdp_param_group.foreach_reduce
+
+    def foreach_reduce(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    return calls
+
+
+def training_cases_worker(rank, world, data_dir):
+    from fairseq_moe_ext import fully_sharded
+
+    calls = counting_reduce_scatters()
+    results = {}
+    for name, (extra, count) in CASES.items():
+        task, trainer = build_trainer(training_args(data_dir, world, [*FULLY_SHARDED, *extra]))
+        start = sum(SHARES[:rank])
+        batches = [b[start : start + SHARES[rank]] for b in micro_batches(SHARES, count)]
+        attention = []  # forward calls of the first layer's attention: twice per micro-batch if recomputed
+        trainer.get_model().encoder.layers[0].self_attn.register_forward_hook(lambda *_: attention.append(1))
+        calls[0] = 0
+        result = one_step(task, trainer, *batches)
+        result["attention_calls"] = len(attention)
+        result["reduce_scatters"] = calls[0]
+        result["units"] = len(fully_sharded.fsdp_modules(trainer.get_model()))
+        result["params"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in result["params"].items()}
+        results[name] = result
+    results["reshards"] = [
+        fully_sharded._reshards_after_forward(m) for m in fully_sharded.fsdp_modules(trainer.get_model())
+    ]
+    return results
+
+
+def test_update_freq_and_checkpointed_activations_under_fully_sharded_equal_one_process(tmp_path):
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    by_rank = run_on_workers(training_cases_worker, 2, data_dir)
+    for name, (extra, count) in CASES.items():
+        results = [r[name] for r in by_rank]
+        assert_step_equals_one_process(results, data_dir, SHARES, replicated_case_flags(4, None, extra), count, 2)
+        for r in results:  # the root and one unit per layer, each reduce-scattering once per update
+            assert r["units"] == 5 and r["reduce_scatters"] == r["units"], (name, r["reduce_scatters"])
+            assert r["attention_calls"] == 2, (name, "micro-batches plus recomputations", r["attention_calls"])
+    for r in by_rank:
+        assert r["reshards"] == [False, True, True, True, True], "the root keeps its parameters after forward"
+
+
+BLEU = ["--eval-bleu", "--eval-bleu-args", json.dumps({"beam": 2, "max_len_a": 1.2, "max_len_b": 6})]
+
+
+def bleu_statistics(task, trainer, pairs):
+    """fairseq's validation step on ``pairs``: the BLEU counts it logs (generation inside)."""
+    trainer.model.eval()
+    _, _, logging_output = task.valid_step(collate(task, pairs), trainer.model, trainer.criterion)
+    return {k: v for k, v in logging_output.items() if k.startswith("_bleu")}
+
+
+def eval_bleu_worker(rank, world, data_dir):
+    task, trainer = build_trainer(training_args(data_dir, world, [*FULLY_SHARDED, *BLEU]))
+    pairs = sentence_pairs(12)
+    first = bleu_statistics(task, trainer, pairs[6 * rank : 6 * rank + 6 - 3 * rank])  # 6 and 3 sentences
+    one_step(task, trainer, pairs[6 * rank : 6 * rank + 6])  # training goes on after generating
+    return {"bleu": first, "sharded": [type(p).__name__ for p in trainer.get_model().parameters()]}
+
+
+def test_eval_bleu_under_fully_sharded_generates_what_one_process_generates(tmp_path):
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    by_rank = run_on_workers(eval_bleu_worker, 2, data_dir)
+    task, trainer = build_trainer(training_args(data_dir, 1, BLEU))
+    pairs = sentence_pairs(12)
+    for rank, result in enumerate(by_rank):
+        want = bleu_statistics(task, trainer, pairs[6 * rank : 6 * rank + 6 - 3 * rank])
+        assert want["_bleu_sys_len"] > 0 and result["bleu"] == want, (rank, result["bleu"], want)
+        assert "DTensor" in result["sharded"], "the shared part is sharded again after generating"
