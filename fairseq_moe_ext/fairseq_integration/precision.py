@@ -34,6 +34,7 @@ from torch.amp.grad_scaler import OptState
 from .. import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
 from ..checkpoint.config_value import config_value
+from ..fully_sharded import is_sharded, local_part
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
@@ -128,6 +129,9 @@ def needs_expert_marker(trainer) -> bool:
 def wrap_amp_clip_grad_norm(original):
     @functools.wraps(original)
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        scaler = self.scaler
+        if scaler.is_enabled() and "unscale_" not in vars(scaler) and any(map(is_sharded, self.fp32_optimizer.params)):
+            scaler.unscale_ = functools.partial(unscale_local_parts, scaler)
         grad_norm = original(self, max_norm, aggregate_norm_fn)
         STATE.amp_overflow[self] = not bool(torch.isfinite(grad_norm).all())
         return grad_norm
@@ -148,6 +152,30 @@ def wrap_amp_step(original):
         scaler.update()
 
     return step
+
+
+def unscale_local_parts(scaler, optimizer) -> None:
+    """GradScaler.unscale_ for an optimizer holding FSDP2's slices (DTensors) beside plain expert
+    tensors, which torch's one foreach unscale per device refuses: the same record and the same
+    kernel, on each gradient's local part (``--amp`` under --ddp-backend fully_sharded). The found-inf
+    is this worker's; the global gradient norm makes it every worker's (``mark_overflow``)."""
+    state = scaler_optimizer_state(scaler, optimizer)
+    if state["stage"] is not OptState.READY:
+        raise RuntimeError(f"unscale_() called at stage {state['stage']} of this optimizer's update")
+    inv_scale = scaler._scale.double().reciprocal().float()
+    grads = {}  # by device and dtype, as torch groups them
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                grad = local_part(p.grad)
+                grads.setdefault(grad.device, {}).setdefault(grad.dtype, []).append(grad)
+    found = {}
+    for device, by_dtype in grads.items():
+        found[device] = torch.zeros((), dtype=torch.float32, device=device)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found[device], inv_scale.to(device))
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
 
 
 def mark_overflow(scaler, optimizer) -> None:

@@ -101,9 +101,12 @@ def shard_for_training(args, model, process_group, device):
     model = model.to(device=device, dtype=torch.float32) if low is not None else model.to(device)
     if moe_dist.has_experts(model):
         moe_dist.check_shared_parameters_agree(model, process_group)
+    # --moe-fully-sharded-unit (MoEModelMixin records it; a dense model: one unit per layer).
+    whole_model = getattr(model, "moe_fully_sharded_unit", "layer") == "model"
     sharded = fully_sharded.shard_model(
         model,
         process_group,
+        units=[] if whole_model else None,
         mp_policy=fully_sharded.mixed_precision_policy(low),
         reshard_after_forward=not config_value(args, "no_reshard_after_forward", False),
     )

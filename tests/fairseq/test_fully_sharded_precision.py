@@ -1,11 +1,12 @@
-"""``--ddp-backend fully_sharded`` with ``--bf16`` and ``--fp16`` through fairseq's own Trainer.
+"""``--ddp-backend fully_sharded`` with ``--bf16``, ``--fp16`` and ``--amp`` through fairseq's Trainer.
 
 Each gloo worker runs real ``Trainer.train_step``s under fully_sharded and under legacy_ddp in the
 same precision; one process holding everything runs the same steps on the whole batch. bf16 and
-fp16 are torch's own arithmetic on the CPU. The fp16 cases first take a step with an inf in one
-worker's expert gradient: every worker must skip it and lower its loss scale alike, then take the
-same clean step as the others. The fully_sharded workers hold fp32 master shards (1/W of the shared
-parameters, gradients and NAG's momentum each) and fp32 experts.
+fp16 are torch's own arithmetic on the CPU (``--amp`` is fp32 there, with torch's CPU GradScaler).
+The fp16 and amp cases first take a step with an inf in one worker's expert gradient: every worker
+must skip it and lower its loss scale alike, then take the same clean step as the others. The
+fully_sharded workers hold fp32 master shards (1/W of the shared parameters, gradients and NAG's
+momentum each) and fp32 experts.
 """
 
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 # (precision, experts, P or None for W, token shares per worker); NAG in every case.
 # fmt: off
 CASES = {
-    2: [("bf16", 4, None, [5, 7]), ("fp16", 4, 1, [6, 6])],
+    2: [("bf16", 4, None, [5, 7]), ("fp16", 4, 1, [6, 6]), ("amp", 4, None, [7, 5])],
     4: [("bf16", 4, 2, [2, 5, 3, 4]), ("fp16", 4, None, [3, 3, 4, 2])],
 }
 # fmt: on
@@ -34,7 +35,7 @@ def precision_cases_worker(rank, world, data_dir):
     cpu_shims()
     results = []
     for precision, experts, parallel, shares in CASES[world]:
-        overflow = OVERFLOW_RANK if precision == "fp16" else None
+        overflow = OVERFLOW_RANK if precision != "bf16" else None
         by_backend = {}
         for backend in ("fully_sharded", "legacy_ddp"):
             flags = ["--ddp-backend", backend, *case_flags(precision, experts, parallel)]
@@ -54,14 +55,14 @@ def shared_bytes(result, world, rank):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fully_sharded_bf16_and_fp16_steps_equal_one_process_and_legacy_ddp(tmp_path, monkeypatch, world):
+def test_fully_sharded_bf16_fp16_and_amp_steps_equal_one_process_and_legacy_ddp(tmp_path, monkeypatch, world):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     by_rank = run_on_workers(precision_cases_worker, world, data_dir)
     monkeypatch.setattr("torch.Tensor.cuda", lambda self, *args, **kwargs: self)  # cpu_shims, undone after
     for i, (precision, experts, parallel, shares) in enumerate(CASES[world]):
         tolerance = PRECISIONS[precision][1]
-        overflow = 0 if precision == "fp16" else None  # one process: the inf in its only worker
+        overflow = 0 if precision != "bf16" else None  # one process: the inf in its only worker
         reference = run_precision_case(
             data_dir, 1, 0, [sum(shares)], case_flags(precision, experts, parallel), overflow
         )
@@ -79,7 +80,7 @@ def test_fully_sharded_bf16_and_fp16_steps_equal_one_process_and_legacy_ddp(tmp_
             assert held["shared_params"] == held["shared_grads"] == held["shared_optimizer"] == want, (what, held)
             experts_bytes = sum(sharded["after"][n].numel() * 4 for n in sharded["expert_names"])
             assert held["expert_params"] == held["expert_grads"] == experts_bytes, (what, held)
-            if precision == "fp16":
+            if precision != "bf16":
                 for run in (sharded, legacy):
                     assert run["updates_after_overflow"] == 0, f"{what}: stepped on an overflow"
                     assert all(run["after_overflow"][n].equal(w) for n, w in run["before"].items()), what

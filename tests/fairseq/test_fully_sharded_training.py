@@ -1,6 +1,6 @@
 """What a user meets under ``--ddp-backend fully_sharded`` beyond one plain step, through fairseq's
 own Trainer on 2 gloo workers: ``--update-freq`` reduce-scatters once per update (counted) and equals
-one process; ``--checkpoint-activations`` equals one process; ``--eval-bleu`` generates during
+one process; ``--checkpoint-activations`` and ``--moe-fully-sharded-unit model`` equal one process; ``--eval-bleu`` generates during
 validation (fairseq's generator calls the encoder directly) and scores what one process scores; the
 root keeps its parameters gathered between forward and backward, the layers do not.
 """
@@ -26,9 +26,10 @@ pytestmark = pytest.mark.slow
 SHARES = [5, 7]
 FULLY_SHARDED = ["--ddp-backend", "fully_sharded"]
 # fmt: off
-CASES = {  # name: (extra flags, micro-batches per update)
-    "update_freq": (["--update-freq", "2"], 2),
-    "checkpoint_activations": (["--checkpoint-activations"], 1),
+CASES = {  # name: (extra flags, micro-batches per update, FSDP units: root and layers, or the root alone)
+    "update_freq": (["--update-freq", "2"], 2, 5),
+    "checkpoint_activations": (["--checkpoint-activations"], 1, 5),
+    "one_unit": (["--moe-fully-sharded-unit", "model"], 1, 1),
 }
 # fmt: on
 
@@ -53,7 +54,7 @@ def training_cases_worker(rank, world, data_dir):
 
     calls = counting_reduce_scatters()
     results = {}
-    for name, (extra, count) in CASES.items():
+    for name, (extra, count, _) in CASES.items():
         task, trainer = build_trainer(training_args(data_dir, world, [*FULLY_SHARDED, *extra]))
         start = sum(SHARES[:rank])
         batches = [b[start : start + SHARES[rank]] for b in micro_batches(SHARES, count)]
@@ -65,25 +66,25 @@ def training_cases_worker(rank, world, data_dir):
         result["reduce_scatters"] = calls[0]
         result["units"] = len(fully_sharded.fsdp_modules(trainer.get_model()))
         result["params"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in result["params"].items()}
+        modules = fully_sharded.fsdp_modules(trainer.get_model())
+        result["reshards"] = [fully_sharded._reshards_after_forward(m) for m in modules]
         results[name] = result
-    results["reshards"] = [
-        fully_sharded._reshards_after_forward(m) for m in fully_sharded.fsdp_modules(trainer.get_model())
-    ]
     return results
 
 
-def test_update_freq_and_checkpointed_activations_under_fully_sharded_equal_one_process(tmp_path):
+def test_update_freq_checkpointing_and_one_unit_under_fully_sharded_equal_one_process(tmp_path):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
     by_rank = run_on_workers(training_cases_worker, 2, data_dir)
-    for name, (extra, count) in CASES.items():
+    for name, (extra, count, units) in CASES.items():
         results = [r[name] for r in by_rank]
         assert_step_equals_one_process(results, data_dir, SHARES, replicated_case_flags(4, None, extra), count, 2)
-        for r in results:  # the root and one unit per layer, each reduce-scattering once per update
-            assert r["units"] == 5 and r["reduce_scatters"] == r["units"], (name, r["reduce_scatters"])
-            assert r["attention_calls"] == 2, (name, "micro-batches plus recomputations", r["attention_calls"])
-    for r in by_rank:
-        assert r["reshards"] == [False, True, True, True, True], "the root keeps its parameters after forward"
+        for r in results:  # each unit reduce-scatters once per update
+            assert r["units"] == units and r["reduce_scatters"] == units, (name, r["units"], r["reduce_scatters"])
+            # the root keeps its parameters gathered from forward to backward, the layers do not
+            assert r["reshards"] == [False] + [True] * (units - 1), (name, r["reshards"])
+    assert [r["update_freq"]["attention_calls"] for r in by_rank] == [2, 2], "one forward per micro-batch"
+    assert [r["checkpoint_activations"]["attention_calls"] for r in by_rank] == [2, 2], "forward, then recomputed"
 
 
 BLEU = ["--eval-bleu", "--eval-bleu-args", json.dumps({"beam": 2, "max_len_a": 1.2, "max_len_b": 6})]
