@@ -97,21 +97,26 @@ def bleu_statistics(task, trainer, pairs):
     return {k: v for k, v in logging_output.items() if k.startswith("_bleu")}
 
 
-def eval_bleu_worker(rank, world, data_dir):
-    task, trainer = build_trainer(training_args(data_dir, world, [*FULLY_SHARDED, *BLEU]))
+def eval_bleu_worker(rank, world, data_dir, precision):
+    task, trainer = build_trainer(training_args(data_dir, world, [*FULLY_SHARDED, *BLEU, *precision]))
     pairs = sentence_pairs(12)
     first = bleu_statistics(task, trainer, pairs[6 * rank : 6 * rank + 6 - 3 * rank])  # 6 and 3 sentences
     one_step(task, trainer, pairs[6 * rank : 6 * rank + 6])  # training goes on after generating
     return {"bleu": first, "sharded": [type(p).__name__ for p in trainer.get_model().parameters()]}
 
 
-def test_eval_bleu_under_fully_sharded_generates_what_one_process_generates(tmp_path):
+# bf16: the worker with fewer sentences joins the others' MoE calls with no rows, in their dtype
+# (fp32 rows were a collective size mismatch that aborted both workers).
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_eval_bleu_under_fully_sharded_generates_what_one_process_generates(tmp_path, precision):
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
-    by_rank = run_on_workers(eval_bleu_worker, 2, data_dir)
-    task, trainer = build_trainer(training_args(data_dir, 1, BLEU))
+    by_rank = run_on_workers(eval_bleu_worker, 2, data_dir, precision)
+    task, trainer = build_trainer(training_args(data_dir, 1, [*BLEU, *precision]))
     pairs = sentence_pairs(12)
     for rank, result in enumerate(by_rank):
         want = bleu_statistics(task, trainer, pairs[6 * rank : 6 * rank + 6 - 3 * rank])
-        assert want["_bleu_sys_len"] > 0 and result["bleu"] == want, (rank, result["bleu"], want)
+        assert want["_bleu_sys_len"] > 0 and result["bleu"]["_bleu_sys_len"] > 0, (rank, result["bleu"], want)
+        if not precision:  # bf16: an untrained model's near-ties round apart (other expert batches)
+            assert result["bleu"] == want, (rank, result["bleu"], want)
         assert "DTensor" in result["sharded"], "the shared part is sharded again after generating"
