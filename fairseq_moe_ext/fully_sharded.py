@@ -21,9 +21,15 @@ What changes for the rest of training, all here:
   the saved set is an ordinary set (the shared state stored once).
 * Loading: ``sharded_like`` cuts this worker's slice out of a full tensor that every worker read,
   with no communication (fairseq and checkpoint/share.py give every worker the shared state).
+* Mixed precision (``--bf16``, ``--fp16``): the shards stay fp32 (the optimizer's master weights);
+  ``mixed_precision_policy`` gathers each unit in the low precision for its forward and backward and
+  reduce-scatters its gradients in fp32. Experts keep fp32 parameters too and compute in the dtype of
+  the activations they receive (``BatchedExperts.forward`` casts its weights), so their gradients
+  arrive fp32 as well. ``--amp`` keeps fp32 parameters and lets autocast choose per operation.
 """
 
 import sys
+from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -57,15 +63,42 @@ def refused_options(args) -> list:
             "--store-ema keeps a whole copy of the model on every worker, which --ddp-backend "
             "fully_sharded shards: drop --store-ema or use --ddp-backend legacy_ddp"
         )
-    for precision in ("fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16"):
-        if config_value(args, precision):
+    for name in [config_value(args, "optimizer"), *(config_value(args, "composite_optimizers") or [])]:
+        if str(name) in NOT_ELEMENT_WISE:
             refused.append(
-                f"--{precision.replace('_', '-')} is not mapped onto torch FSDP2's mixed precision yet: "
-                f"train --ddp-backend fully_sharded in fp32 (drop --{precision.replace('_', '-')}) or use "
-                f"--ddp-backend legacy_ddp"
+                f"--optimizer {name} {NOT_ELEMENT_WISE[str(name)]}, which a worker's dim-0 slice of a "
+                f"shared parameter cannot give under --ddp-backend fully_sharded: use an element-wise "
+                f"optimizer (adam, sgd, nag, adagrad, adadelta, adamax) or --ddp-backend legacy_ddp"
             )
-            break
     return refused
+
+
+# fairseq 0.12's optimizers that read more than one element of a tensor at a time (the others, adam,
+# sgd, nag, adagrad, adadelta, adamax and cpu_adam, update each element from its own gradient).
+NOT_ELEMENT_WISE = {
+    "adafactor": "factors its second moment into row and column means and scales updates by whole-tensor RMS",
+    "lamb": "scales each update by the ratio of whole-tensor norms (trust ratio)",
+}
+
+
+def low_precision_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype fairseq's Trainer cast ``model`` to (``--fp16``: float16, ``--bf16``: bfloat16, and
+    their memory-efficient variants, which fairseq's parser turns on with them), or None (fp32, and
+    ``--amp``, where autocast picks the dtype per operation on fp32 parameters)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    low = dtypes & {torch.float16, torch.bfloat16}
+    return low.pop() if len(low) == 1 else None
+
+
+def mixed_precision_policy(dtype: Optional[torch.dtype]):
+    """FSDP2's policy for ``dtype``: each unit's parameters gathered in ``dtype`` for forward and
+    backward (and its floating inputs cast to it), gradients reduce-scattered in fp32 onto the fp32
+    shards the optimizer steps. None for fp32."""
+    if dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def zero_sharding_error() -> ValueError:
@@ -126,7 +159,9 @@ def shard_model(
 ) -> torch.nn.Module:
     """Apply FSDP2 in place: one unit per layer (``wrap_units``) and the root, over ``group`` (the
     data-parallel group; the world if None), with every expert parameter left out. Returns ``model``
-    (now an FSDPModule)."""
+    (now an FSDPModule). ``reshard_after_forward`` applies to the units; the root keeps its
+    parameters gathered from its forward to its backward (backward needs them first: the output
+    projection), as FSDP2 advises."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -140,15 +175,63 @@ def shard_model(
     mesh = DeviceMesh.from_group(group, device.type)
     units = wrap_units(model) if units is None else list(units)
     check_units_keep_moe_layers_whole(model, units)
-    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if mp_policy is not None:
-        options["mp_policy"] = mp_policy
+    options = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     for unit in units:
-        fully_shard(unit, ignored_params={p for p in unit.parameters() if is_expert(p)}, **options)
-    fully_shard(model, ignored_params={p for p in model.parameters() if is_expert(p)}, **options)
+        experts = {p for p in unit.parameters() if is_expert(p)}
+        fully_shard(unit, ignored_params=experts, reshard_after_forward=reshard_after_forward, **options)
+    experts = {p for p in model.parameters() if is_expert(p)}
+    fully_shard(model, ignored_params=experts, reshard_after_forward=False, **options)
     # Checkpoints hold whole tensors: the root's pre-hook (run before any module loads) cuts them.
     model.register_load_state_dict_pre_hook(_whole_tensors_sliced)
     return model
+
+
+def fsdp_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return [] if fsdp is None else [m for m in model.modules() if isinstance(m, fsdp)]
+
+
+@contextmanager
+def gradient_sync_deferred(model: torch.nn.Module):
+    """Backward inside accumulates whole gradients on every worker, with no reduce-scatter (the
+    micro-batches of ``--update-freq`` but the last); the next backward outside reduce-scatters the
+    sum. Costs one whole (reduce-dtype) gradient per shared parameter meanwhile."""
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
+@contextmanager
+def gathered_for_inference(model: torch.nn.Module):
+    """Every shared parameter whole on every worker inside, with no collective from FSDP2: fairseq's
+    generators call the encoder and decoder directly (never the root's forward, which gathers the
+    embeddings), and workers run different numbers of decoder steps (a unit gathering per call would
+    leave them waiting for each other). Costs the whole shared part per worker while inside, what
+    legacy_ddp holds all the time; left sharded again at exit."""
+    modules = fsdp_modules(model)
+    if not modules:
+        yield
+        return
+    saved = [_reshards_after_forward(m) for m in modules]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module, reshards in zip(modules, saved):
+            module.reshard()
+            module.set_reshard_after_forward(reshards, recurse=False)
+
+
+def _reshards_after_forward(module) -> bool:
+    groups = module._get_fsdp_state()._fsdp_param_groups  # torch 2.13's FSDP2 state: no public getter
+    return any(g.post_forward_mesh_info is not None for g in groups)
 
 
 def _whole_tensors_sliced(module, state_dict, prefix, *args):

@@ -95,7 +95,9 @@ HOOKS = (
          "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK)."),
     Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
-         "batch runs (flattening drops the expert marker the global norm needs)."),
+         "batch runs (flattening drops the expert marker the global norm needs). Under --ddp-backend "
+         "fully_sharded, --fp16/--bf16 step the fp32 shards and experts in place (MemoryEfficientFP16Optimizer "
+         "over fp32 parameters, as fairseq's own fully_sharded does; fp16 keeps its dynamic loss scale)."),
     Hook(13, "fairseq.optim.amp_optimizer.AMPOptimizer.clip_grad_norm", precision.wrap_amp_clip_grad_norm,
          "--amp: the global gradient norm decides whether every worker skips the step."),
     Hook(13, "fairseq.optim.amp_optimizer.AMPOptimizer.step", precision.wrap_amp_step,
@@ -113,7 +115,9 @@ HOOKS = (
          "loop over a progress bar) keeps joining the other workers' MoE calls until theirs have too."),
     Hook(17, "fairseq.tasks.fairseq_task.FairseqTask.inference_step", inference.wrap_inference_step,
          "--eval-bleu in expert-parallel training: each generation is one lock-step session (workers run "
-         "different numbers of decoder steps), finished before fairseq gathers the validation statistics."),
+         "different numbers of decoder steps), finished before fairseq gathers the validation statistics. "
+         "Under --ddp-backend fully_sharded the shared part is gathered whole for the generation (the generator "
+         "calls the encoder directly, never the root that gathers the embeddings), and sharded again after."),
     Hook(18, "fairseq.trainer.Trainer.train_step", training.wrap_train_step,
          "with --moe-balance bias: after the update's optimizer step, every MoE layer's balance bias moves "
          "from the expert load of all its micro-batches summed over the workers (a skipped step moves none). "
@@ -128,7 +132,7 @@ HOOKS = (
          "--ddp-backend fully_sharded runs on torch FSDP2 (hook 3 shards the model, experts left out), so fairseq's "
          "fairscale-only paths (its import, optimizer consolidation, norm aggregation, fp16 wrapper) stay off: "
          "False, after refusing in one line the options FSDP2 cannot honour here (--cpu-offload, "
-         "--use-sharded-state, --store-ema, mixed precision)."),
+         "--use-sharded-state, --store-ema, optimizers that are not element-wise)."),
     Hook(20, "fairseq.trainer.Trainer.always_call_state_dict_during_save_checkpoint",
          sharding.wrap_always_call_state_dict,
          "under fully_sharded a save gathers the shared state one tensor at a time (collectives), so every worker "

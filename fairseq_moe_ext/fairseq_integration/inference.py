@@ -12,6 +12,7 @@ before fairseq gathers the validation statistics.
 """
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
+from .. import fully_sharded
 from ..common.config_value import config_value
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
@@ -251,10 +253,14 @@ class FinishingIterator:
 def wrap_inference_step(original):
     @functools.wraps(original)
     def inference_step(self, generator, models, sample, *args, **kwargs):
-        lockstep = attach_lockstep(models[0]) if len(models) == 1 else None
-        if lockstep is None or lockstep.active:  # one process, or a sharded CLI (always in lock-step)
-            return original(self, generator, models, sample, *args, **kwargs)
-        with lockstep.session():
-            return original(self, generator, models, sample, *args, **kwargs)
+        # --ddp-backend fully_sharded: the shared part gathered while generating (fully_sharded.py).
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(fully_sharded.gathered_for_inference(model))
+            lockstep = attach_lockstep(models[0]) if len(models) == 1 else None
+            if lockstep is None or lockstep.active:  # one process, or a sharded CLI (always in lock-step)
+                return original(self, generator, models, sample, *args, **kwargs)
+            with lockstep.session():
+                return original(self, generator, models, sample, *args, **kwargs)
 
     return inference_step

@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import logging
 import sys
+from itertools import chain
 
 import torch
 from omegaconf import open_dict
@@ -34,8 +35,10 @@ from .. import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
 from ..common.config_value import config_value
 from ..common.torch_compat import scaler_optimizer_state
+from ..fully_sharded import is_sharded, local_part
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
+from . import sharding
 from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +85,8 @@ def wrap_build_optimizer(original):
     @functools.wraps(original)
     def _build_optimizer(self):
         common = self.cfg.common
+        if (common.fp16 or common.bf16) and sharding.is_fully_sharded_backend(self.cfg.distributed_training):
+            return build_fully_sharded_mixed_precision_optimizer(self)
         flattens = common.fp16 and not (common.memory_efficient_fp16 or common.bf16 or common.fp16_no_flatten_grads)
         if flattens and needs_expert_marker(self):
             with open_dict(common):
@@ -93,6 +98,23 @@ def wrap_build_optimizer(original):
         return original(self)
 
     return _build_optimizer
+
+
+def build_fully_sharded_mixed_precision_optimizer(trainer) -> None:
+    """--fp16/--bf16 under fully_sharded: the parameters the optimizer sees are fp32 (FSDP2's shards,
+    the experts' fp32 weights), so no fp32 copy is made (fairseq's FP16Optimizer would copy them).
+    fairseq's MemoryEfficientFP16Optimizer steps them in place and keeps its dynamic loss scaling for
+    fp16 (none for bf16), as fairseq does for its own fully_sharded backend; any optimizer is allowed,
+    since none of them sees a low-precision tensor. Its overflow check reads the global gradient norm
+    (hook 4), so every worker skips an overflowing step and lowers the scale alike."""
+    from fairseq import optim
+    from fairseq.optim import lr_scheduler
+
+    params = [p for p in chain(trainer.model.parameters(), trainer.criterion.parameters()) if p.requires_grad]
+    fp32_optimizer = optim.build_optimizer(trainer.cfg.optimizer, params)
+    trainer._optimizer = optim.MemoryEfficientFP16Optimizer(trainer.cfg, params, fp32_optimizer, allow_unsupported=True)
+    trainer._lr_scheduler = lr_scheduler.build_lr_scheduler(trainer.cfg.lr_scheduler, trainer.optimizer)
+    trainer._lr_scheduler.step_update(0)
 
 
 def needs_expert_marker(trainer) -> bool:
@@ -107,6 +129,9 @@ def needs_expert_marker(trainer) -> bool:
 def wrap_amp_clip_grad_norm(original):
     @functools.wraps(original)
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        scaler = self.scaler
+        if scaler.is_enabled() and "unscale_" not in vars(scaler) and any(map(is_sharded, self.fp32_optimizer.params)):
+            scaler.unscale_ = functools.partial(unscale_local_parts, scaler)
         grad_norm = original(self, max_norm, aggregate_norm_fn)
         STATE.amp_overflow[self] = not bool(torch.isfinite(grad_norm).all())
         return grad_norm
@@ -127,6 +152,30 @@ def wrap_amp_step(original):
         scaler.update()
 
     return step
+
+
+def unscale_local_parts(scaler, optimizer) -> None:
+    """GradScaler.unscale_ for an optimizer holding FSDP2's slices (DTensors) beside plain expert
+    tensors, which torch's one foreach unscale per device refuses: the same record and the same
+    kernel, on each gradient's local part (``--amp`` under --ddp-backend fully_sharded). The found-inf
+    is this worker's; the global gradient norm makes it every worker's (``mark_overflow``)."""
+    state = scaler_optimizer_state(scaler, optimizer)
+    if state["stage"] is not OptState.READY:
+        raise RuntimeError(f"unscale_() called at stage {state['stage']} of this optimizer's update")
+    inv_scale = scaler._scale.double().reciprocal().float()
+    grads = {}  # by device and dtype, as torch groups them
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                grad = local_part(p.grad)
+                grads.setdefault(grad.device, {}).setdefault(grad.dtype, []).append(grad)
+    found = {}
+    for device, by_dtype in grads.items():
+        found[device] = torch.zeros((), dtype=torch.float32, device=device)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found[device], inv_scale.to(device))
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
 
 
 def mark_overflow(scaler, optimizer) -> None:

@@ -31,10 +31,17 @@ def check_options(*nodes) -> None:
         raise ValueError(refused[0])
 
 
+def optimizers(optimizer_cfg) -> dict:
+    """The optimizer named in fairseq's cfg.optimizer, and those of a composite's parameter groups."""
+    groups = config_value(optimizer_cfg, "groups") or {}
+    inner = [config_value(config_value(g, "optimizer"), "_name") for g in groups.values()]
+    return {"optimizer": config_value(optimizer_cfg, "_name"), "composite_optimizers": inner}
+
+
 def wrap_is_fsdp(original_fget):
     def is_fsdp(self):
         if original_fget(self):  # fully_sharded: FSDP2 through hook 3, never fairscale's paths
-            check_options(self.cfg.distributed_training, self.cfg.common, self.cfg.ema)
+            check_options(self.cfg.distributed_training, self.cfg.common, self.cfg.ema, optimizers(self.cfg.optimizer))
         return False
 
     return is_fsdp
@@ -87,11 +94,21 @@ def wrap_optimizer_multiply_grads(original):
 def shard_for_training(args, model, process_group, device):
     """Hook 3's branch for fully_sharded: FSDP2 over fairseq's data-parallel group, experts left out."""
     check_options(args)  # a Namespace here: every flag in one place
-    model = model.to(device)
+    low = fully_sharded.low_precision_dtype(model)
+    # fairseq's Trainer cast the model to fp16/bf16 (it does so whenever is_fsdp is False): the shards
+    # are the fp32 master weights, so it goes back to fp32 before sharding. Only the random
+    # initialisation passed through the low precision; checkpoints load into the fp32 shards.
+    model = model.to(device=device, dtype=torch.float32) if low is not None else model.to(device)
     if moe_dist.has_experts(model):
         moe_dist.check_shared_parameters_agree(model, process_group)
+    # --moe-fully-sharded-unit (MoEModelMixin records it; a dense model: one unit per layer).
+    whole_model = getattr(model, "moe_fully_sharded_unit", "layer") == "model"
     sharded = fully_sharded.shard_model(
-        model, process_group, reshard_after_forward=not config_value(args, "no_reshard_after_forward", False)
+        model,
+        process_group,
+        units=[] if whole_model else None,
+        mp_policy=fully_sharded.mixed_precision_policy(low),
+        reshard_after_forward=not config_value(args, "no_reshard_after_forward", False),
     )
     return FullyShardedModel(sharded)
 
@@ -113,6 +130,11 @@ class FullyShardedModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        """fairseq's Trainer runs every micro-batch of --update-freq but the last inside it: gradients
+        accumulate whole, and only the last backward reduce-scatters."""
+        return fully_sharded.gradient_sync_deferred(self.module)
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

@@ -84,6 +84,7 @@ class MoEModelMixin:
         model.moe_layout = layout
         # Read when the model is wrapped for training (fairseq hands the wrapper only its distributed options).
         model.moe_normalize_expert_grad = str(moe_option(args, "moe_normalize_expert_grad"))
+        model.moe_fully_sharded_unit = str(moe_option(args, "moe_fully_sharded_unit"))
         return model
 
     @classmethod

@@ -118,6 +118,12 @@ class BatchedExperts(nn.Module):
             raise ValueError(f"expected {self.num_local_experts} token counts, got {len(counts)}")
         dropout_p = self.activation_dropout if self.training else 0.0
         w1, b1, w2, b2 = self.batched_fc1_w, self.batched_fc1_b, self.batched_fc2_w, self.batched_fc2_b
+        if x.dtype != w1.dtype and x.is_floating_point() and not torch.is_autocast_enabled(x.device.type):
+            # fp32 weights, low-precision activations (--ddp-backend fully_sharded with --bf16/--fp16:
+            # the weights are the fp32 masters): compute in the activations' dtype; the casts are
+            # part of the graph, so the gradients reach the fp32 weights in fp32.
+            w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
+            b1, b2 = (None if b is None else b.to(x.dtype) for b in (b1, b2))
         if select_expert_matmul(self.matmul, x, w1) == "grouped_mm":
             groups = expert_groups(counts, x.device, device_counts)
             h = self.activation(grouped_linear(x, groups, w1, b1))

@@ -82,5 +82,8 @@ class LockStep:
     def _mirror(self, stack: int) -> None:
         with torch.no_grad():
             for layer in self.stacks[stack]:
-                weight = next(layer.experts.parameters())
-                layer.route_tokens(weight.new_zeros(0, layer.model_dim))
+                # No rows, in the dtype the others' rows have: the layer's shared (router) weights'
+                # (under fully_sharded with --bf16/--fp16 the experts' own weights stay fp32).
+                shared = [p for p in layer.parameters() if not getattr(p, "expert", False)]
+                like = shared[0] if shared else next(layer.experts.parameters())
+                layer.route_tokens(like.new_zeros(0, layer.model_dim))

@@ -21,6 +21,12 @@ def launch_option(name, type_, default, help_text, why, **more) -> Option:
 
 # fmt: off
 RUN_OPTIONS = (
+    Option("moe_fully_sharded_unit", str, "layer",
+           "--ddp-backend fully_sharded: what FSDP2 gathers at a time. layer: each transformer "
+           "layer (an MoE layer whole), the embeddings and output projection with the root (least "
+           "memory); model: every shared parameter at once (fewest collectives, the whole shared part "
+           "gathered during forward and backward) (default layer)",
+           MAY_CHANGE, "how FSDP2 gathers the shared part, not what it computes", choices=("layer", "model")),
     # 600 s: torch's NCCL default, the timeout of fairseq's own collectives on GPUs. Workers reach an
     # MoE collective as far apart as they reach fairseq's gradient all-reduce (the same per-step
     # skew), so it needs no more patience; on NCCL a dead peer is only seen when it runs out (the

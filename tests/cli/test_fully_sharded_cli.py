@@ -1,6 +1,7 @@
 """``--ddp-backend fully_sharded`` through the real command line: 2 torchrun workers (gloo) save an
 ordinary checkpoint set, which resumes bit-exactly under fully_sharded, moves to legacy_ddp and
-back, generates like a legacy_ddp set and goes through merge and inspect unchanged."""
+back, resumes on 1 worker (and a 1-worker set on 2) as legacy_ddp does, generates like a legacy_ddp
+set and goes through merge and inspect unchanged."""
 
 import json
 import shutil
@@ -25,8 +26,8 @@ def losses_by_update(output):
     return {int(r["num_updates"]): float(r["loss"]) for r in json_logs(output)}
 
 
-def train(data, save_dir, max_update, backend):
-    return torchrun(2, TRAIN_EVERY_DIGIT, train_args(data, save_dir, max_update, backend))
+def train(data, save_dir, max_update, backend, workers=2):
+    return torchrun(workers, TRAIN_EVERY_DIGIT, train_args(data, save_dir, max_update, backend))
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def runs(parallel_data, tmp_path_factory):
     train(parallel_data, root / "legacy", 4, "legacy_ddp")
     shutil.copytree(root / "legacy", root / "legacy_at4")
     uninterrupted = train(parallel_data, root / "fs_full", 8, "fully_sharded")
+    train(parallel_data, root / "fs_one_worker_at4", 4, "fully_sharded", workers=1)
     return {"root": root, "data": parallel_data, "want": losses_by_update(uninterrupted)}
 
 
@@ -63,6 +65,20 @@ def test_a_set_moves_between_fully_sharded_and_legacy_ddp_and_trains_on_alike(ru
     assert sorted(got) == [5, 6, 7, 8]
     for update, loss in got.items():
         assert loss == pytest.approx(runs["want"][update], rel=1e-5), (update, got, runs["want"])
+
+
+@pytest.mark.parametrize("start, workers", [("fs_at4", 1), ("fs_one_worker_at4", 2)])
+def test_a_fully_sharded_set_resumes_at_another_world_size_as_legacy_ddp_does(runs, tmp_path, start, workers):
+    """2 -> 1 and 1 -> 2 workers: the set's shared state is cut into the new slices (or kept whole on
+    one worker) and the experts regrouped; training goes on as under legacy_ddp from the same set."""
+    got = {}
+    for backend in ("fully_sharded", "legacy_ddp"):
+        save_dir = tmp_path / backend
+        shutil.copytree(runs["root"] / start, save_dir)
+        got[backend] = losses_by_update(train(runs["data"], save_dir, 6, backend, workers=workers))
+    assert sorted(got["fully_sharded"]) == [5, 6] and sorted(got["legacy_ddp"]) == [5, 6], "resumed at update 4"
+    for update, loss in got["fully_sharded"].items():
+        assert loss == pytest.approx(got["legacy_ddp"][update], rel=1e-5), (update, got)
 
 
 def test_a_fully_sharded_set_is_an_ordinary_set_that_generates_like_legacy_ddp_and_merges(runs, tmp_path):

@@ -52,6 +52,7 @@ CHANGED = {
     "moe_gating_no_fp32": (FREE, False, True),
     "moe_gating_use_fp32": (FREE, False, True),
     "moe_expert_parallel_size": (FREE, None, 2),
+    "moe_fully_sharded_unit": (FREE, "layer", "model"),
     "moe_comm_timeout": (FREE, 1800.0, 600.0),
     "moe_deterministic": (FREE, False, True),
     "moe_restore_fallback": (FREE, False, True),
