@@ -13,6 +13,8 @@ from ..distributed import (
 from ..checkpoint.config_value import config_value
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
+from ..moe.freeze import FREEZABLE_PARTS, parse_frozen_parts
+from ..moe.layer_config import BALANCE_SCOPES
 from ..moe.placement import places_moe_layer, side_moe_freq
 from ..moe.router import ROUTER_TYPES
 from ..moe.second_expert import SECOND_EXPERT_POLICIES
@@ -24,6 +26,7 @@ MOE_ROUTER_CHOICES = ChoiceEnum(list(ROUTER_TYPES))
 MOE_BALANCE_CHOICES = ChoiceEnum(["none", "bias"])
 MOE_SECOND_EXPERT_CHOICES = ChoiceEnum(list(SECOND_EXPERT_POLICIES))
 MOE_EXPERT_GRAD_CHOICES = ChoiceEnum(list(EXPERT_GRAD_NORMALIZATIONS))
+MOE_BALANCE_SCOPE_CHOICES = ChoiceEnum(list(BALANCE_SCOPES))
 
 
 # fmt: off
@@ -106,6 +109,21 @@ class MoEConfig(FairseqDataclass):
         default=None,
         metadata={"help": f"with --moe-balance bias: b_i += rate * sign(mean load - load_i) after each update "
                   f"(default {DEFAULT_BIAS_UPDATE_RATE})"},
+    )
+    moe_balance_scope: MOE_BALANCE_SCOPE_CHOICES = field(
+        default="micro-batch",
+        metadata={"help": "the tokens whose first choices give the balance loss its load fractions: micro-batch (every "
+                  "worker's tokens of this micro-batch) or global-batch (Qiu et al. 2025: every micro-batch of the "
+                  "update so far, this one included, on every worker; the counts carry no gradient, this "
+                  "micro-batch's router probabilities do); needs --moe-gate-loss-wt > 0 (default micro-batch)"},
+    )
+    moe_freeze: Optional[str] = field(
+        default=None,
+        metadata={"help": f"fine-tuning: the parts that do not train, any of {', '.join(FREEZABLE_PARTS)} but not "
+                  "all, comma-separated: router (every MoE router, and its balance bias), experts (the routed "
+                  "experts), shared (every other parameter, shared experts included). Frozen parameters get no "
+                  "gradient, no optimizer state and no all-reduce; with the router frozen the balance loss and "
+                  "z-loss are logged, not added to the loss (default: nothing frozen)"},
     )
     moe_expert_ffn_dim: Optional[int] = field(
         default=None, metadata={"help": "hidden size of each expert (default: the layer's ffn dim)"}
@@ -241,6 +259,12 @@ def check_moe_args(args) -> None:
     if k > experts:
         raise ValueError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
     check_routing_extensions(args, k)
+    frozen = parse_frozen_parts(moe_option(args, "moe_freeze"), "--moe-freeze")
+    if "router" in frozen and str(moe_option(args, "moe_balance_scope")) == "global-batch":
+        raise ValueError(
+            "--moe-balance-scope global-batch shapes the balance loss, which --moe-freeze router leaves out of the "
+            "loss (the router cannot learn from it): drop --moe-balance-scope, or let the router train"
+        )
 
 
 def check_routing_extensions(args, k: int) -> None:

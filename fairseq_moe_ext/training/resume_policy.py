@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..checkpoint.config_value import config_value
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
+from ..moe.freeze import FREEZABLE_PARTS, parse_frozen_parts
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class Rule:
 
 def _bias_rate(value, model_cfg):
     return DEFAULT_BIAS_UPDATE_RATE if value is None else value
+
+
+def _frozen_parts(value, model_cfg):
+    """The parts frozen, in one spelling (``experts,router`` is ``router,experts``); None: nothing."""
+    parts = parse_frozen_parts(value, "--moe-freeze")
+    return ",".join(part for part in FREEZABLE_PARTS if part in parts) or None
 
 
 TRAINING_ONLY = "steers training only, not what the weights compute"
@@ -91,6 +98,10 @@ POLICY: Dict[str, Rule] = {
     "moe_upcycle_from": Rule(MAY_CHANGE, "used only by a run's first launch"),
     "moe_upcycle_noise": Rule(MAY_CHANGE, "used only by a run's first launch"),
     "moe_upcycle_router_std": Rule(MAY_CHANGE, "used only by a run's first launch"),
+    "moe_balance_scope": Rule(MAY_CHANGE, "which tokens' load the balance loss weighs; " + TRAINING_ONLY +
+                              " (its counts live within one update, never in a checkpoint)"),
+    "moe_freeze": Rule(MAY_CHANGE, "which parameters train, not what they compute; a changed set starts a fresh "
+                       "optimizer state", effective=_frozen_parts),
     "moe_gate_loss_wt": Rule(MAY_CHANGE, "a loss weight; " + TRAINING_ONLY, section="criterion"),
     "moe_z_loss_wt": Rule(MAY_CHANGE, "a loss weight; " + TRAINING_ONLY, section="criterion"),
     "moe_gate_loss_combine_method": Rule(MAY_CHANGE, "how the layers' losses add up; " + TRAINING_ONLY,
