@@ -86,6 +86,7 @@ def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
         shared_expert_dim=moe_option(args, "moe_shared_expert_ffn_dim"),  # None: hidden_dim
         expert_output_masking=float(moe_option(args, "moe_eom")),
         eval_capacity_token_fraction=float(moe_option(args, "moe_eval_capacity_token_fraction")),
+        balance_scope=str(moe_option(args, "moe_balance_scope")),
     )
 
 
