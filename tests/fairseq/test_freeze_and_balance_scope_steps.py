@@ -146,3 +146,28 @@ def straight_after_one_update(argv, batches):
     task, trainer = build_trainer(argv)
     trainer.train_step([collate(task, pairs) for pairs in batches])
     return {n: t.clone() for n, t in trainer.get_model().state_dict().items()}
+
+
+def test_a_global_batch_update_after_an_fp16_overflow_counts_only_its_own_micro_batches(tmp_path, monkeypatch):
+    """An inf in an expert gradient makes fp16 skip update 1; update 2's counts are update 2's alone, as a
+    fresh trainer running only update 2 counts them."""
+    from gradient_overflow import PRECISIONS, first_expert_parameter, inject_once, with_adam
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)  # fairseq's skipped-step norm
+    write_dictionaries(str(tmp_path))
+    argv = with_adam(training_args(str(tmp_path), 1, [*GLOBAL, *PRECISIONS["fp16 (not flattened)"]]))
+    second = micro_batches([5], 2)
+    counts = []
+    for skipped_first in (True, False):
+        task, trainer = build_trainer(argv)
+        if skipped_first:
+            inject_once(first_expert_parameter(trainer.get_model()), float("inf"))
+            trainer.train_step([collate(task, pairs) for pairs in micro_batches([6], 2)])
+            assert trainer.get_num_updates() == 0, "the overflow should have skipped the step"
+        trainer.train_step([collate(task, pairs) for pairs in second])
+        assert trainer.get_num_updates() == 1
+        layers = [m for m in trainer.get_model().modules() if getattr(m, "update_load", None) is not None]
+        counts.append([(layer.update_load.counts.clone(), layer.update_load.tokens.clone()) for layer in layers])
+    assert len(counts[0]) == 2
+    for (got, got_tokens), (want, want_tokens) in zip(*counts):
+        assert torch.equal(got, want) and torch.equal(got_tokens, want_tokens)
