@@ -26,6 +26,9 @@
 #   WARMUP [25]           warm-up updates (main.sh's 100 over 600 updates, scaled to 150 updates of 4 micro-batches)
 #   FT_UPDATES [100]      fine-tuning updates (TINY: 4)   FT_LR [5e-4]   fine-tuning learning rate
 #   FINETUNE [1]          0: skip the fine-tunes (e.g. SEEDS="2 3" FINETUNE=0 adds seeds to a finished WORK)
+#   SCOPE_RUNS [1]        0: skip the scope runs (e.g. to fine-tune another main job's MoE: FT_FROM)
+#   FT_FROM [WORK/seedS/micro-batch, S the first seed]   a recipes/main.sh WORK to fine-tune the MoE of
+#                         (its moe/ckpt/checkpoint_best.pt, data/ and moe/bleu.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/lib/common.sh
@@ -34,7 +37,7 @@ source recipes/lib/common.sh
 if [ "$TINY" = 1 ]; then
   : "${SEEDS:=1}" "${FT_UPDATES:=4}" "${MAX_UPDATE:=6}"
 fi
-: "${SEEDS:=1 2 3}" "${FT_UPDATES:=100}" "${MAX_UPDATE:=150}" "${WORKERS:=2}" "${FINETUNE:=1}"
+: "${SEEDS:=1 2 3}" "${FT_UPDATES:=100}" "${MAX_UPDATE:=150}" "${WORKERS:=2}" "${FINETUNE:=1}" "${SCOPE_RUNS:=1}"
 [ "$TINY" = 1 ] || : "${WARMUP:=25}"
 export TINY MAX_UPDATE WORKERS DENSE=0 DENSE_MATCHED=0 ${WARMUP:+WARMUP}
 STAGES=4
@@ -43,7 +46,8 @@ setup_environment
 echo "    WORK=$WORK  seeds=$SEEDS  update_freq=$UPDATE_FREQ  max_update=$MAX_UPDATE  fine-tune: $FT_DIALECT, $FT_UPDATES updates"
 
 stage 2 "main job per seed and balance scope (recipes/main.sh, --update-freq $UPDATE_FREQ)"
-for seed in $SEEDS; do
+[ "$SCOPE_RUNS" = 1 ] || SCOPE_SEEDS=
+for seed in ${SCOPE_SEEDS-$SEEDS}; do
   for scope in micro-batch global-batch; do
     run=$WORK/seed$seed/$scope
     echo "    seed $seed, $scope: $run.log"
@@ -62,10 +66,11 @@ if [ "$FINETUNE" != 1 ]; then
   exit 0
 fi
 first=$(echo "$SEEDS" | awk '{print $1}')
-base=$WORK/seed$first/micro-batch
+base=${FT_FROM:-$WORK/seed$first/micro-batch}
 data=$base/data
-stage 3 "fine-tune seed $first's micro-batch MoE on $FT_DIALECT alone ($FT_UPDATES updates): router trained or frozen"
+stage 3 "fine-tune $base's MoE on $FT_DIALECT alone ($FT_UPDATES updates): router trained or frozen"
 ft_data=$WORK/finetune/data
+mkdir -p "$WORK/finetune" && echo "$base" > "$WORK/finetune/from.txt"
 if needs_run "$ft_data/.done" "$FT_DIALECT $(cat "$data/tok/.done")"; then
   rm -rf "$ft_data" && mkdir -p "$ft_data/tok"
   for side in src tgt; do

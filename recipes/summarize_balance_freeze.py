@@ -5,8 +5,8 @@
 Table 1, per seed and balance scope: test BLEU, the last validation loss, and per MoE layer the mutual
 information of dialect and first-choice expert as a fraction of the dialects' entropy (routing.json); then the
 mean over the seeds and the global-batch minus micro-batch difference. Table 2, the one-dialect fine-tunes:
-BLEU on the fine-tuned dialect and the mean over the others, before (the base run) and after, router trained
-or frozen. Runs that are missing are left out; nothing is printed for a table with no run.
+BLEU on the fine-tuned dialect and the mean over the others, before (the run fine-tuned from, named in
+finetune/from.txt, by default the first seed's micro-batch run) and after, router trained or frozen. Runs that are missing are left out; nothing is printed for a table with no run.
 """
 
 import argparse
@@ -84,8 +84,10 @@ def dialect_bleu(path, dialect):
 
 
 def finetune_table(work, dialect):
+    named = os.path.join(work, "finetune", "from.txt")  # the main job the fine-tunes started from
     seeds = sorted(glob.glob(os.path.join(work, "seed*")))
-    base = dialect_bleu(os.path.join(seeds[0], "micro-batch", "moe", "bleu.json"), dialect) if seeds else None
+    start = open(named).read().strip() if os.path.exists(named) else seeds[0] + "/micro-batch" if seeds else ""
+    base = dialect_bleu(os.path.join(start, "moe", "bleu.json"), dialect)
     runs = {f: dialect_bleu(os.path.join(work, "finetune", f, "bleu.json"), dialect) for f in ("none", "router")}
     if base is None or not any(runs.values()):
         return []
