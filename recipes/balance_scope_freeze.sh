@@ -3,7 +3,8 @@
 # whole update (--moe-balance-scope micro-batch | global-batch) with --update-freq 4, and a fine-tune of the
 # main job's MoE to one dialect with the router trained or frozen (--moe-freeze router).
 #
-#   bash recipes/balance_scope_freeze.sh                         # 3 seeds x 2 scopes + 2 fine-tunes, about an hour on 2 cores
+#   bash recipes/balance_scope_freeze.sh                         # 3 seeds x 2 scopes + 2 fine-tunes: about 15 min per
+#                                                                # run on a busy 2-core machine (7 Dec 2026)
 #   SEEDS=1 bash recipes/balance_scope_freeze.sh                 # one seed
 #   TINY=1 WORK=/tmp/b bash recipes/balance_scope_freeze.sh      # the same pipeline in a few minutes (what the tests run)
 #
