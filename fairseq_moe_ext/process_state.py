@@ -56,7 +56,8 @@ class PluginState:
     # Writer: distributed.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
     # generation builds models holding every expert). Reader: distributed.expert_world_size.
     all_experts_local_depth: int = 0
-    # Writer: the DistributedFairseqModel hook, once it wraps an MoE model for several workers.
+    # Writer: the DistributedFairseqModel hook, once it wraps an MoE model whose experts train (not
+    # --moe-freeze experts) for several workers.
     # Reader: the clip_grad_norm_ hook (gradients that lost the expert marker are refused then).
     expert_parallel_training: bool = False
     # Writer: the Trainer._prepare_sample hook (fairseq's dummy batch). Reader: MoEFeedForward.forward.

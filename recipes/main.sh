@@ -60,6 +60,8 @@
 #                             dense, upcycled and from-scratch MoE at equal updates (needs DENSE=1)
 #   UPCYCLE_AT [MAX_UPDATE/2] the dense update the upcycled MoE starts from
 #   UPCYCLE_ROUTER_STD [0.01] std of the upcycled routers' initial weights (0: zero, every token ties)
+#   MOE_FLAGS []              more fairseq-train flags for the MoE run (e.g. "--update-freq 4 --moe-balance-scope
+#                             global-batch"; recipes/balance_scope_freeze.sh compares runs with them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source recipes/lib/common.sh
@@ -144,6 +146,7 @@ moe_args=(
   $(ffn_args "$FFN_DIM") --arch moe_transformer --moe-expert-count "$EXPERTS" --moe-top-k "$TOPK" --moe-freq "$MOE_FREQ"
   --moe-capacity-factor "$CAPACITY_FACTOR" --moe-eval-capacity-factor 0
   --criterion moe_label_smoothed_cross_entropy --moe-gate-loss-wt "$GATE_LOSS_WT" --moe-router "$ROUTER"
+  ${MOE_FLAGS:-}
 )
 # Routing extensions (issue 20): the MoE run gets them; moe_base, the same MoE without them, shows their effect.
 extension_args=()

@@ -83,7 +83,8 @@ class MoELossMixin:
         records = cache.collect()
         if not records:
             return loss
-        if model.training and torch.is_grad_enabled() and not records[0].aux.balance_loss.requires_grad:
+        applied = cache.router_losses_apply  # False: the router is frozen (--moe-freeze), logged only
+        if applied and model.training and torch.is_grad_enabled() and not records[0].aux.balance_loss.requires_grad:
             raise RuntimeError(
                 "MoE balance loss has no gradient: the forward ran under no_grad (a reentrant activation "
                 "checkpoint?); use --checkpoint-activations of this plugin, which is non-reentrant"
@@ -95,7 +96,9 @@ class MoELossMixin:
         else:
             balance, z = balance.sum(), z.sum()
         aux = sample_size * (self.moe_gate_loss_wt * balance + self.moe_z_loss_wt * z)
-        if reduce:
+        if not applied:
+            aux = torch.zeros_like(aux.detach())  # what was added: nothing
+        elif reduce:
             loss = loss + aux.to(loss.dtype)
         logging_output["moe_show_expert_load"] = 0 if self.moe_hide_expert_load else 1
         # Every number for the logs crosses to the host in one read per forward (the layers keep

@@ -121,6 +121,7 @@ HOOKS = (
     Hook(18, "fairseq.trainer.Trainer.train_step", training.wrap_train_step,
          "with --moe-balance bias: after the update's optimizer step, every MoE layer's balance bias moves "
          "from the expert load of all its micro-batches summed over the workers (a skipped step moves none). "
+         "With --moe-balance-scope global-batch, the balance loss's counts start afresh before each update. "
          "Logs moe_max_rows_received: the most rows one worker's experts received in one MoE call during "
          "the update (over workers, layers and micro-batches), what runs a GPU out of memory."),
     Hook(19, "fairseq.trainer.Trainer._log_oom", training.wrap_log_oom,

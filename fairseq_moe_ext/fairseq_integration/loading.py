@@ -16,6 +16,7 @@ from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..process_state import STATE, LoadTarget
+from ..training.frozen_resume import carry_optimizer_state_over_freeze
 from ..training.restore_choice import resolve_restore
 from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
@@ -77,6 +78,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
             target.criterion_cfg,
             allow_function_change=bool(config_value(target.model_cfg, "moe_allow_function_change")),
         )
+        carry_optimizer_state_over_freeze(path, state, target.model, target.model_cfg)
     return state
 
 

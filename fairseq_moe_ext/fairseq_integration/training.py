@@ -1,5 +1,6 @@
 """Hooks 2, 3, 4, 9, 18 and 19: fairseq's distributed training keeps experts apart, its set-up errors
-surface before the first batch, loss-free balancing biases move after each optimizer step, the rows
+surface before the first batch, loss-free balancing biases move after each optimizer step (and the
+global-batch balance counts start afresh before each), the rows
 the experts received are logged per update, and running out of memory stops a job whose MoE
 collectives cross workers instead of leaving its other workers waiting in them."""
 
@@ -18,6 +19,7 @@ from ..fully_sharded import is_sharded
 from ..moe import rows_received
 from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..common.torch_compat import ignore_in_ddp
+from ..moe.balance_scope import start_update
 from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
 from ..process_state import STATE
@@ -61,7 +63,8 @@ def wrap_distributed_model(original):
             wrapped = _data_parallel(original, args, model, process_group, device)
         if not moe:
             return wrapped
-        STATE.expert_parallel_training = True
+        # With --moe-freeze experts no gradient carries the marker, and none lost it.
+        STATE.expert_parallel_training = any(moe_dist.is_expert(p) and p.requires_grad for p in model.parameters())
         layout = moe_dist.model_layout(model)
         normalization = getattr(model, "moe_normalize_expert_grad", "world_size")  # MoEModelMixin records it
         return moe_dist.ExpertParallelModel(
@@ -127,6 +130,9 @@ def wrap_train_step(original):
     def train_step(self, *args, **kwargs):
         # fairseq's --amp retry calls train_step again from inside itself: the outermost call decides.
         layers = rows_received.moe_layers(self._model)
+        # --moe-balance-scope global-batch counts within one update: every update (and an --amp retry of
+        # one) starts from nothing, so a skipped step leaves nothing behind and a resume counts the same.
+        start_update(self._model)
         if not layers or getattr(self, "_moe_in_train_step", False):
             return original(self, *args, **kwargs)
         before = self.get_num_updates()
@@ -199,10 +205,22 @@ def check_training_setup(trainer) -> None:
             f"--arch {arch} has no MoE layers; use --arch moe_transformer* / moe_transformer_lm*, or a non-MoE "
             f"criterion such as cross_entropy"
         )
+    check_balance_scope(model_cfg, trainer.cfg.criterion)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if launched > 1 and not torch.distributed.is_initialized() and moe_dist.has_experts(trainer._model):
         raise ValueError(
             f"the launcher started {launched} workers (WORLD_SIZE={launched}) but fairseq runs each of them as "
             f"a 1-worker job, so every worker would train its own copy of every expert and write the same "
             f"checkpoint files: add --distributed-world-size {launched}"
+        )
+
+
+def check_balance_scope(model_cfg, criterion_cfg) -> None:
+    """--moe-balance-scope (a model option) shapes the balance loss, whose weight is the criterion's."""
+    scope = str(config_value(model_cfg, "moe_balance_scope", "micro-batch"))
+    weight = config_value(criterion_cfg, "moe_gate_loss_wt", None)
+    if scope == "global-batch" and weight is not None and float(weight) == 0.0:
+        raise ValueError(
+            "--moe-balance-scope global-batch chooses which tokens the balance loss counts, but --moe-gate-loss-wt 0 "
+            "turns that loss off: give it a weight (e.g. --moe-gate-loss-wt 0.01) or drop --moe-balance-scope"
         )

@@ -13,6 +13,7 @@ from typing import Dict, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..common.config_value import config_value
+from ..moe.freeze import parse_frozen_parts
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
 from ..moe.placement import places_moe_layer
 from ..option_ranges import MODEL_RANGES, check_option, check_options
@@ -96,6 +97,12 @@ def check_moe_args(args) -> None:
     check_routing_extensions(args)
     fields = layer_fields(args)
     layer_config(dict(fields, hidden_dim=fields["hidden_dim"] or 1), model_dim=1)
+    frozen = parse_frozen_parts(moe_option(args, "moe_freeze"), "--moe-freeze")
+    if "router" in frozen and str(moe_option(args, "moe_balance_scope")) == "global-batch":
+        raise ValueError(
+            "--moe-balance-scope global-batch shapes the balance loss, which --moe-freeze router leaves out of the "
+            "loss (the router cannot learn from it): drop --moe-balance-scope, or let the router train"
+        )
 
 
 def check_routing_extensions(args) -> None:

@@ -7,6 +7,7 @@ layer of each side with an MoE feed-forward block, and owns the loss cache that 
 and MoE criterions read from.
 """
 
+import logging
 from typing import Sequence
 
 import torch
@@ -15,9 +16,12 @@ from fairseq.models.transformer.transformer_config import TransformerConfig
 from ..common.config_value import config_value
 from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
+from ..moe.freeze import freeze_parts, parse_frozen_parts
 from .moe_config import check_moe_args, check_moe_layers_placed, moe_option
 from .moe_runtime import apply_runtime_options
 from .moe_layers import install_moe_layers
+
+logger = logging.getLogger(__name__)
 
 # Layer seeds: expert e of layer i draws its initial weights from (seed, i, e) alone.
 ENCODER_SEED_OFFSET, DECODER_SEED_OFFSET = 0, 1000
@@ -47,6 +51,24 @@ def base_seed(args) -> int:
         seed = torch.initial_seed()
     # No `or 1`: --seed 0 is a seed of its own, not an alias of --seed 1.
     return int(seed) * 100_003
+
+
+def apply_freeze(model, args) -> None:
+    """--moe-freeze: the named parts get no gradient (before fairseq builds the optimizer and the
+    data-parallel wrapper from the parameters that want one); a frozen router's losses are logged only."""
+    value = moe_option(args, "moe_freeze")
+    frozen = freeze_parts(model, parse_frozen_parts(value, "--moe-freeze"))
+    if not frozen:
+        return
+    counts = ", ".join(f"{part} {count:,}" for part, count in frozen.items())
+    logger.info(f"--moe-freeze {value}: these parameters do not train (elements: {counts})")
+    if "router" in frozen:
+        model.moe_cache.router_losses_apply = False
+        logger.info(
+            "--moe-freeze router: the balance loss and z-loss are logged but not added to the loss: they act on "
+            "the router's choice, which is frozen (their gradient would only push the token representations "
+            "towards a router that cannot move)"
+        )
 
 
 class MoEModelMixin:
@@ -81,6 +103,7 @@ class MoEModelMixin:
                 no_encoder_attn=no_encoder_attn,
             )
         model.moe_cache = attach_moe_cache(model)
+        apply_freeze(model, args)
         model.moe_layout = layout
         # Read when the model is wrapped for training (fairseq hands the wrapper only its distributed options).
         model.moe_normalize_expert_grad = str(moe_option(args, "moe_normalize_expert_grad"))

@@ -45,6 +45,7 @@ class BalanceBias(nn.Module):
         self.update_rate = float(update_rate)  # checked where it was configured (RoutingConfig)
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
         self.pending_load: Optional[torch.Tensor] = None  # [E] int64, this worker's, since the last update
+        self.frozen = False  # held where the router is frozen (freeze.py): the load is counted, then dropped
 
     def observe(self, load: torch.Tensor) -> None:
         """Count one training forward's load: ``[E]`` token-slots per expert (the layer's count of
@@ -58,6 +59,9 @@ class BalanceBias(nn.Module):
         """One step towards balance from the load of every worker in ``group`` (every rank of the
         group must call this, in the same order of layers)."""
         load = self.pending_load
+        if self.frozen:  # the same on every worker (one flag for all), so no worker waits in the all-reduce
+            self.pending_load = None
+            return
         if load is None:  # no training forward since the last update: nothing chosen here
             load = torch.zeros(self.num_experts, dtype=torch.long, device=self.bias.device)
         self.pending_load = None

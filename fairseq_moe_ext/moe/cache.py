@@ -12,6 +12,8 @@ criterion collects the records of the current forward pass, which clears them.
 * A ``scoped`` cache (what fairseq models use) records only inside ``forward_pass()``, i.e. during
   the model's own forward; fairseq's generators call the encoder and decoder directly, step after
   step, and nothing from those steps needs to be kept.
+* ``router_losses_apply`` (default True) tells the criterion whether the balance loss and z-loss join
+  the loss: False where the router is frozen (freeze.py), and they are only logged.
 * Records made while autograd runs a backward pass come from activation checkpointing
   recomputing the forward; their losses were already counted in the first pass, so they are
   dropped.
@@ -54,6 +56,7 @@ class MoEAuxCache:
         self._records: List[MoERecord] = []
         self.scoped = scoped
         self._open_passes = 0
+        self.router_losses_apply = True
 
     def start_pass(self) -> None:
         pending = [r for r in self._records if r.aux.balance_loss.requires_grad]

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import comm
-from .cache import MoEAux, MoEAuxCache
+from .cache import MoEAux, MoEAuxCache, inside_backward
 from .capacity import expert_capacity_tensor, slots_within_capacity, token_fraction_capacity
 from .dispatch import (
     bucket_counts,
@@ -31,6 +31,7 @@ from .dispatch import (
     served_slot_rows,
 )
 from .balance_bias import BalanceBias
+from .balance_scope import UpdateLoad
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
@@ -87,6 +88,9 @@ class MoELayer(nn.Module):
         # choosing (its state key stays router.balance_bias.bias); None keeps the routing as it was.
         bias = None if routing.balance_bias_rate is None else BalanceBias(num_experts, routing.balance_bias_rate)
         self.router = TopKRouter(config.model_dim, num_experts, routing, balance_bias=bias)
+        # --moe-balance-scope global-batch (balance_scope.py): the update's counts so far; not a buffer, so
+        # never saved, broadcast or cast.
+        self.update_load = UpdateLoad() if config.balance_scope == "global-batch" else None
         self.experts = BatchedExperts(
             config.model_dim,
             config.hidden_dim,
@@ -209,7 +213,10 @@ class MoELayer(nn.Module):
         counts = totals[: num_experts + 1].round().long()
         sums = totals[num_experts + 1 :].float()
         total_tokens = counts[-1]
-        aux_balance = balance_loss(sums[:num_experts], counts[:num_experts], total_tokens)
+        load, load_tokens = counts[:num_experts], None
+        if self.update_load is not None and self.training:
+            load, load_tokens = self.update_load.counted(load, total_tokens, add=not inside_backward())
+        aux_balance = balance_loss(sums[:num_experts], load, total_tokens, load_tokens)
         aux_z = z_loss(sums[num_experts], total_tokens)
 
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor

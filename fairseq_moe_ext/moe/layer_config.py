@@ -24,6 +24,8 @@ from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
 
 ROUTER_TYPES = ("top", "cosine", "sigmoid")  # router.py says what each one computes
+# Whose first choices the balance loss's load fractions count (layer.py, balance_scope.py).
+BALANCE_SCOPES = ("micro-batch", "global-batch")
 
 
 class Named:
@@ -129,6 +131,9 @@ class MoELayerConfig:
     # The nllb branch's evaluation capacity, ceil(f * S) slots per expert with S every token position
     # (capacity.token_fraction_capacity); replaces eval_capacity_factor when > 0.
     eval_capacity_token_fraction: float = 0.0
+    # The balance loss's load fractions: this micro-batch's tokens, or every micro-batch's of the update so
+    # far (balance_scope.py); either way over the statistics group's workers.
+    balance_scope: str = "micro-batch"
 
     def __post_init__(self):
         _positive_int("model_dim", self.model_dim)
@@ -156,6 +161,8 @@ class MoELayerConfig:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < math.inf:
             raise ValueError(f"eval_capacity_token_fraction must be a finite number >= 0, got {fraction!r}")
         object.__setattr__(self, "eval_capacity_token_fraction", float(fraction))
+        if self.balance_scope not in BALANCE_SCOPES:
+            raise ValueError(f"unknown balance scope {self.balance_scope!r}: choose one of {', '.join(BALANCE_SCOPES)}")
 
     @property
     def shared_hidden_dim(self) -> int:

@@ -10,11 +10,16 @@
 import torch
 
 
-def balance_loss(prob_sum: torch.Tensor, top1_count: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-    """``prob_sum[e] = sum_n p[n, e]``, ``top1_count[e]`` = tokens whose first choice is ``e``."""
+def balance_loss(
+    prob_sum: torch.Tensor, top1_count: torch.Tensor, num_tokens: torch.Tensor, count_tokens=None
+) -> torch.Tensor:
+    """``prob_sum[e] = sum_n p[n, e]`` over ``num_tokens`` tokens, ``top1_count[e]`` = tokens whose first choice
+    is ``e`` among ``count_tokens`` (default the same tokens; the global-batch scope counts more:
+    balance_scope.py)."""
     num_experts = prob_sum.shape[-1]
     n = num_tokens.clamp_min(1).to(prob_sum.dtype)
-    return num_experts * torch.sum((prob_sum / n) * (top1_count.to(prob_sum.dtype) / n))
+    counted = n if count_tokens is None else count_tokens.clamp_min(1).to(prob_sum.dtype)
+    return num_experts * torch.sum((prob_sum / n) * (top1_count.to(prob_sum.dtype) / counted))
 
 
 def z_loss(lse_square_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from it. The options that steer a run rather than the model (communication, rest
 from typing import Optional
 
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
-from ..moe.layer_config import ROUTER_TYPES
+from ..moe.freeze import FREEZABLE_PARTS, parse_frozen_parts
+from ..moe.layer_config import BALANCE_SCOPES, ROUTER_TYPES
 from ..moe.second_expert import SECOND_EXPERT_POLICIES
 from .record import (
     CHANGES_FUNCTION,
@@ -42,6 +43,12 @@ def bias_rate(value, read):
 
 def effective_bias_rate(value, section):
     return DEFAULT_BIAS_UPDATE_RATE if value is None else value
+
+
+def frozen_parts(value, section):
+    """--moe-freeze in one spelling (``experts,router`` is ``router,experts``); None: nothing frozen."""
+    parts = parse_frozen_parts(value, "--moe-freeze")
+    return ",".join(part for part in FREEZABLE_PARTS if part in parts) or None
 
 
 # fmt: off
@@ -139,6 +146,22 @@ MODEL_OPTIONS = (
                         low_open=True, high=FP32_MAX, holder="the fp32 balance bias it moves",
                         smallest=FP32_SMALLEST, optional=True),
            field="routing.balance_bias_rate", to_field=bias_rate, effective=effective_bias_rate),
+    Option("moe_balance_scope", str, "micro-batch",
+           "the tokens whose first choices give the balance loss its load fractions: micro-batch (every "
+           "worker's tokens of this micro-batch) or global-batch (Qiu et al. 2025: every micro-batch of the "
+           "update so far, this one included, on every worker; the counts carry no gradient, this "
+           "micro-batch's router probabilities do); needs --moe-gate-loss-wt > 0 (default micro-batch)",
+           MAY_CHANGE, "which tokens' load the balance loss weighs; " + TRAINING_ONLY
+           + " (its counts live within one update, never in a checkpoint)",
+           choices=BALANCE_SCOPES, field="balance_scope"),
+    Option("moe_freeze", Optional[str], None,
+           f"fine-tuning: the parts that do not train, any of {', '.join(FREEZABLE_PARTS)} but not "
+           "all, comma-separated: router (every MoE router, and its balance bias), experts (the routed "
+           "experts), shared (every other parameter, shared experts included). Frozen parameters get no "
+           "gradient, no optimizer state and no all-reduce; with the router frozen the balance loss and "
+           "z-loss are logged, not added to the loss (default: nothing frozen)",
+           MAY_CHANGE, "which parameters train, not what they compute; a changed set starts a fresh "
+           "optimizer state", effective=frozen_parts),
     Option("moe_expert_ffn_dim", Optional[int], None, "hidden size of each expert (default: the layer's ffn dim)",
            CHANGES_PARAMETERS, "experts of another hidden size",
            range=within(True, "a positive integer", "drop it to use the layer's ffn dim", low=1, high=INT64_MAX,

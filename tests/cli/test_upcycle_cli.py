@@ -166,3 +166,21 @@ def test_moe_upcycle_from_starts_two_workers_from_what_the_checkpoint_tool_upcyc
     assert set(started["model"]) == set(expected["model"])
     for key, value in expected["model"].items():
         assert torch.equal(started["model"][key], value), key
+
+
+def test_an_upcycled_run_with_shared_part_and_router_frozen_trains_only_the_experts(dense, tmp_path):
+    """--moe-freeze applies before the dense weights are loaded: the shared part ends bit for bit the dense
+    model's, the router as it was initialised (the same run at --lr 0), the experts move."""
+    data, dense_checkpoint, _ = dense
+    flags = [*MOE, *SHAPE, "--moe-upcycle-from", str(dense_checkpoint), "--moe-freeze", "shared,router"]
+    run_fairseq("train", *train_args(data, tmp_path / "moe", *flags, max_update=3))
+    run_fairseq("train", *train_args(data, tmp_path / "start", *flags, "--lr", "0", max_update=1))
+    trained = moe_ckpt.load_full(str(tmp_path / "moe" / "checkpoint_last.pt"))["model"]
+    started = moe_ckpt.load_full(str(tmp_path / "start" / "checkpoint_last.pt"))["model"]
+    dense_model = moe_ckpt.safe_load(str(dense_checkpoint))["model"]
+    shared = [k for k in trained if k in dense_model and ".fc1." not in k and ".fc2." not in k]
+    assert len(shared) > 10 and all(torch.equal(trained[k], dense_model[k]) for k in shared)
+    routers = [k for k in trained if ".router." in k]
+    assert routers and all(torch.equal(trained[k], started[k]) for k in routers)
+    experts = [k for k in trained if ".experts." in k]
+    assert experts and all(not torch.equal(trained[k], started[k]) for k in experts)

@@ -60,6 +60,8 @@ CHANGED = {
     "moe_upcycle_from": (FREE, "dense/checkpoint_last.pt", None),
     "moe_upcycle_noise": (FREE, 0.0, 0.001),
     "moe_upcycle_router_std": (FREE, 0.0, 0.01),
+    "moe_balance_scope": (FREE, "micro-batch", "global-batch"),
+    "moe_freeze": (FREE, None, "router"),
     "moe_gate_loss_wt": (FREE, 0.01, 0.1),
     "moe_z_loss_wt": (FREE, 0.0, 0.001),
     "moe_gate_loss_combine_method": (FREE, "average", "sum"),
