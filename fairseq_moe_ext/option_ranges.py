@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
+from .moe.refusal import MoEOptionError
 
 FP32_MAX = float(torch.finfo(torch.float32).max)
 FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below half of it fp32 holds 0
@@ -129,7 +130,7 @@ def check_option(spec: Range, value, **fix_fields) -> None:
     if value is None and spec.optional:
         return
     fix = spec.fix.format(**fix_fields)
-    wrong = ValueError(f"{spec.flag} must be {spec.requirement}, got {value!r}: {fix}")
+    wrong = MoEOptionError(f"{spec.flag} must be {spec.requirement}, got {value!r}: {fix}")
     wanted = (int,) if spec.integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, wanted):
         raise wrong
@@ -142,9 +143,9 @@ def check_option(spec: Range, value, **fix_fields) -> None:
         raise wrong
     if spec.high is not None and abs(value) > spec.high:
         limit = f"{spec.high:g}" if isinstance(spec.high, float) else str(spec.high)
-        raise ValueError(f"{spec.flag} {value!r} is more than {spec.holder} can hold (at most {limit}): {fix}")
+        raise MoEOptionError(f"{spec.flag} {value!r} is more than {spec.holder} can hold (at most {limit}): {fix}")
     if spec.smallest is not None and 0 < abs(value) < spec.smallest:
-        raise ValueError(
+        raise MoEOptionError(
             f"{spec.flag} {value!r} is less than {spec.holder} can hold, which makes it 0 (the smallest "
             f"it holds is {spec.smallest:g}): {fix}"
         )

@@ -28,6 +28,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..option_ranges import CRITERION_RANGES, check_options
+from ..moe.refusal import MoEOptionError, MoESetupError
 
 COMBINE_METHODS = ChoiceEnum(["average", "sum"])
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
@@ -91,7 +92,7 @@ class MoELossMixin:
     def add_moe_losses(self, model, loss, sample_size, logging_output, reduce=True):
         cache = find_moe_cache(model)
         if cache is None:
-            raise ValueError(
+            raise MoEOptionError(
                 "MoE criterions need an MoE model: use --arch moe_transformer* / moe_transformer_lm*, "
                 "or a non-MoE criterion such as cross_entropy"
             )
@@ -99,7 +100,7 @@ class MoELossMixin:
         if not records:
             return loss
         if model.training and torch.is_grad_enabled() and not records[0].aux.balance_loss.requires_grad:
-            raise RuntimeError(
+            raise MoESetupError(
                 "MoE balance loss has no gradient: the forward ran under no_grad (a reentrant activation "
                 "checkpoint?); use --checkpoint-activations of this plugin, which is non-reentrant"
             )

@@ -35,8 +35,10 @@ from ..checkpoint import rank_suffix, split_rank_suffix
 from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
+from .cli import refusals_as_usage_errors
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from .saving import is_expert_parallel_trainer
+from ..moe.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +50,12 @@ def wrap_parse_args_and_arch(original):
     @functools.wraps(original)
     def parse_args_and_arch(parser, input_args=None, *args, **kwargs):
         add_inference_experts_flag(parser)
-        result = original(parser, input_args, *args, **kwargs)
-        parsed = result[0] if isinstance(result, tuple) else result
-        argv = sys.argv[1:] if input_args is None else input_args
-        keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
-        decide_sharded_inference(parsed)
+        with refusals_as_usage_errors(parser):
+            result = original(parser, input_args, *args, **kwargs)
+            parsed = result[0] if isinstance(result, tuple) else result
+            argv = sys.argv[1:] if input_args is None else input_args
+            keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
+            decide_sharded_inference(parsed)
         return result
 
     return parse_args_and_arch
@@ -65,7 +68,7 @@ def keep_tpu_off_unless_asked(args, tpu_asked: bool) -> None:
         return
     if tpu_asked:
         if importlib.util.find_spec("torch_xla") is None:
-            raise ValueError(
+            raise MoEOptionError(
                 "--tpu needs torch_xla, which is not installed: install torch_xla, or drop --tpu "
                 "(--bf16 alone trains on CUDA or CPU)"
             )

@@ -17,6 +17,7 @@ from ..moe.placement import places_moe_layer, side_moe_freq
 from ..moe.router import ROUTER_TYPES
 from ..moe.second_expert import SECOND_EXPERT_POLICIES
 from ..option_ranges import MODEL_RANGES, check_option, check_options
+from ..moe.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ def check_moe_args(args) -> None:
     check_options(MODEL_RANGES, lambda name: moe_option(args, name), experts=experts)
     k = moe_option(args, "moe_top_k")
     if k > experts:
-        raise ValueError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
+        raise MoEOptionError(f"--moe-top-k {k} exceeds --moe-expert-count {experts}: use --moe-top-k <= {experts}")
     check_routing_extensions(args, k)
 
 
@@ -247,25 +248,25 @@ def check_routing_extensions(args, k: int) -> None:
     """Shared experts, loss-free balancing and the sigmoid router."""
     shared_dim = moe_option(args, "moe_shared_expert_ffn_dim")
     if shared_dim is not None and moe_option(args, "moe_shared_expert_count") == 0:
-        raise ValueError(
+        raise MoEOptionError(
             f"--moe-shared-expert-ffn-dim {shared_dim} needs --moe-shared-expert-count >= 1: add shared experts or "
             f"drop the flag"
         )
     if moe_option(args, "moe_bias_update_rate") is not None and str(moe_option(args, "moe_balance")) != "bias":
-        raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
+        raise MoEOptionError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
     policy = str(moe_option(args, "moe_second_expert_policy"))
     if policy != "all" and (k != 2 or str(moe_option(args, "moe_router")) != "top"):
-        raise ValueError(
+        raise MoEOptionError(
             f"--moe-second-expert-policy {policy} is the nllb branch's top-2 softmax gate's: use "
             f"--moe-top-k 2 with --moe-router top, or drop the flag"
         )
     if moe_option(args, "moe_normalize_gate_after_dropping") and str(moe_option(args, "moe_router")) != "top":
-        raise ValueError(
+        raise MoEOptionError(
             "--moe-normalize-gate-after-dropping renormalises softmax probabilities: use it with "
             "--moe-router top, or drop it"
         )
     if str(moe_option(args, "moe_router")) == "sigmoid" and k < 2:
-        raise ValueError(
+        raise MoEOptionError(
             "--moe-router sigmoid normalises the gates over the chosen experts, so with --moe-top-k 1 every gate is 1 "
             "and the router never learns: use --moe-top-k 2 or more, or --moe-router top"
         )
@@ -294,7 +295,7 @@ def check_moe_layers_placed(args, sides) -> None:
             given.append(flag)
     counts = " and ".join(f"{layers[side]} {side} layers" for side in sides)
     most = max(layers.values())
-    raise ValueError(
+    raise MoEOptionError(
         f"{' / '.join(given)} places no MoE layer in this model ({counts}; layer i is an MoE layer when (i + 1) is a "
         f"multiple of the frequency): use a frequency between 1 and {most}, or a dense --arch (transformer, "
         f"transformer_lm) for a model without experts"

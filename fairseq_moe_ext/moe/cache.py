@@ -24,6 +24,7 @@ from typing import Dict, List
 import torch
 
 from .torch_compat import current_graph_task_id
+from .refusal import MoERefusal
 
 
 @dataclass
@@ -39,7 +40,7 @@ class MoERecord:
     aux: MoEAux
 
 
-class UncollectedMoELossError(RuntimeError):
+class UncollectedMoELossError(MoERefusal, RuntimeError):
     pass
 
 

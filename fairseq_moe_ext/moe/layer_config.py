@@ -18,13 +18,14 @@ from .capacity import check_capacity_factor
 from .experts import resolve_activation
 from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
+from .refusal import MoEOptionError
 
 ROUTER_TYPES = ("top", "cosine", "sigmoid")  # router.py says what each one computes
 
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise MoEOptionError(f"{name} must be a positive integer, got {value!r}")
 
 
 # fmt: off
@@ -47,14 +48,14 @@ class RoutingConfig:
     def __post_init__(self):
         k = self.k
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"top-k must be an integer >= 1, got {k!r}")
+            raise MoEOptionError(f"top-k must be an integer >= 1, got {k!r}")
         if self.router_type not in ROUTER_TYPES:
-            raise ValueError(f"unknown router type {self.router_type!r}: choose one of {', '.join(ROUTER_TYPES)}")
+            raise MoEOptionError(f"unknown router type {self.router_type!r}: choose one of {', '.join(ROUTER_TYPES)}")
         noise = self.gate_noise
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
-            raise ValueError(f"gate_noise must be a finite number >= 0, got {noise!r}")
+            raise MoEOptionError(f"gate_noise must be a finite number >= 0, got {noise!r}")
         if self.router_type == "sigmoid" and k < 2:
-            raise ValueError(
+            raise MoEOptionError(
                 "the sigmoid router normalises gates over the chosen k experts, so with k=1 every gate is 1 and "
                 "the router never learns: use k >= 2, or the 'top' router for k=1"
             )
@@ -62,7 +63,7 @@ class RoutingConfig:
             object.__setattr__(self, "balance_bias_rate", check_bias_update_rate(self.balance_bias_rate))
         check_second_expert_policy(self.second_expert_policy, k, self.router_type)
         if self.normalize_gates_after_dropping and self.router_type != "top":
-            raise ValueError("normalize_gates_after_dropping renormalises softmax probabilities: use it with the "
+            raise MoEOptionError("normalize_gates_after_dropping renormalises softmax probabilities: use it with the "
                              "'top' router")
 # fmt: on
 
@@ -97,7 +98,7 @@ class MoELayerConfig:
             raise ValueError(f"routing must be a RoutingConfig, got {self.routing!r}")
         k = self.routing.k
         if k > self.num_experts:
-            raise ValueError(
+            raise MoEOptionError(
                 f"top-k ({k}) exceeds the number of experts ({self.num_experts}): "
                 f"use k <= {self.num_experts} or add experts"
             )
@@ -108,14 +109,14 @@ class MoELayerConfig:
         )
         resolve_activation(self.activation)
         if not 0.0 <= self.activation_dropout < 1.0:
-            raise ValueError(f"activation_dropout must be in [0, 1), got {self.activation_dropout!r}")
+            raise MoEOptionError(f"activation_dropout must be in [0, 1), got {self.activation_dropout!r}")
         check_shared_experts(self.shared_expert_count, self.shared_hidden_dim)
         if not 0.0 <= float(self.expert_output_masking) < 1.0:
-            raise ValueError(f"expert_output_masking must be in [0, 1), got {self.expert_output_masking!r}")
+            raise MoEOptionError(f"expert_output_masking must be in [0, 1), got {self.expert_output_masking!r}")
         object.__setattr__(self, "expert_output_masking", float(self.expert_output_masking))
         fraction = self.eval_capacity_token_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < math.inf:
-            raise ValueError(f"eval_capacity_token_fraction must be a finite number >= 0, got {fraction!r}")
+            raise MoEOptionError(f"eval_capacity_token_fraction must be a finite number >= 0, got {fraction!r}")
         object.__setattr__(self, "eval_capacity_token_fraction", float(fraction))
 
     @property

@@ -16,15 +16,17 @@ per layer forward.
 """
 
 import torch
+from .refusal import MoEOptionError
 
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 
 
 def check_second_expert_policy(policy: str, k: int, router_type: str) -> str:
     if policy not in SECOND_EXPERT_POLICIES:
-        raise ValueError(f"unknown second-expert policy {policy!r}: choose one of {', '.join(SECOND_EXPERT_POLICIES)}")
+        choices = ", ".join(SECOND_EXPERT_POLICIES)
+        raise MoEOptionError(f"unknown second-expert policy {policy!r}: choose one of {choices}")
     if policy != "all" and (k != 2 or router_type != "top"):
-        raise ValueError(
+        raise MoEOptionError(
             f"the second-expert policy {policy!r} is defined for top-2 softmax routing (the nllb "
             f"branch's gate): use k=2 with the 'top' router, or the policy 'all'"
         )

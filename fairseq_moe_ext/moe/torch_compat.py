@@ -26,6 +26,7 @@ when used:
 from typing import Callable, Dict, List
 
 import torch
+from .refusal import MoEOptionError, MoESetupError
 
 
 def _lookup(path: str):
@@ -44,7 +45,7 @@ def has_grouped_mm() -> bool:
 
 def check_grouped_mm() -> None:
     if not has_grouped_mm():
-        raise RuntimeError(
+        raise MoESetupError(
             f"expert matmul 'grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks: use "
             f"'auto' or 'loop' (FAIRSEQ_MOE_EXPERT_MATMUL=auto), or torch >= 2.8"
         )
@@ -58,7 +59,7 @@ def current_graph_task_id():
 
 def check_backward_detection() -> None:
     if _lookup("_C._current_graph_task_id") is None:
-        raise ValueError(
+        raise MoEOptionError(
             f"--checkpoint-activations on MoE layers needs torch._C._current_graph_task_id (to drop the balance "
             f"losses recomputation records twice), which torch {torch.__version__} lacks: drop "
             f"--checkpoint-activations, or use torch >= 2.0"
@@ -108,7 +109,7 @@ def scaler_optimizer_state(scaler, optimizer) -> Dict:
     states = getattr(scaler, "_per_optimizer_states", None)
     state = None if states is None else states[id(optimizer)]
     if not isinstance(state, dict) or not {"stage", "found_inf_per_device"} <= state.keys():
-        raise RuntimeError(
+        raise MoESetupError(
             f"--amp on several MoE workers marks overflows in GradScaler._per_optimizer_states, which torch "
             f"{torch.__version__} lays out differently: use --fp16 or --bf16 instead of --amp"
         )

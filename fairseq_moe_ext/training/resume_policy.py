@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..checkpoint.config_value import config_value
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
+from ..moe.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def check_resume_policy(path: str, saved_cfg, model_cfg, criterion_cfg, allow_fu
         flag = "--" + name.replace("_", "-")
         change = f"{path} was trained with {_spelled(flag, was)} and this run has {_spelled(flag, now)}"
         if rule.kind == CHANGES_FUNCTION and not allow_function_change:
-            raise ValueError(
+            raise MoEOptionError(
                 f"{change}, which {CHANGES_FUNCTION} ({rule.why}): {_resume_with(flag, was)}, or use a new "
                 f"--save-dir, or add {OVERRIDE_FLAG} to train on from these weights with the new setting"
             )
