@@ -2,8 +2,11 @@
 <message>``, with argparse's exit status 2 and no traceback (the runner fails a case whose output holds
 one): fairseq-validate, -eval-lm, -interactive and -hydra-train here, fairseq-train and -generate in
 tests/cli/test_bad_input.py; under torchrun, refused flags once per node, and a refusal after the
-workers connected once per worker, naming its rank. The excepthook itself, in process:
-tests/fairseq/test_refusal_excepthook.py.
+workers connected once per worker, naming its rank. The excepthook itself: tests/fairseq/test_refusal_excepthook.py.
+And every fairseq loader of a user's file (resume from a set, generation, --moe-upcycle-from, the hub
+interface) refuses a pickle that would run a shell command, which never runs: were the file unpickled,
+the command's marker file would appear in the watched directory (the checkpoint tool's loaders and the
+imports: tests/checkpoint/test_untrusted_pickles.py).
 """
 
 import re

@@ -1,6 +1,7 @@
 """The bad-input catalogue's runner (tests/cli/test_bad_input*.py): the inputs every case is made
 from, the command-line tools each case expects to fail, the ``Case`` row, and the check of one run:
-it failed, its last error line names the problem and the fix, and no watched directory changed.
+it failed (a fairseq tool with status 2), no traceback anywhere in its output, its last error line names the
+problem and the fix, and no watched directory changed.
 The fixtures that start the runs are tests/cli/conftest.py's; what each case runs on is
 bad_input_makers.py.
 """
@@ -184,7 +185,7 @@ class Case:
     id: str
     tool: Callable[[List[str]], str]
     make: Make
-    error: str  # how the last error line starts: the exception type, or "<prog>: error" / "error"
+    error: str  # how the last error line starts: "<prog>: error" (a fairseq tool), "error" (the checkpoint tool)
     problem: str  # substrings of that line naming the problem ...
     fix: str  # ... and the fix
 
