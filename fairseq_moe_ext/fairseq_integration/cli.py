@@ -1,7 +1,8 @@
 """Hook 10: an MoE option given beside a dense --arch or --criterion says whose option it is. And every
 MoE refusal (``moe.refusal.MoERefusal``) that ends a fairseq command-line tool is one line,
-``prog: error: <message>``, with argparse's exit status 2: while parsing (hook 11 calls
-``refusals_as_usage_errors``) and after it (``install_refusal_excepthook``, installed with the hooks)."""
+``prog: error: <message>``, with argparse's exit status 2 (``install_refusal_excepthook``, installed with
+the hooks); hook 11 marks those raised while parsing (``refusals_as_usage_errors``): said once per node,
+without a rank. In process, a refusal is raised as it is (a ValueError for an option)."""
 
 import atexit
 import contextlib
@@ -81,16 +82,16 @@ USAGE_ERROR = 2  # argparse's exit status for a command line it refuses
 
 @contextlib.contextmanager
 def refusals_as_usage_errors(parser):
-    """While fairseq parses the command line (architecture functions, option checks), an MoE refusal
-    ends the program as argparse's own errors do: ``prog: error: <message>``, exit status 2. Every
-    torchrun worker parses the same command line, so one worker per node (LOCAL_RANK 0) says it."""
+    """While fairseq parses the command line (architecture functions, option checks), an MoE refusal is
+    marked as the command line's: the excepthook then ends the program as argparse's own errors do,
+    ``prog: error: <message>`` without a rank, and, since every torchrun worker parses the same command
+    line, on one worker per node (LOCAL_RANK 0). In process (a caller of parse_args_and_arch) it is
+    raised as it is."""
     try:
         yield
     except MoERefusal as refusal:
-        line = f"{parser.prog}: error: {refusal}"
-        tell_the_launcher(line)
-        first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"
-        parser.exit(USAGE_ERROR, line + "\n" if first_on_node else None)
+        refusal.moe_command_line = parser.prog
+        raise
 
 
 def tell_the_launcher(line: str) -> None:
@@ -135,10 +136,12 @@ def install_refusal_excepthook() -> None:
         for out in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 out.flush()
-        line = refusal_line(value, prog)
+        parsing = getattr(value, "moe_command_line", None)
+        line = f"{parsing}: error: {value}" if parsing else refusal_line(value, prog)
         tell_the_launcher(line)
-        stream.write(line + "\n")
-        stream.flush()
+        if not parsing or os.environ.get("LOCAL_RANK", "0") == "0":
+            stream.write(line + "\n")
+            stream.flush()
         atexit._run_exitfuncs()  # what the interpreter would run before exiting
         os._exit(USAGE_ERROR)
 
