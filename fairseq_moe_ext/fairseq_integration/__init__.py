@@ -98,10 +98,7 @@ HOOKS = (
     Hook(11, "fairseq.options.parse_args_and_arch", precision.wrap_parse_args_and_arch,
          "--bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays on only for an explicit --tpu "
          "with torch_xla installed. Adds --moe-inference-experts and decides, on torchrun workers of an "
-         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK). An MoE "
-         "refusal raised while parsing (an architecture function's option checks) is marked as the command "
-         "line's: the tool ends as argparse's own errors do, 'prog: error: <message>', exit status 2, once per "
-         "node under torchrun (cli.refusals_as_usage_errors)."),
+         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK)."),
     Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
          "batch runs (flattening drops the expert marker the global norm needs)."),

@@ -1,8 +1,8 @@
 """Hook 10: an MoE option given beside a dense --arch or --criterion says whose option it is. And every
 MoE refusal (``moe.refusal.MoERefusal``) that ends a fairseq command-line tool is one line,
 ``prog: error: <message>``, with argparse's exit status 2 (``install_refusal_excepthook``, installed with
-the hooks); hook 11 marks those raised while parsing (``refusals_as_usage_errors``): said once per node,
-without a rank. In process, a refusal is raised as it is (a ValueError for an option)."""
+the hooks), whether raised while parsing or later; on several workers each names its rank. In process, a
+refusal is raised as it is (a ValueError for an option)."""
 
 import atexit
 import contextlib
@@ -80,20 +80,6 @@ def given_option(name: str):
 USAGE_ERROR = 2  # argparse's exit status for a command line it refuses
 
 
-@contextlib.contextmanager
-def refusals_as_usage_errors(parser):
-    """While fairseq parses the command line (architecture functions, option checks), an MoE refusal is
-    marked as the command line's: the excepthook then ends the program as argparse's own errors do,
-    ``prog: error: <message>`` without a rank, and, since every torchrun worker parses the same command
-    line, on one worker per node (LOCAL_RANK 0). In process (a caller of parse_args_and_arch) it is
-    raised as it is."""
-    try:
-        yield
-    except MoERefusal as refusal:
-        refusal.moe_command_line = parser.prog
-        raise
-
-
 def tell_the_launcher(line: str) -> None:
     """Under torchrun, the line as this worker's error file (the format of torch.distributed.elastic's
     ``@record``): torchrun's failure summary then shows it as the root cause's "traceback" instead of a
@@ -109,7 +95,8 @@ def tell_the_launcher(line: str) -> None:
 
 def refusal_line(refusal: BaseException, prog: str) -> str:
     """``prog: error: <message>``; on one of several workers (connected, or started by torchrun), naming
-    its rank: after parsing, workers can refuse different things (their own files, their own memory)."""
+    its rank: workers can refuse different things (their own files, their own memory), and where they refuse
+    the same, torchrun stops the others when the first exits, so each says it (none waits for another)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
@@ -136,12 +123,10 @@ def install_refusal_excepthook() -> None:
         for out in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 out.flush()
-        parsing = getattr(value, "moe_command_line", None)
-        line = f"{parsing}: error: {value}" if parsing else refusal_line(value, prog)
+        line = refusal_line(value, prog)
         tell_the_launcher(line)
-        if not parsing or os.environ.get("LOCAL_RANK", "0") == "0":
-            stream.write(line + "\n")
-            stream.flush()
+        stream.write(line + "\n")
+        stream.flush()
         atexit._run_exitfuncs()  # what the interpreter would run before exiting
         os._exit(USAGE_ERROR)
 

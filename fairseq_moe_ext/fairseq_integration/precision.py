@@ -35,7 +35,6 @@ from ..checkpoint import rank_suffix, split_rank_suffix
 from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
-from .cli import refusals_as_usage_errors
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from .saving import is_expert_parallel_trainer
 from ..moe.refusal import MoEOptionError
@@ -50,12 +49,11 @@ def wrap_parse_args_and_arch(original):
     @functools.wraps(original)
     def parse_args_and_arch(parser, input_args=None, *args, **kwargs):
         add_inference_experts_flag(parser)
-        with refusals_as_usage_errors(parser):
-            result = original(parser, input_args, *args, **kwargs)
-            parsed = result[0] if isinstance(result, tuple) else result
-            argv = sys.argv[1:] if input_args is None else input_args
-            keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
-            decide_sharded_inference(parsed)
+        result = original(parser, input_args, *args, **kwargs)
+        parsed = result[0] if isinstance(result, tuple) else result
+        argv = sys.argv[1:] if input_args is None else input_args
+        keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
+        decide_sharded_inference(parsed)
         return result
 
     return parse_args_and_arch
