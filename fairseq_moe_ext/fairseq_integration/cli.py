@@ -106,8 +106,8 @@ def refusal_line(refusal: BaseException, prog: str) -> str:
 
 
 def install_refusal_excepthook() -> None:
-    """An MoE refusal that ends the program (raised after parsing: building the model, loading or saving a
-    checkpoint, training) prints ``refusal_line`` alone and exits with status 2; any other exception goes
+    """An MoE refusal that ends the program (raised while fairseq parses the command line, builds the model,
+    loads or saves a checkpoint, trains) prints ``refusal_line`` alone and exits with status 2; any other exception goes
     to the hook found here (Python's traceback). torch's init_process_group later wraps this hook to prefix
     what it prints with "[rankN]: "; the line is written past that wrapper, to the process's stderr."""
     previous = sys.excepthook
