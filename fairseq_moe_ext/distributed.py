@@ -41,6 +41,7 @@ from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expe
 from .common.torch_compat import foreach_mul_
 from .options.model import EXPERT_GRAD_NORMALIZATIONS  # noqa: F401  (--moe-normalize-expert-grad's choices)
 from .process_state import STATE
+from .common.refusal import MoEOptionError, MoESetupError
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp", "fully_sharded")
 
@@ -276,7 +277,7 @@ def check_shared_parameters_agree(model: torch.nn.Module, group=None) -> None:
         differs = (other != gathered[0]).any(dim=1).nonzero()
         if len(differs):
             name = shared[int(differs[0])][0]
-            raise RuntimeError(
+            raise MoESetupError(
                 f"shared parameter {name} differs between rank 0 and rank {rank} before training: every "
                 f"worker must build the model with the same --seed (expert weights are seeded per expert "
                 f"and may differ); check for rank-dependent initialisation"
@@ -323,8 +324,8 @@ class ExpertParallelModel(ModuleProxyWrapper):
             foreach_mul_(grads, self.expert_grad_factor / self.world_size)
 
 
-def unsupported_backend_error(backend: str) -> ValueError:
-    return ValueError(
+def unsupported_backend_error(backend: str) -> MoEOptionError:
+    return MoEOptionError(
         f"--ddp-backend {backend} is not supported with MoE models (it would shard or average expert "
         f"parameters): use --ddp-backend legacy_ddp (or c10d / pytorch_ddp / fully_sharded)"
     )

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .common.config_value import config_value
 from .moe.comm import collective
 from .moe.experts import is_expert
+from .common.refusal import MoEOptionError
 
 # torch's FSDP2 and DTensor modules take half a second to import: every fairseq CLI imports this
 # plugin, so they are imported when a model is sharded, and a tensor can only be a DTensor once
@@ -101,8 +102,8 @@ def mixed_precision_policy(dtype: Optional[torch.dtype]):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def zero_sharding_error() -> ValueError:
-    return ValueError(
+def zero_sharding_error() -> MoEOptionError:
+    return MoEOptionError(
         "--zero-sharding os broadcasts every worker's optimizer shard to the others after each step, "
         "which would make every worker's experts identical: use --ddp-backend fully_sharded (shared "
         "state sharded, experts kept expert-parallel) and drop --zero-sharding"
@@ -143,7 +144,7 @@ def check_units_keep_moe_layers_whole(model: torch.nn.Module, units: Iterable[to
         if isinstance(module, MoELayer):
             for unit in units:
                 if unit is not module and _contains(module, unit):
-                    raise ValueError(
+                    raise MoEOptionError(
                         f"the fully_sharded wrapping puts part of the MoE layer {name} in a unit of its own, "
                         f"which would split the layer across FSDP units: wrap whole transformer layers "
                         f"(the default) or the MoE layer itself"

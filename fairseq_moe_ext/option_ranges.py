@@ -29,6 +29,7 @@ from .options.record import (  # noqa: F401
     TIMEDELTA_MAX_S,
     Range,
 )
+from .common.refusal import MoEOptionError
 
 # Each option's range is its record's (options/model.py, run.py, criterion.py).
 MODEL_RANGES = {o.name: o.range for o in MODEL_OPTIONS if o.range is not None}
@@ -51,7 +52,7 @@ def check_option(spec: Range, value, **fix_fields) -> None:
     if value is None and spec.optional:
         return
     fix = spec.fix.format(**fix_fields)
-    wrong = ValueError(f"{spec.flag} must be {spec.requirement}, got {value!r}: {fix}")
+    wrong = MoEOptionError(f"{spec.flag} must be {spec.requirement}, got {value!r}: {fix}")
     wanted = (int,) if spec.integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, wanted):
         raise wrong
@@ -64,9 +65,9 @@ def check_option(spec: Range, value, **fix_fields) -> None:
         raise wrong
     if spec.high is not None and abs(value) > spec.high:
         limit = f"{spec.high:g}" if isinstance(spec.high, float) else str(spec.high)
-        raise ValueError(f"{spec.flag} {value!r} is more than {spec.holder} can hold (at most {limit}): {fix}")
+        raise MoEOptionError(f"{spec.flag} {value!r} is more than {spec.holder} can hold (at most {limit}): {fix}")
     if spec.smallest is not None and 0 < abs(value) < spec.smallest:
-        raise ValueError(
+        raise MoEOptionError(
             f"{spec.flag} {value!r} is less than {spec.holder} can hold, which makes it 0 (the smallest "
             f"it holds is {spec.smallest:g}): {fix}"
         )

@@ -23,6 +23,7 @@ from .branch_consolidated import missing_rank_hint, refuse_flat, resolve_prefix,
 from .branch_fsdp_shards import FsdpShards
 from .branch_options import branch_flags, is_language_model, model_options
 from ..common.config_value import config_value
+from .branch_same_run import SameRun
 from .errors import CheckpointSetError
 from .one_read import load_skipping
 
@@ -102,6 +103,8 @@ class BranchSet:
             on_files([*(shards.shared_files if shards else [self.shared_path]), *self.rank_paths])
         self.shared = self._load(self.shared_path)
         first = self._load(self.rank_paths[0])
+        self.same_run = SameRun(first, self.rank_paths[0])  # each file of the save checked against rank 0's
+        self.same_run.check(self.shared, self.shared_path)
         self.options = model_options(first, self.rank_paths[0])
         self.head = {k: first.get(k) for k in ("cfg", "args", "optimizer_history", "extra_state", "task_state")}
         self.routers = {
@@ -177,6 +180,7 @@ class BranchSet:
         """Yield (rank, {(layer, tensor): {global id: tensor}}) for each rank file, one loaded at a time."""
         for rank, path in enumerate(self.rank_paths):
             state = self.first_state if rank == 0 else self._load(path)
+            self.same_run.check(state, path)
             self.first_state = None
             ids = self.source_of(rank)
             out: Dict[Tuple[str, str], Dict[int, torch.Tensor]] = {}

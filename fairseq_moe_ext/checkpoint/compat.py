@@ -7,6 +7,7 @@ from typing import Dict, Tuple
 from ..moe.experts import is_expert
 from ..options import moe_freq
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -> None:
@@ -17,14 +18,14 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -
     for key in mismatched:  # expert counts first: they also change every router's shape
         tensor, param = state["model"][key], params[key]
         if is_expert(param) and tensor.shape[1:] == param.shape[1:]:
-            raise ValueError(
+            raise MoEOptionError(
                 f"{path} holds {tensor.shape[0] * world_size} experts in {key.rsplit('.experts', 1)[0]}, this model "
                 f"{param.shape[0] * world_size}: resume with the checkpoint's --moe-expert-count, or use a new "
                 f"--save-dir"
             )
     if mismatched:
         key = mismatched[0]
-        raise ValueError(
+        raise MoEOptionError(
             f"{path} does not fit this model: {key} is {tuple(state['model'][key].shape)} there and "
             f"{tuple(params[key].shape)} here; resume with the architecture flags the checkpoint was trained "
             f"with, or use a new --save-dir"
@@ -38,7 +39,7 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -
     for what, (given, value) in saved.items():
         this_flag, this_value = current[what]
         if value is not None and this_value is not None and str(value) != str(this_value):
-            raise ValueError(
+            raise MoEOptionError(
                 f"{path} was trained with {given} {value} and this run has {this_flag} {this_value}, which gives "
                 f"the model other parameters: resume with {this_flag} {value}, or use a new --save-dir"
             )

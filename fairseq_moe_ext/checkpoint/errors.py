@@ -1,7 +1,9 @@
 """The errors of checkpoint handling: each is one line naming the file and the fix."""
 
+from ..common.refusal import MoERefusal
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(MoERefusal, RuntimeError):
     """A checkpoint that cannot be used; the message is one line naming the file and the fix."""
 
 

@@ -16,6 +16,7 @@ from typing import Dict, List, Tuple
 from ..moe.placement import side_moe_freq
 from ..options import HF_NAMES, OPTIONS
 from .errors import CheckpointSetError
+from .hf_fields import check_numeric_fields
 from .hf_routing import exported_routing, imported_routing
 
 # fmt: off
@@ -224,6 +225,7 @@ def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[
             f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
             f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
         )
+    check_numeric_fields(config, path)
     config = {**HF_DEFAULTS, **config}
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
     _need(

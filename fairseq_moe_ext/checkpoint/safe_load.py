@@ -8,6 +8,8 @@ with torch.load (the checkpoint tool, merging a set) or with fairseq's ``load_ch
 
 import argparse
 import collections
+import contextlib
+import functools
 import pickle
 import re
 import zipfile
@@ -103,8 +105,32 @@ def unloadable_error(path: str, error: BaseException) -> Optional[CheckpointErro
     return None
 
 
+# Every load of a user's file unpickles only tensors and CHECKPOINT_SAFE_GLOBALS: a pickle that would run
+# code (os.system, open) is refused (tests/checkpoint/test_untrusted_pickles.py, one test per loader).
+WEIGHTS_ONLY = True
+
+
 def _torch_load_on_cpu(path: str):
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=WEIGHTS_ONLY)
+
+
+@contextlib.contextmanager
+def _weights_only_by_default():
+    """fairseq's load_checkpoint_to_cpu calls torch.load without ``weights_only``: torch's default (True
+    since 2.6) would decide, and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch's own advice for old files) turn
+    it off. While fairseq loads, ``weights_only`` is passed explicitly."""
+    original = torch.load
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        kwargs.setdefault("weights_only", WEIGHTS_ONLY)
+        return original(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def safe_load(path: str, load: Optional[Callable[[str], object]] = None, verified: bool = False):
@@ -120,7 +146,8 @@ def safe_load(path: str, load: Optional[Callable[[str], object]] = None, verifie
     if not verified:
         check_file_intact(path)
     explain_other_failures = load is not None
-    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS):
+    restricted = _weights_only_by_default() if load is not None else contextlib.nullcontext()
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS), restricted:
         try:
             return (load or _torch_load_on_cpu)(path)
         except (EOFError, RuntimeError, pickle.UnpicklingError) as error:

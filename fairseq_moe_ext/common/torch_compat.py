@@ -12,6 +12,8 @@ from typing import Dict, List
 
 import torch
 
+from .refusal import MoESetupError
+
 
 def lookup(path: str):
     """The object at dotted ``path`` under ``torch`` (``"_C._current_graph_task_id"``), or None."""
@@ -54,7 +56,7 @@ def scaler_optimizer_state(scaler, optimizer) -> Dict:
     states = getattr(scaler, "_per_optimizer_states", None)
     state = None if states is None else states[id(optimizer)]
     if not isinstance(state, dict) or not {"stage", "found_inf_per_device"} <= state.keys():
-        raise RuntimeError(
+        raise MoESetupError(
             f"--amp on several MoE workers marks overflows in GradScaler._per_optimizer_states, which torch "
             f"{torch.__version__} lays out differently: use --fp16 or --bf16 instead of --amp"
         )

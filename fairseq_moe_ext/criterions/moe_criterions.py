@@ -30,6 +30,7 @@ from fairseq.dataclass import FairseqDataclass
 from ..models.moe_config import dataclass_of
 from ..option_ranges import CRITERION_RANGES, check_options
 from ..options import CRITERION_OPTIONS
+from ..common.refusal import MoEOptionError, MoESetupError
 
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
 LAYER_STATS = ("num_tokens", "num_slots", "dropped_slots", "router_entropy_sum")
@@ -76,7 +77,7 @@ class MoELossMixin:
     def add_moe_losses(self, model, loss, sample_size, logging_output, reduce=True):
         cache = find_moe_cache(model)
         if cache is None:
-            raise ValueError(
+            raise MoEOptionError(
                 "MoE criterions need an MoE model: use --arch moe_transformer* / moe_transformer_lm*, "
                 "or a non-MoE criterion such as cross_entropy"
             )
@@ -85,7 +86,7 @@ class MoELossMixin:
             return loss
         applied = cache.router_losses_apply  # False: the router is frozen (--moe-freeze), logged only
         if applied and model.training and torch.is_grad_enabled() and not records[0].aux.balance_loss.requires_grad:
-            raise RuntimeError(
+            raise MoESetupError(
                 "MoE balance loss has no gradient: the forward ran under no_grad (a reentrant activation "
                 "checkpoint?); use --checkpoint-activations of this plugin, which is non-reentrant"
             )

@@ -10,7 +10,9 @@ fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
 expert-sharded branches of 8 and 11), sharding.py (20-22: --ddp-backend fully_sharded on torch FSDP2).
 The state they share between
-calls is one object, process_state.STATE.
+calls is one object, process_state.STATE. Beside the table, ``install()`` sets the process's
+``sys.excepthook`` (cli.py): an MoE refusal (``common.refusal.MoERefusal``) ends a fairseq tool with
+``prog: error: <message>`` and exit status 2, any other exception with its traceback.
 
 Hooks:
 """
@@ -50,6 +52,10 @@ HOOKS = (
     Hook(2, "fairseq.distributed.utils._infer_torch_distributed_launch_init", training.wrap_torchrun_init,
          "under torchrun it computes rank % torch.cuda.device_count() (ZeroDivisionError on CPU). Without "
          "CUDA every worker uses device 0 (the CPU) and the default nccl backend becomes gloo."),
+    Hook(2, "fairseq.distributed.utils._infer_single_node_init", training.wrap_single_node_init,
+         "--distributed-world-size N without a launcher: fairseq spawns N workers, one per GPU, and asserts "
+         "\"world size is N but have 0 available devices\" on CPU; refused in one line saying how torchrun "
+         "starts N CPU workers."),
     Hook(3, "fairseq.models.DistributedFairseqModel", training.wrap_distributed_model,
          "for models with expert parameters: check the backend, verify shared parameters agree across "
          "workers, keep experts out of torch DDP's broadcast and all-reduce (its documented ignore list), and "
@@ -201,6 +207,7 @@ def install() -> None:
     for hook in HOOKS:
         owner_name, name = hook.target.rsplit(".", 1)
         _patch(resolve_qualified(owner_name), name, hook)
+    cli.install_refusal_excepthook()  # not a hook into fairseq: the process's sys.excepthook
 
 
 def _patch(owner, name: str, hook: Hook) -> None:

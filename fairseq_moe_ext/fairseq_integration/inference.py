@@ -32,6 +32,7 @@ from ..moe.lockstep import LockStep
 from ..options import INFERENCE_OPTIONS, option_value
 from ..options.inference import EXPERT_PLACEMENTS
 from ..process_state import STATE, LoadTarget
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def load_sharded(original, filenames, *args, **kwargs):
     only its experts; the model comes back in lock-step mode for the rest of the process."""
     sharded = STATE.sharded_inference
     if len(filenames) != 1:
-        raise ValueError(
+        raise MoEOptionError(
             f"--moe-inference-experts sharded generates with one model, got an ensemble of "
             f"{len(filenames)}: pass one --path, or add --moe-inference-experts local"
         )
@@ -132,13 +133,13 @@ def load_sharded(original, filenames, *args, **kwargs):
         STATE.load_targets.pop()
     model = models[0]
     if not moe_layers(model):
-        raise ValueError(
+        raise MoEOptionError(
             f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
             f"--moe-inference-experts sharded"
         )
     layout = moe_dist.model_layout(model)
     if layout.parallel_size != sharded.world_size:
-        raise ValueError(
+        raise MoEOptionError(
             f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
             f"workers (--moe-expert-parallel-size): add --moe-inference-experts local"
         )
@@ -159,14 +160,14 @@ def refuse_capacity_drops(layers) -> None:
     token fraction (which replaces the factor when above 0) of 1 or more drops nothing: each expert gets at
     most one slot per token."""
     if any(layer.eval_capacity_token_fraction == 0 and layer.eval_capacity_factor != 0 for layer in layers):
-        raise ValueError(
+        raise MoEOptionError(
             "expert-sharded inference needs dropless routing to match one process (a capacity "
             "depends on every worker's tokens): pass --model-overrides "
             "\"{'moe_eval_capacity_factor': 0}\", or add --moe-inference-experts local"
         )
     fractions = sorted(layer.eval_capacity_token_fraction for layer in layers if layer.eval_capacity_token_fraction > 0)
     if fractions and fractions[0] < 1:
-        raise ValueError(
+        raise MoEOptionError(
             f"expert-sharded inference needs dropless routing to match one process (an evaluation capacity "
             f"of {fractions[0]:g} of the tokens counts every worker's tokens): pass --model-overrides "
             "\"{'moe_eval_capacity_token_fraction': 1.0}\", or add --moe-inference-experts local"

@@ -23,6 +23,7 @@ from ..training.upcycling import check_upcycle_start, load_upcycled
 from .inference import load_sharded
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         full = original_load(path, arg_overrides, **kwargs)
         if "moe" not in full:
             if target is not None and target.model is not None and moe_dist.has_experts(target.model):
-                raise ValueError(
+                raise MoEOptionError(
                     f"{path} is a dense fairseq checkpoint (no MoE layers), which this MoE model cannot load: start "
                     f"an MoE from it with --moe-upcycle-from {path} and a new --save-dir, or train it on with its "
                     f"dense --arch"
@@ -158,10 +159,10 @@ def refuses_the_checkpoint(error: BaseException) -> bool:
     )
 
 
-def upcycle_skipped(dense: str, save_dir: str, found: str, refused: BaseException) -> ValueError:
+def upcycle_skipped(dense: str, save_dir: str, found: str, refused: BaseException) -> MoEOptionError:
     """--moe-upcycle-from was skipped for a checkpoint in the save dir, which turned out not to load."""
     problem = " ".join(str(refused).split()).split(": ", 1)[0]
-    return ValueError(
+    return MoEOptionError(
         f"--moe-upcycle-from {dense} was skipped because --save-dir {save_dir} already holds {found} (a restarted run "
         f"resumes its own checkpoint), and this model cannot load that one ({problem}): to upcycle, give this run a "
         f"new --save-dir"

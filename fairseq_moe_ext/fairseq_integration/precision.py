@@ -40,6 +40,7 @@ from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from . import sharding
 from .saving import is_expert_parallel_trainer
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def keep_tpu_off_unless_asked(args, tpu_asked: bool) -> None:
         return
     if tpu_asked:
         if importlib.util.find_spec("torch_xla") is None:
-            raise ValueError(
+            raise MoEOptionError(
                 "--tpu needs torch_xla, which is not installed: install torch_xla, or drop --tpu "
                 "(--bf16 alone trains on CUDA or CPU)"
             )

@@ -18,6 +18,7 @@ from .. import distributed as moe_dist
 from .. import fully_sharded
 from ..common.config_value import config_value
 from ..common.torch_compat import foreach_mul_
+from ..common.refusal import MoEOptionError
 
 
 def is_fully_sharded_backend(cfg) -> bool:
@@ -28,7 +29,7 @@ def check_options(*nodes) -> None:
     """Raise the first refusal found in ``nodes`` (a Namespace, or a cfg's sections)."""
     refused = [line for node in nodes for line in fully_sharded.refused_options(node)]
     if refused:
-        raise ValueError(refused[0])
+        raise MoEOptionError(refused[0])
 
 
 def optimizers(optimizer_cfg) -> dict:

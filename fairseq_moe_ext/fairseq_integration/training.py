@@ -7,6 +7,7 @@ collectives cross workers instead of leaving its other workers waiting in them."
 import functools
 import logging
 import os
+import sys
 
 import torch
 from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
@@ -24,6 +25,7 @@ from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
 from ..process_state import STATE
 from . import sharding
+from ..common.refusal import MoEOptionError, MoERefusal, MoESetupError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,23 @@ def wrap_torchrun_init(original):
             cfg.distributed_backend = "gloo"
 
     return infer_torch_distributed_launch_init
+
+
+def wrap_single_node_init(original):
+    @functools.wraps(original)
+    def infer_single_node_init(cfg):
+        world, devices = cfg.distributed_world_size, torch.cuda.device_count()
+        if world > devices:  # fairseq asserts "world size is N but have 0 available devices"
+            tool = os.path.basename(sys.argv[0])
+            tool = tool if tool.startswith("fairseq-") else "fairseq-train"
+            raise MoEOptionError(
+                f"--distributed-world-size {world} with {devices} CUDA devices: fairseq starts workers itself only "
+                f"on GPUs; start {world} CPU workers with torchrun --nproc_per_node {world} $(which {tool}) "
+                f"... --distributed-world-size {world} (or drop --distributed-world-size for one process)"
+            )
+        return original(cfg)
+
+    return infer_single_node_init
 
 
 def wrap_distributed_model(original):
@@ -106,7 +125,7 @@ def wrap_clip_grad_norm(original):
             # fairseq hands over the parameters alone, so the group is the process's, read once here.
             return moe_dist.clip_grad_norm_(params, max_norm, moe_dist.expert_parallel_group())
         if STATE.expert_parallel_training and params:
-            raise RuntimeError(
+            raise MoESetupError(
                 "the optimizer's parameters lost the expert marker (--fp16 flattens gradients into one "
                 "buffer), so expert gradients would be clipped per worker: add --fp16-no-flatten-grads"
             )
@@ -154,7 +173,7 @@ def wrap_train_step(original):
     return train_step
 
 
-class MoEOutOfMemoryError(RuntimeError):
+class MoEOutOfMemoryError(MoERefusal, RuntimeError):
     """A worker of a job whose MoE collectives cross workers ran out of device memory."""
 
 
@@ -200,7 +219,7 @@ def check_training_setup(trainer) -> None:
     # The unwrapped model and criterion: touching trainer.model would build the DDP wrapper here.
     if isinstance(trainer._criterion, MoELossMixin) and find_moe_cache(trainer._model) is None:
         criterion = config_value(trainer.cfg.criterion, "_name")
-        raise ValueError(
+        raise MoEOptionError(
             f"MoE criterions need an MoE model: --criterion {criterion} collects MoE balance losses, but "
             f"--arch {arch} has no MoE layers; use --arch moe_transformer* / moe_transformer_lm*, or a non-MoE "
             f"criterion such as cross_entropy"
@@ -208,7 +227,7 @@ def check_training_setup(trainer) -> None:
     check_balance_scope(model_cfg, trainer.cfg.criterion)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if launched > 1 and not torch.distributed.is_initialized() and moe_dist.has_experts(trainer._model):
-        raise ValueError(
+        raise MoEOptionError(
             f"the launcher started {launched} workers (WORLD_SIZE={launched}) but fairseq runs each of them as "
             f"a 1-worker job, so every worker would train its own copy of every expert and write the same "
             f"checkpoint files: add --distributed-world-size {launched}"
@@ -220,7 +239,7 @@ def check_balance_scope(model_cfg, criterion_cfg) -> None:
     scope = str(config_value(model_cfg, "moe_balance_scope", "micro-batch"))
     weight = config_value(criterion_cfg, "moe_gate_loss_wt", None)
     if scope == "global-batch" and weight is not None and float(weight) == 0.0:
-        raise ValueError(
+        raise MoEOptionError(
             "--moe-balance-scope global-batch chooses which tokens the balance loss counts, but --moe-gate-loss-wt 0 "
             "turns that loss off: give it a weight (e.g. --moe-gate-loss-wt 0.01) or drop --moe-balance-scope"
         )

@@ -19,6 +19,7 @@ from ..moe.placement import places_moe_layer
 from ..option_ranges import MODEL_RANGES, check_option, check_options
 from ..options import ARCH_OPTIONS, FLAG_OF_FIELD, MODEL_OPTIONS, TRANSLATION_OPTIONS, default, option_value
 from ..options import moe_freq as options_moe_freq
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def layer_config(fields: Dict, **rest) -> MoELayerConfig:
     try:
         return MoELayerConfig.of(**fields, **rest)
     except ConflictingOptions as e:
-        raise ValueError(e.worded(FLAG_OF_FIELD)) from None
+        raise MoEOptionError(e.worded(FLAG_OF_FIELD)) from None
 
 
 def check_moe_args(args) -> None:
@@ -99,7 +100,7 @@ def check_moe_args(args) -> None:
     layer_config(dict(fields, hidden_dim=fields["hidden_dim"] or 1), model_dim=1)
     frozen = parse_frozen_parts(moe_option(args, "moe_freeze"), "--moe-freeze")
     if "router" in frozen and str(moe_option(args, "moe_balance_scope")) == "global-batch":
-        raise ValueError(
+        raise MoEOptionError(
             "--moe-balance-scope global-batch shapes the balance loss, which --moe-freeze router leaves out of the "
             "loss (the router cannot learn from it): drop --moe-balance-scope, or let the router train"
         )
@@ -109,12 +110,12 @@ def check_routing_extensions(args) -> None:
     """Flags that do nothing without another one (the layer config has no field for them to conflict in)."""
     shared_dim = moe_option(args, "moe_shared_expert_ffn_dim")
     if shared_dim is not None and moe_option(args, "moe_shared_expert_count") == 0:
-        raise ValueError(
+        raise MoEOptionError(
             f"--moe-shared-expert-ffn-dim {shared_dim} needs --moe-shared-expert-count >= 1: add shared experts or "
             f"drop the flag"
         )
     if moe_option(args, "moe_bias_update_rate") is not None and str(moe_option(args, "moe_balance")) != "bias":
-        raise ValueError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
+        raise MoEOptionError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
 
 
 def bias_update_rate(args) -> Optional[float]:
@@ -137,7 +138,7 @@ def check_moe_layers_placed(args, sides) -> None:
             given.append(flag)
     counts = " and ".join(f"{layers[side]} {side} layers" for side in sides)
     most = max(layers.values())
-    raise ValueError(
+    raise MoEOptionError(
         f"{' / '.join(given)} places no MoE layer in this model ({counts}; layer i is an MoE layer when (i + 1) is a "
         f"multiple of the frequency): use a frequency between 1 and {most}, or a dense --arch (transformer, "
         f"transformer_lm) for a model without experts"

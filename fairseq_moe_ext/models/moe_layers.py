@@ -21,6 +21,7 @@ from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
 from ..process_state import STATE
 from .moe_config import layer_config, layer_fields, moe_freq, moe_option
+from ..common.refusal import MoEOptionError
 
 
 class MoEFeedForward(MoELayer):
@@ -81,7 +82,7 @@ class _MoEFFNMixin:
     def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
         ffn = self.__dict__.pop("_pending_moe_ffn")
         if q_noise:
-            raise ValueError("--quant-noise-pq is not supported on MoE layers: drop it, or use a dense --arch")
+            raise MoEOptionError("--quant-noise-pq is not supported on MoE layers: drop it, or use a dense --arch")
         return ffn
 
     def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):

@@ -18,6 +18,7 @@ from ..distributed import (
 )
 from ..fully_sharded import refused_options, zero_sharding_error
 from .moe_config import moe_option
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ def check_expert_parallel_size(size: int, world: int, experts: int) -> None:
     listed = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
     fix = f"use a P dividing both {world} and --moe-expert-count {experts} ({listed})"
     if world % size:
-        raise ValueError(f"--moe-expert-parallel-size {size} does not divide the {world} workers: {fix}")
+        raise MoEOptionError(f"--moe-expert-parallel-size {size} does not divide the {world} workers: {fix}")
     if experts % size:
-        raise ValueError(f"--moe-expert-parallel-size {size} does not divide --moe-expert-count {experts}: {fix}")
+        raise MoEOptionError(f"--moe-expert-parallel-size {size} does not divide --moe-expert-count {experts}: {fix}")
 
 
 def check_ddp_backend(args) -> None:
@@ -54,7 +55,7 @@ def check_ddp_backend(args) -> None:
         raise zero_sharding_error()
     refused = refused_options(args) if str(backend) == "fully_sharded" else []
     if refused:
-        raise ValueError(refused[0])
+        raise MoEOptionError(refused[0])
 
 
 def apply_runtime_options(args) -> None:

@@ -34,6 +34,7 @@ from .moe_model import (  # noqa: F401
     base_seed,
     moe_layer_names,
 )
+from ..common.refusal import MoEOptionError
 
 # Read from the command line when a run starts (absent means no fallback): they shape no model, and
 # the architectures have never written them into a model's args (their records' launch_only).
@@ -57,10 +58,21 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
     def check_expert_parallel_world(cls, args, world: int) -> None:
         # --eval-bleu generates in lock-step (fairseq_integration/inference.py), which matches one
         # process only when routing is dropless: a capacity would depend on the other workers' tokens.
-        if config_value(args, "eval_bleu") and world > 1 and moe_option(args, "moe_eval_capacity_factor"):
-            raise ValueError(
+        # The rule of sharded fairseq-generate (inference.refuse_capacity_drops): a token fraction above 0
+        # replaces the factor, and drops nothing from 1 on.
+        if not config_value(args, "eval_bleu") or world <= 1:
+            return
+        fraction = moe_option(args, "moe_eval_capacity_token_fraction") or 0
+        if fraction == 0 and moe_option(args, "moe_eval_capacity_factor"):
+            raise MoEOptionError(
                 f"--eval-bleu on {world} workers needs dropless inference routing to score what one process "
                 f"would generate: drop --moe-eval-capacity-factor (or set it to 0)"
+            )
+        if 0 < fraction < 1:
+            raise MoEOptionError(
+                f"--eval-bleu on {world} workers needs dropless inference routing to score what one process "
+                f"would generate (an evaluation capacity of {fraction:g} of the tokens counts every worker's "
+                f"tokens): drop --moe-eval-capacity-token-fraction, or set it to 1"
             )
 
 

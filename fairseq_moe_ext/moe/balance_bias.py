@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from . import comm
 from .collective_device import on_group_device
+from ..common.refusal import MoEOptionError
 
 # The rate DeepSeek-V3 used for most of its training.
 DEFAULT_BIAS_UPDATE_RATE = 0.001
@@ -31,7 +32,7 @@ BIAS_KEY_SUFFIX = ".balance_bias.bias"
 
 def check_bias_update_rate(rate) -> float:
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(
+        raise MoEOptionError(
             f"the bias update rate must be a finite number > 0, got {rate!r}: use e.g. {DEFAULT_BIAS_UPDATE_RATE} "
             f"(DeepSeek-V3's)"
         )

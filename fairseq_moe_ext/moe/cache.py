@@ -26,6 +26,7 @@ from typing import Dict, List
 import torch
 
 from .torch_compat import current_graph_task_id
+from ..common.refusal import MoERefusal
 
 
 @dataclass
@@ -41,7 +42,7 @@ class MoERecord:
     aux: MoEAux
 
 
-class UncollectedMoELossError(RuntimeError):
+class UncollectedMoELossError(MoERefusal, RuntimeError):
     pass
 
 

@@ -26,6 +26,7 @@ from typing import Optional, Union
 import torch
 
 from .dispatch import bucket_counts
+from ..common.refusal import MoEOptionError
 
 MAX_SLOTS = 2**40  # per expert and choice: beyond any batch's token count, far within int64 (times k)
 
@@ -34,9 +35,9 @@ def check_capacity_factor(capacity_factor, name: str = "capacity_factor") -> flo
     try:
         value = float(capacity_factor)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {capacity_factor!r}") from None
+        raise MoEOptionError(f"{name} must be a number, got {capacity_factor!r}") from None
     if not math.isfinite(value):
-        raise ValueError(
+        raise MoEOptionError(
             f"{name} must be finite, got {capacity_factor!r}: use 0 for dropless routing, "
             f"a positive value for a fixed capacity, or a negative one for a bounded dropless one"
         )

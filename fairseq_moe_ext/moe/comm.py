@@ -23,10 +23,15 @@ from .collective_device import (
     on_group_device,
 )
 from .stop_notice import announced_stop
+from ..common.refusal import MoEOptionError, MoERefusal
 
 
 class MoECommunicationError(RuntimeError):
     """A collective of an MoE layer failed: a peer worker died or stalled past the group's timeout."""
+
+
+class MoEPeerStoppedError(MoERefusal, MoECommunicationError):
+    """A peer stopped on purpose and said why (stop_notice.py): its refusal, relayed to this worker."""
 
 
 @contextmanager
@@ -48,7 +53,7 @@ def collective(what: str, group, tensors: Sequence[torch.Tensor] = ()):
             raise device_mismatch_error(what, tensors, group, detail) from error
         notice = announced_stop()
         if notice is not None:  # a worker stopped on purpose and said why (stop_notice.py)
-            raise MoECommunicationError(f"MoE {what} failed because another worker stopped: {notice}") from error
+            raise MoEPeerStoppedError(f"MoE {what} failed because another worker stopped: {notice}") from error
         raise MoECommunicationError(
             f"MoE {what} across {dist.get_world_size(group)} workers failed ({detail}): a peer worker died "
             f"or stalled past the process group's timeout; restart the job with the same command to resume "
@@ -183,7 +188,7 @@ def check_same_on_every_rank(values: List[int], names: List[str], what: str, gro
     for rank, theirs in enumerate(everyone):
         if theirs.tolist() != list(values):
             diff = ", ".join(f"{n} {a} vs {b}" for n, a, b in zip(names, values, theirs.tolist()) if a != b)
-            raise ValueError(
+            raise MoEOptionError(
                 f"{what} differs between this worker (rank {group_rank(group)}) and rank {rank}: {diff}; "
                 f"build every worker's model with the same flags and world size"
             )

@@ -7,6 +7,7 @@ checkpoint code places experts by it), so it can be reasoned about and tested wi
 import math
 from dataclasses import dataclass
 from typing import List, Tuple
+from ..common.refusal import MoEOptionError
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class ExpertLayout:
     def __post_init__(self):
         w, p, r = self.world_size, self.parallel_size, self.rank
         if not all(isinstance(v, int) for v in (w, p, r)) or w < 1 or p < 1 or w % p or not 0 <= r < w:
-            raise ValueError(
+            raise MoEOptionError(
                 f"no expert layout has world size {w!r}, expert-parallel size {p!r} and rank {r!r}: the "
                 f"expert-parallel size must divide the world size, and 0 <= rank < world size"
             )
@@ -75,7 +76,7 @@ class ExpertLayout:
     def experts_held(self, num_experts: int) -> range:
         """Global ids of the experts this worker holds, of ``num_experts`` (a multiple of P)."""
         if num_experts % self.parallel_size:
-            raise ValueError(
+            raise MoEOptionError(
                 f"{num_experts} experts cannot be split over an expert-parallel size of {self.parallel_size}: "
                 f"use an expert count that is a multiple of it"
             )

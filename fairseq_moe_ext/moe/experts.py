@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .expert_ffn import expert_ffn
 from .grouped_mm import check_expert_matmul, default_expert_matmul, expert_groups, grouped_linear, select_expert_matmul
+from ..common.refusal import MoEOptionError
 
 
 def is_expert(p) -> bool:
@@ -49,7 +50,7 @@ def resolve_activation(activation: Union[str, Callable]) -> Callable:
     if callable(activation):
         return activation
     if activation not in ACTIVATIONS:
-        raise ValueError(
+        raise MoEOptionError(
             f"unknown activation {activation!r}: choose one of {', '.join(ACTIVATIONS)} or pass a callable"
         )
     return ACTIVATIONS[activation]

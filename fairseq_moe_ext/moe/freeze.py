@@ -18,6 +18,8 @@ from typing import Dict, FrozenSet, Iterable, Optional
 
 import torch.nn as nn
 
+from ..common.refusal import MoEOptionError
+
 from .balance_bias import balance_biases
 from .experts import is_expert
 from .router import TopKRouter
@@ -33,13 +35,13 @@ def parse_frozen_parts(value: Optional[str], flag: str = "freeze") -> FrozenSet[
     names = [part.strip() for part in str(value).split(",") if part.strip()]
     unknown = [name for name in names if name not in FREEZABLE_PARTS]
     if unknown:
-        raise ValueError(
+        raise MoEOptionError(
             f"{flag} {value}: unknown part {unknown[0]!r}: name any of {', '.join(FREEZABLE_PARTS)}, separated by "
             f"commas (e.g. {flag} router)"
         )
     parts = frozenset(names)
     if parts == frozenset(FREEZABLE_PARTS):
-        raise ValueError(
+        raise MoEOptionError(
             f"{flag} {value} freezes every parameter, so nothing would train: leave at least one of "
             f"{', '.join(FREEZABLE_PARTS)} out"
         )

@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from .expert_ffn import bias_grad
 from .torch_compat import check_grouped_mm, has_grouped_mm
+from ..common.refusal import MoEOptionError
 
 EXPERT_MATMULS = ("auto", "loop", "grouped_mm")
 ENV_VAR = "FAIRSEQ_MOE_EXPERT_MATMUL"
@@ -49,7 +50,7 @@ ACCELERATED_CAPABILITY_MAJORS = (9, 10)
 
 def check_expert_matmul(name: str) -> str:
     if name not in EXPERT_MATMULS:
-        raise ValueError(f"unknown expert matmul {name!r}: choose one of {', '.join(EXPERT_MATMULS)}")
+        raise MoEOptionError(f"unknown expert matmul {name!r}: choose one of {', '.join(EXPERT_MATMULS)}")
     if name == "grouped_mm":
         check_grouped_mm()
     return name

@@ -38,6 +38,7 @@ from .losses import balance_loss, z_loss
 from .router import TopKRouter
 from .second_expert import gates_renormalised_over_served
 from .shared_experts import SharedExperts
+from ..common.refusal import MoEOptionError
 
 
 class MoELayer(nn.Module):
@@ -66,7 +67,7 @@ class MoELayer(nn.Module):
         parallel = comm.group_size(group)
         num_experts = config.num_experts
         if num_experts % parallel != 0:
-            raise ValueError(
+            raise MoEOptionError(
                 f"{num_experts} experts cannot be split evenly over {parallel} workers: use an expert "
                 f"count that is a multiple of the world size (e.g. {parallel * max(1, num_experts // parallel)})"
             )

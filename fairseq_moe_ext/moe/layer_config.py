@@ -22,6 +22,7 @@ from .capacity import check_capacity_factor
 from .experts import resolve_activation
 from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
+from ..common.refusal import MoEOptionError
 
 ROUTER_TYPES = ("top", "cosine", "sigmoid")  # router.py says what each one computes
 # Whose first choices the balance loss's load fractions count (layer.py, balance_scope.py).
@@ -39,7 +40,7 @@ class Named:
         return self._pair.format(self.name, self.value)
 
 
-class ConflictingOptions(ValueError):
+class ConflictingOptions(MoEOptionError):
     """Options that do not go together. ``template`` names each option by its field's flat name (``{k}``),
     ``given`` holds their values, ``wanted`` the values the fix asks for (``{top}``: ``router_type`` top).
     ``str()`` names them as fields (``k=5``); ``worded(names)`` as a caller's options are named."""
@@ -61,7 +62,7 @@ class ConflictingOptions(ValueError):
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise MoEOptionError(f"{name} must be a positive integer, got {value!r}")
 
 
 # fmt: off
@@ -84,12 +85,12 @@ class RoutingConfig:
     def __post_init__(self):
         k = self.k
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"top-k must be an integer >= 1, got {k!r}")
+            raise MoEOptionError(f"top-k must be an integer >= 1, got {k!r}")
         if self.router_type not in ROUTER_TYPES:
-            raise ValueError(f"unknown router type {self.router_type!r}: choose one of {', '.join(ROUTER_TYPES)}")
+            raise MoEOptionError(f"unknown router type {self.router_type!r}: choose one of {', '.join(ROUTER_TYPES)}")
         noise = self.gate_noise
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
-            raise ValueError(f"gate_noise must be a finite number >= 0, got {noise!r}")
+            raise MoEOptionError(f"gate_noise must be a finite number >= 0, got {noise!r}")
         if self.router_type == "sigmoid" and k < 2:
             raise ConflictingOptions(
                 "{router_type} normalises the gates over the chosen experts, so with {k} every gate is 1 and the "
@@ -140,7 +141,7 @@ class MoELayerConfig:
         _positive_int("hidden_dim", self.hidden_dim)
         _positive_int("num_experts", self.num_experts)
         if not isinstance(self.routing, RoutingConfig):
-            raise ValueError(f"routing must be a RoutingConfig, got {self.routing!r}")
+            raise MoEOptionError(f"routing must be a RoutingConfig, got {self.routing!r}")
         k = self.routing.k
         if k > self.num_experts:
             given = dict(k=k, num_experts=self.num_experts)
@@ -152,17 +153,18 @@ class MoELayerConfig:
         )
         resolve_activation(self.activation)
         if not 0.0 <= self.activation_dropout < 1.0:
-            raise ValueError(f"activation_dropout must be in [0, 1), got {self.activation_dropout!r}")
+            raise MoEOptionError(f"activation_dropout must be in [0, 1), got {self.activation_dropout!r}")
         check_shared_experts(self.shared_expert_count, self.shared_hidden_dim)
         if not 0.0 <= float(self.expert_output_masking) < 1.0:
-            raise ValueError(f"expert_output_masking must be in [0, 1), got {self.expert_output_masking!r}")
+            raise MoEOptionError(f"expert_output_masking must be in [0, 1), got {self.expert_output_masking!r}")
         object.__setattr__(self, "expert_output_masking", float(self.expert_output_masking))
         fraction = self.eval_capacity_token_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < math.inf:
-            raise ValueError(f"eval_capacity_token_fraction must be a finite number >= 0, got {fraction!r}")
+            raise MoEOptionError(f"eval_capacity_token_fraction must be a finite number >= 0, got {fraction!r}")
         object.__setattr__(self, "eval_capacity_token_fraction", float(fraction))
         if self.balance_scope not in BALANCE_SCOPES:
-            raise ValueError(f"unknown balance scope {self.balance_scope!r}: choose one of {', '.join(BALANCE_SCOPES)}")
+            choices = ", ".join(BALANCE_SCOPES)
+            raise MoEOptionError(f"unknown balance scope {self.balance_scope!r}: choose one of {choices}")
 
     @property
     def shared_hidden_dim(self) -> int:

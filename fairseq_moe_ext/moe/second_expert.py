@@ -16,6 +16,7 @@ per layer forward.
 """
 
 import torch
+from ..common.refusal import MoEOptionError
 
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 
@@ -23,7 +24,9 @@ SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 def check_second_expert_policy(policy: str) -> str:
     """``policy`` if it is one of ours; that it needs top-2 softmax routing is ``RoutingConfig``'s rule."""
     if policy not in SECOND_EXPERT_POLICIES:
-        raise ValueError(f"unknown second-expert policy {policy!r}: choose one of {', '.join(SECOND_EXPERT_POLICIES)}")
+        raise MoEOptionError(
+            f"unknown second-expert policy {policy!r}: choose one of {', '.join(SECOND_EXPERT_POLICIES)}"
+        )
     return policy
 
 

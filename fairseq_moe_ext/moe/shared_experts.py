@@ -14,13 +14,14 @@ import torch
 import torch.nn as nn
 
 from .experts import BatchedExperts
+from ..common.refusal import MoEOptionError
 
 
 def check_shared_experts(count, hidden_dim) -> None:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"the shared expert count must be an integer >= 0, got {count!r}: use 0 for none")
+        raise MoEOptionError(f"the shared expert count must be an integer >= 0, got {count!r}: use 0 for none")
     if count > 0 and (isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim < 1):
-        raise ValueError(f"the shared experts' hidden size must be a positive integer, got {hidden_dim!r}")
+        raise MoEOptionError(f"the shared experts' hidden size must be a positive integer, got {hidden_dim!r}")
 
 
 class SharedExperts(nn.Module):

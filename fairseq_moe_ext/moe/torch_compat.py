@@ -23,6 +23,7 @@ probe; the GPU one-shot prints which ones the machine's torch has.
 from typing import Callable, Dict, List
 
 import torch
+from ..common.refusal import MoEOptionError, MoESetupError
 
 from ..common.torch_compat import has_scaler_states, has_set_ddp_ignore, lookup
 
@@ -33,7 +34,7 @@ def has_grouped_mm() -> bool:
 
 def check_grouped_mm() -> None:
     if not has_grouped_mm():
-        raise RuntimeError(
+        raise MoESetupError(
             f"expert matmul 'grouped_mm' needs torch._grouped_mm, which torch {torch.__version__} lacks: use "
             f"'auto' or 'loop' (FAIRSEQ_MOE_EXPERT_MATMUL=auto), or torch >= 2.8"
         )
@@ -47,7 +48,7 @@ def current_graph_task_id():
 
 def check_backward_detection() -> None:
     if lookup("_C._current_graph_task_id") is None:
-        raise ValueError(
+        raise MoEOptionError(
             f"--checkpoint-activations on MoE layers needs torch._C._current_graph_task_id (to drop the balance "
             f"losses recomputation records twice), which torch {torch.__version__} lacks: drop "
             f"--checkpoint-activations, or use torch >= 2.0"

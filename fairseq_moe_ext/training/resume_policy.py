@@ -29,6 +29,7 @@ from ..options import CRITERION_OPTIONS, MODEL_OPTIONS
 
 # Re-exported: the kinds are written in the option records (options/record.py).
 from ..options.record import CHANGES_FUNCTION, CHANGES_PARAMETERS, MAY_CHANGE, TRAINING_ONLY  # noqa: F401
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def check_resume_policy(path: str, saved_cfg, model_cfg, criterion_cfg, allow_fu
         flag = "--" + name.replace("_", "-")
         change = f"{path} was trained with {_spelled(flag, was)} and this run has {_spelled(flag, now)}"
         if rule.kind == CHANGES_FUNCTION and not allow_function_change:
-            raise ValueError(
+            raise MoEOptionError(
                 f"{change}, which {CHANGES_FUNCTION} ({rule.why}): {_resume_with(flag, was)}, or use a new "
                 f"--save-dir, or add {OVERRIDE_FLAG} to train on from these weights with the new setting"
             )

@@ -23,13 +23,14 @@ import socket
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
+from ..common.refusal import MoERefusal
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "fairseq-moe-ext.lock"
 
 
-class SaveDirLockedError(RuntimeError):
+class SaveDirLockedError(MoERefusal, RuntimeError):
     """Another live job writes the save dir; the message is one line naming it and the fix."""
 
 

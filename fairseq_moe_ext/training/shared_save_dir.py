@@ -11,11 +11,12 @@ import os
 import uuid
 
 import torch.distributed as dist
+from ..common.refusal import MoERefusal
 
 PROBE_NAME = "fairseq-moe-ext.shared-check"
 
 
-class SaveDirNotSharedError(RuntimeError):
+class SaveDirNotSharedError(MoERefusal, RuntimeError):
     """Not every worker sees the save dir rank 0 writes; one line naming it and the fix."""
 
 

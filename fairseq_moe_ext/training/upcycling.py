@@ -26,6 +26,7 @@ from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
 from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_option
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
+from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ def check_upcycle_start(checkpoint_cfg) -> None:
         (config_value(checkpoint_cfg, "continue_once"), "--continue-once"),
     ):
         if given:
-            raise ValueError(f"--moe-upcycle-from and {other} both name a checkpoint to start from: pass one of them")
+            raise MoEOptionError(
+                f"--moe-upcycle-from and {other} both name a checkpoint to start from: pass one of them"
+            )
 
 
 def load_upcycled(trainer, path: str) -> None:
@@ -130,12 +133,12 @@ def load_upcycled(trainer, path: str) -> None:
     checkpoint ``path``; the trainer keeps its fresh optimizer and starts at update 0."""
     model_cfg = trainer.cfg.model
     if str(moe_option(model_cfg, "moe_router")) != "top":
-        raise ValueError(
+        raise MoEOptionError(
             f"--moe-upcycle-from starts the router at zero (or small random weights), a --moe-router top router; "
             f"this run has --moe-router {moe_option(model_cfg, 'moe_router')}: use --moe-router top"
         )
     if not moe_option(model_cfg, "moe_normalize_gate"):
-        raise ValueError(
+        raise MoEOptionError(
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
             "upcycled model does not start as the dense one; add --moe-normalize-gate"
         )

@@ -187,3 +187,23 @@ def test_merging_or_resharding_a_dense_checkpoint_says_it_is_dense_and_writes_no
     assert code == 2 and len(err) == 1, err
     assert "checkpoint_best.pt is a dense fairseq checkpoint (no MoE layers): there are no experts to merge" in err[0]
     assert not list((tmp_path / "out").iterdir())
+
+
+def test_inspect_of_an_untrained_set_finds_experts_with_zero_biases_distinct(tmp_path, capsys):
+    """A freshly initialised (or imported) model's expert biases are all zero; only equal weights mean
+    experts broadcast, all-reduced or seeded alike."""
+    state = full_state(updates=0)
+    bias = EXPERT_KEY.replace("batched_fc1_w", "batched_fc1_b")
+    state["model"][bias] = torch.zeros(4, 2)
+    names = ["encoder.embed_tokens.weight", EXPERT_KEY, bias]
+    state["moe"] = moe_ckpt.moe_metadata(names, [EXPERT_KEY, bias], 1, 0, 0, experts_per_worker=4)
+    state["last_optimizer_state"] = {"state": {}, "param_groups": [{"params": [0, 1, 2]}]}
+    moe_ckpt.save_set(state, str(tmp_path / "checkpoint_last"), 2)
+    code, out, _ = run_tool(capsys, "inspect", tmp_path / "checkpoint_last.pt")
+    assert code == 0 and "VERDICT PROBLEM" not in out, out
+    assert "VERDICT OK: every expert is distinct (weights compared; biases start at zero)" in out
+
+    state["model"][EXPERT_KEY][3] = state["model"][EXPERT_KEY][0]  # weights broadcast: still found
+    moe_ckpt.save_set(state, str(tmp_path / "copied"), 2)
+    code, out, _ = run_tool(capsys, "inspect", tmp_path / "copied.pt")
+    assert code == 1 and f"VERDICT PROBLEM: {EXPERT_KEY}: expert 0 of rank 0 equals expert 1 of rank 1" in out, out

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from bad_input_makers import fresh_training, import_release_lookalike, resume
-from bad_input_runner import SET, Case, check_case, checkpoint_tool, copy_of, fairseq_train, plan_tool, train_args
+from bad_input_runner import TRAIN, Case, check_case, checkpoint_tool, copy_of, fairseq_train, plan_tool, train_args
 from fairseq_helpers import run_fairseq
 
 pytestmark = pytest.mark.slow
@@ -66,38 +66,38 @@ CASES = [
          "--memory-efficient-fp16 needs an optimizer that keeps fp32 state", "use --optimizer adam"),
     # -- numeric options outside the range of what holds them (every option: tests/fairseq/test_option_ranges.py)
     Case("bias-update-rate-beyond-fp32", fairseq_train,
-         fresh_training("--moe-balance", "bias", "--moe-bias-update-rate", "1e39"), "ValueError",
+         fresh_training("--moe-balance", "bias", "--moe-bias-update-rate", "1e39"), TRAIN,
          "--moe-bias-update-rate 1e+39 is more than the fp32 balance bias it moves can hold (at most 3.40282e+38)",
          "use e.g. 0.001"),
-    Case("comm-timeout-beyond-a-timedelta", fairseq_train, fresh_training("--moe-comm-timeout", "1e39"), "ValueError",
+    Case("comm-timeout-beyond-a-timedelta", fairseq_train, fresh_training("--moe-comm-timeout", "1e39"), TRAIN,
          "--moe-comm-timeout 1e+39 is more than a timedelta (torch's process-group timeout) can hold (at most "
          "8.64e+13)", "use e.g. 600"),
-    Case("gate-loss-weight-beyond-fp32", fairseq_train, fresh_training("--moe-gate-loss-wt", "1e39"), "ValueError",
+    Case("gate-loss-weight-beyond-fp32", fairseq_train, fresh_training("--moe-gate-loss-wt", "1e39"), TRAIN,
          "--moe-gate-loss-wt 1e+39 is more than the fp32 loss it multiplies can hold", "use e.g. 0.01 (the default)"),
     # -- resumes that would change what the saved weights compute (every row: tests/fairseq/test_resume_policy.py)
-    Case("resume-with-the-sigmoid-router", fairseq_train, resume("--moe-router", "sigmoid"), "ValueError",
+    Case("resume-with-the-sigmoid-router", fairseq_train, resume("--moe-router", "sigmoid"), TRAIN,
          "was trained with --moe-router top and this run has --moe-router sigmoid, which changes what the saved "
          "weights compute", "resume with --moe-router top, " + FUNCTION_FIX),
-    Case("resume-with-another-top-k", fairseq_train, resume("--moe-top-k", "1"), "ValueError",
+    Case("resume-with-another-top-k", fairseq_train, resume("--moe-top-k", "1"), TRAIN,
          "was trained with --moe-top-k 2 and this run has --moe-top-k 1, which changes what the saved weights compute",
          "resume with --moe-top-k 2, " + FUNCTION_FIX),
-    Case("resume-with-gates-normalised", fairseq_train, resume("--moe-normalize-gate"), "ValueError",
+    Case("resume-with-gates-normalised", fairseq_train, resume("--moe-normalize-gate"), TRAIN,
          "was trained with no --moe-normalize-gate and this run has --moe-normalize-gate, which changes what the "
          "saved weights compute", "resume without --moe-normalize-gate, " + FUNCTION_FIX),
-    Case("resume-with-another-activation", fairseq_train, resume("--activation-fn", "gelu"), "ValueError",
+    Case("resume-with-another-activation", fairseq_train, resume("--activation-fn", "gelu"), TRAIN,
          "was trained with --activation-fn relu and this run has --activation-fn gelu, which changes what the saved "
          "weights compute", "resume with --activation-fn relu, " + FUNCTION_FIX),
-    Case("resume-a-dense-checkpoint-as-an-moe", fairseq_train, resume(source="dense"), "ValueError",
+    Case("resume-a-dense-checkpoint-as-an-moe", fairseq_train, resume(source="dense"), TRAIN,
          "checkpoint_last.pt is a dense fairseq checkpoint (no MoE layers), which this MoE model cannot load",
          "start an MoE from it with --moe-upcycle-from"),
     # -- --moe-upcycle-from resolves names as the other tools do, and says when it was skipped
-    Case("train-upcycled-from-a-sets-plain-name", fairseq_train, training_upcycled_from("set"), SET,
+    Case("train-upcycled-from-a-sets-plain-name", fairseq_train, training_upcycled_from("set"), TRAIN,
          "checkpoint_last.pt is already an MoE checkpoint (a set of per-rank files)",
          "upcycling starts from a dense fairseq checkpoint; train on from this one with --restore-file"),
-    Case("train-upcycled-from-a-missing-checkpoint", fairseq_train, training_upcycled_from("missing"), SET,
+    Case("train-upcycled-from-a-missing-checkpoint", fairseq_train, training_upcycled_from("missing"), TRAIN,
          "no checkpoint named", "pass the dense checkpoint's file"),
     Case("train-upcycled-into-a-save-dir-holding-a-dense-checkpoint", fairseq_train,
-         training_upcycled_from("dense", into="dense"), "ValueError",
+         training_upcycled_from("dense", into="dense"), TRAIN,
          "checkpoint_last.pt was skipped because --save-dir", "to upcycle, give this run a new --save-dir"),
     # -- the checkpoint tool's output path
     Case("merge-into-a-path-under-a-regular-file", checkpoint_tool, merge_under_a_regular_file, "error",
@@ -122,7 +122,7 @@ def test_the_skipped_upcycle_names_the_checkpoint_it_found_and_why_it_cannot_loa
     run = started["train-upcycled-into-a-save-dir-holding-a-dense-checkpoint"]
     output = run.future.result()
     assert re.search(
-        r"ValueError: --moe-upcycle-from \S+/checkpoint_last\.pt was skipped because --save-dir (\S+) "
+        r"train\.py: error: --moe-upcycle-from \S+/checkpoint_last\.pt was skipped because --save-dir (\S+) "
         r"already holds \1/checkpoint_last\.pt \(a restarted run resumes its own checkpoint\), and this "
         r"model cannot load that one \(\1/checkpoint_last\.pt is a dense fairseq checkpoint \(no MoE "
         r"layers\), which this MoE model cannot load\): to upcycle, give this run a new --save-dir$",

@@ -161,7 +161,7 @@ def test_fairseq_train_on_a_full_save_dir_says_no_space_left_and_keeps_its_check
     )
     line, following = last_error_line(output)
     assert line == (
-        f"fairseq_moe_ext.checkpoint.errors.CheckpointWriteError: cannot write the checkpoint of update 2: {FULL} "
+        f"train.py: error: cannot write the checkpoint of update 2: {FULL} "
         f"{save_dir}; free space there, then rerun the same command (it resumes from the last checkpoint saved whole; "
         f"the half-written files of this save were removed)"
     ), f"{line}\n{tail(output)}"

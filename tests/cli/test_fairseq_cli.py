@@ -210,7 +210,7 @@ def smuggle(checkpoint, payload, tampered):
 def assert_refused(output, file_name, named):
     last_line = output.strip().splitlines()[-1]
     assert re.fullmatch(
-        rf"\S*UnsafeCheckpointError: refusing to load \S*{re.escape(file_name)}: it pickles {re.escape(named)}, .*",
+        rf"\S+\.py: error: refusing to load \S*{re.escape(file_name)}: it pickles {re.escape(named)}, .*",
         last_line,
     ), output[-2000:]
     assert "Weights only load failed" not in output, "torch's multi-line message should be replaced"

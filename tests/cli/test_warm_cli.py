@@ -117,7 +117,8 @@ def test_an_emulated_two_worker_torchrun_trains_and_refuses_as_a_real_torchrun_d
         cold = fresh_interpreter(torchrun_command(2, free_port(), program, args), fairseq_env(), 240)
         assert (warm_status, cold.returncode) == ((1, 1) if fails else (0, 0)), warm[-3000:]
         if fails:
-            last = lambda text: [line for line in text.splitlines() if line.startswith("[rank0]: ")][-1]  # noqa: E731
+            rank_0 = "fairseq-train: error: rank 0 of 2: "  # a refusal: one line per worker, naming its rank
+            last = lambda text: [line for line in text.splitlines() if line.startswith(rank_0)][-1]  # noqa: E731
             assert last(warm) == last(cold.stdout) and "--moe-expert-parallel-size" in last(warm)
             assert "[warm launcher] rank " in warm.splitlines()[-1]
         else:

@@ -223,18 +223,34 @@ def test_a_worker_whose_shard_ran_out_joins_the_all_to_all_with_a_dummy_batch(tm
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def eval_bleu_worker(rank, world, data_dir):
+def eval_bleu_worker(rank, world, data_dir, capacity):
     try:
-        build_trainer(training_args(data_dir, world, ["--eval-bleu", "--moe-eval-capacity-factor", "1.0"]))
+        build_trainer(training_args(data_dir, world, ["--eval-bleu", *capacity]))
+        outcome = "no error"
     except ValueError as error:
-        return str(error)
-    return "no error"
+        outcome = str(error)
+    torch.distributed.barrier()  # neither tears the group down while the other still builds its groups
+    return outcome
 
 
-def test_eval_bleu_with_an_inference_capacity_is_refused_in_expert_parallel_training(tmp_path):
-    """Lock-step generation equals one process only when dropless (tests/cli/test_sharded_inference_cli.py
+@pytest.mark.parametrize(
+    "capacity, refused",
+    [
+        (["--moe-eval-capacity-factor", "1.0"], "drop --moe-eval-capacity-factor"),
+        (["--moe-eval-capacity-token-fraction", "0.5"], "an evaluation capacity of 0.5 of the tokens"),
+        (["--moe-eval-capacity-token-fraction", "1.0", "--moe-eval-capacity-factor", "1.0"], None),
+    ],
+    ids=["factor", "token-fraction-below-1", "token-fraction-of-1"],
+)
+def test_eval_bleu_with_an_inference_capacity_is_refused_in_expert_parallel_training(tmp_path, capacity, refused):
+    """Lock-step generation equals one process only when dropless, the rule of sharded fairseq-generate: a
+    token fraction replaces the factor and drops nothing from 1 on (tests/cli/test_sharded_inference_cli.py
     has --eval-bleu itself working on 2 workers)."""
     data_dir = str(tmp_path / "data")
     write_dictionaries(data_dir)
-    messages = run_on_workers(eval_bleu_worker, 2, data_dir)
-    assert all("--eval-bleu on 2 workers needs dropless inference routing" in m for m in messages), messages
+    messages = run_on_workers(eval_bleu_worker, 2, data_dir, capacity)
+    if refused is None:
+        assert messages == ["no error", "no error"], messages
+    else:
+        assert all("--eval-bleu on 2 workers needs dropless inference routing" in m for m in messages), messages
+        assert all(refused in m for m in messages), messages

@@ -23,6 +23,7 @@ CHECKED_SOURCES = {
     "fairseq.checkpoint_utils.load_model_ensemble_and_task": "13d16e9ecb8407a3",
     "fairseq.checkpoint_utils.save_checkpoint": "61513534b9b33e6a",
     "fairseq.distributed.legacy_distributed_data_parallel.LegacyDistributedDataParallel.all_reduce_grads": "e7a3d3e3f057d59a",
+    "fairseq.distributed.utils._infer_single_node_init": "91ff8af2460022da",
     "fairseq.distributed.utils._infer_torch_distributed_launch_init": "eb06fc81bbbbaa13",
     "fairseq.distributed.utils.infer_init_method": "340321c1d2a184da",
     "fairseq.logging.progress_bar.progress_bar": "ccff0ad64057ea6b",

@@ -150,10 +150,14 @@ def test_a_set_nllb_moe_cannot_express_is_refused_in_one_line_and_nothing_is_wri
     assert fingerprint(out) == before_out and fingerprint(tmp_path / "set") == before
 
 
+DROP = object()  # _config(field=DROP): the field left out
+
+
 def _config(**changes):
     def damage(d):
         config = json.loads((d / "config.json").read_text())
         config.update(changes)
+        config = {k: v for k, v in config.items() if v is not DROP}
         (d / "config.json").write_text(json.dumps(config))
 
     return damage
@@ -230,6 +234,13 @@ BAD_IMPORTS = [
     ("an-hf-dir-given-to-import-fairseq-moe", "import-fairseq-moe", None, None,
      "a Hugging Face checkpoint; use import-hf"),
     ("existing-output", "import-hf", _existing_output, None, "imported.pt exists; choose another output name"),
+    # a config.json missing a field, or holding a non-number: one line naming the file and the field
+    ("config-without-d-model", "import-hf", _config(d_model=DROP), None, "config.json has no d_model: NllbMoe's"),
+    ("config-with-a-string-expert-count", "import-hf", _config(num_experts="8"), None,
+     "config.json: num_experts is '8', not an integer: write it as one in config.json"),
+    ("config-with-fractional-layers", "import-hf", _config(encoder_layers=2.5), None,
+     "config.json: encoder_layers is 2.5, not an integer"),
+    ("config-with-a-string-dropout", "import-hf", _config(dropout="0.1"), None, "config.json: dropout is '0.1', not a"),
 ]
 # fmt: on
 

@@ -200,13 +200,25 @@ def _truncate(name):
     return lambda d: (d / name).write_bytes((d / name).read_bytes()[:300])
 
 
-def _edit_rank(name, edit):
+def _edit_rank(name, edit, edit_file=None):
     def damage(d):
         state = torch.load(d / name, weights_only=False)
-        edit(state["model"])
+        edit(state["model"]) if edit else edit_file(state)
         torch.save(state, d / name)
 
     return damage
+
+
+def _edit_file(name, edit):
+    return _edit_rank(name, None, edit)
+
+
+def _saved_at(updates):
+    return lambda state: state["optimizer_history"][-1].update(num_updates=updates)
+
+
+def _seeded(seed):
+    return lambda state: state["cfg"]["common"].update(seed=seed)
 
 
 def _narrow_fc1(model):
@@ -271,6 +283,16 @@ BAD_BRANCH_SETS = [
     ("missing-consolidated-rank-file", 4, {}, _consolidated_without("ck_consolidated-rank-1.pt"), None,
      "ck_consolidated-rank-1.pt is missing (found ranks [0, 2, 3]): every rank file of the run is needed; copy it "
      "beside the others; consolidation stopped before it (ck-rank-1-shard1.pt is here)"),
+    # a file of another save or run: update, seed and model options each compared with rank 0's
+    ("rank-file-of-another-update", 4, {}, _edit_file("ck-rank-2.pt", _saved_at(250)), None,
+     "ck-rank-2.pt was saved at update 250 and "),
+    ("shared-file-of-another-update", 4, {}, _edit_file("ck-shared.pt", _saved_at(250)), None,
+     "ck-shared.pt was saved at update 250 and "),
+    ("rank-file-of-another-seed", 4, {}, _edit_file("ck-rank-3.pt", _seeded(3)), None,
+     "ck-rank-3.pt was trained with --seed 3 and "),
+    ("rank-file-of-another-gate-option", 4, {}, _edit_file("ck-rank-1.pt", lambda s: setattr(
+        s["cfg"]["model"], "moe_eval_capacity_token_fraction", 0.5)), None,
+     "ck-rank-1.pt was trained with --moe-eval-capacity-token-fraction 0.5 and "),
     ("unconsolidated-flat-parameters", 2, {}, _edit_rank("ck-rank-1.pt", _flat_parameters), None,
      "ck-rank-1.pt holds decoder.layers.1.moe_layer.experts.0._fsdp_wrapped_module.flat_param_0, an FSDP flat"),
 ]

@@ -100,7 +100,8 @@ def test_out_of_memory_on_one_worker_stops_both_at_once_naming_the_capacity_fact
         assert "worker 1 of 2 ran out of device memory in training" in message, (rank, message)
         assert "--moe-capacity-factor" in message and "--max-tokens" in message and "\n" not in message
         assert result["at"] - started[rank] < COMM_TIMEOUT_S / 2, (rank, result["at"] - started[rank])
-    assert results[0]["error"] == "MoECommunicationError" and results[1]["error"] == "MoEOutOfMemoryError"
+    # rank 0: the stop relayed (a MoECommunicationError, and a refusal: one line, naming the worker that stopped)
+    assert results[0]["error"] == "MoEPeerStoppedError" and results[1]["error"] == "MoEOutOfMemoryError"
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The bad-input catalogue's runner (tests/cli/test_bad_input*.py): the inputs every case is made
 from, the command-line tools each case expects to fail, the ``Case`` row, and the check of one run:
-it failed, its last error line names the problem and the fix, and no watched directory changed.
+it failed (a fairseq tool with status 2), no traceback anywhere in its output, its last error line names the
+problem and the fix, and no watched directory changed.
 The fixtures that start the runs are tests/cli/conftest.py's; what each case runs on is
 bad_input_makers.py.
 """
@@ -29,6 +30,10 @@ SET = moe_ckpt.CheckpointSetError.__module__ + ".CheckpointSetError"
 DAMAGED = moe_ckpt.DamagedCheckpointError.__module__ + ".DamagedCheckpointError"
 UNSAFE = moe_ckpt.UnsafeCheckpointError.__module__ + ".UnsafeCheckpointError"
 NOT_A_CHECKPOINT = moe_ckpt.NotACheckpointError.__module__ + ".NotACheckpointError"
+# How each tool's refusals start (common.refusal.MoERefusal, and argparse's own): "prog: error", prog being
+# argparse's (the script's file name; the console script's under torchrun).
+TRAIN, GENERATE, LAUNCHED_TRAIN = "train.py: error", "generate.py: error", "fairseq-train: error"
+OOM_PROBE = "fairseq_out_of_memory_probe.py: error"
 
 
 # ---------------------------------------------------------------- inputs
@@ -134,12 +139,12 @@ def fingerprint(directory: Path) -> Dict[str, str]:
 # ---------------------------------------------------------------- the tools, each expected to fail
 
 
-def fairseq_train(args):
-    return run_fairseq("train", *args, expect_failure=True)
+def fairseq_train(args):  # a refusal exits with argparse's status 2, as a refused flag does
+    return run_fairseq("train", *args, expect_failure=True, expect_status=2)
 
 
 def fairseq_generate(args):
-    return run_fairseq("generate", *args, expect_failure=True)
+    return run_fairseq("generate", *args, expect_failure=True, expect_status=2)
 
 
 def two_workers(args):
@@ -195,7 +200,7 @@ class Case:
     id: str
     tool: Callable[[List[str]], str]
     make: Make
-    error: str  # how the last error line starts: the exception type, or "<prog>: error" / "error"
+    error: str  # how the last error line starts: "<prog>: error" (a fairseq tool), "error" (the checkpoint tool)
     problem: str  # substrings of that line naming the problem ...
     fix: str  # ... and the fix
 
@@ -236,8 +241,32 @@ class Started:
     before: Dict[Path, Dict[str, str]]
 
 
+# Where Python prints a traceback (and chains one to another); torchrun's workers prefix "[rankN]: ".
+TRACEBACK = re.compile(
+    r"^(?:\[rank\d+\]: )?(?:Traceback \(most recent call last\):|During handling of the above exception|"
+    r"The above exception was the direct cause|  File \"[^\"]+\", line \d+)"
+)
+
+
+def tracebacks(output: str) -> List[str]:
+    """The tracebacks in the tool's output, each shown from its start, leaving out torchrun's own (the launcher
+    raises ChildFailedError after a worker failed: docs/troubleshooting.md shows what remains of it)."""
+    lines, found, i = output.splitlines(), [], 0
+    while i < len(lines):
+        if TRACEBACK.match(lines[i]):
+            end = next((j for j in range(i, len(lines)) if ERROR_LINE.match(lines[j])), len(lines) - 1)
+            match = ERROR_LINE.match(lines[end])
+            if not (match and match.group(1) in LAUNCHER_ERRORS):
+                found.append("\n".join(lines[i : end + 1]))
+            i = end
+        i += 1
+    return found
+
+
 def check_case(case: Case, run: Started) -> None:
     output = run.future.result()  # the tool's runner already failed the test if the tool succeeded or hung
+    shown = tracebacks(output)
+    assert not shown, "the refusal came with a traceback:\n" + "\n".join(shown)[-3000:]
     line, following = last_error_line(output)
     assert line.startswith(case.error + ": "), f"{line}\n{tail(output, 60)}"
     assert case.problem in line, line

@@ -146,7 +146,10 @@ def write_branch_parts(
         ],
     }
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": shared, "last_optimizer_state": {"state": {}, "param_groups": []}}, f"{prefix}-shared.pt")
+    # The branch's data-parallel master writes the shared file from the same state dict, head included.
+    torch.save(
+        {**head, "model": shared, "last_optimizer_state": {"state": {}, "param_groups": []}}, f"{prefix}-shared.pt"
+    )
     for rank in range(ranks):
         ids = [rank * (count // ranks) + j for j in range(count // ranks)] if count >= ranks else [rank % count]
         model = {

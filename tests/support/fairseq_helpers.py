@@ -104,12 +104,13 @@ def run_fairseq(
     input: Optional[str] = None,
     expect_failure: bool = False,
     cwd: Optional[Path] = None,
+    expect_status: Optional[int] = None,
 ) -> str:
     """Run ``fairseq_cli.<tool>`` with ``args`` as ``python -m`` would and return its combined output: forked
     from a process that has imported fairseq (warm_fairseq.py; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter).
 
     The test fails with the output's tail if the exit status is not the expected one (zero, or
-    non-zero when ``expect_failure``) or the run outlives ``timeout`` seconds.
+    non-zero when ``expect_failure``; ``expect_status`` when given) or the run outlives ``timeout`` seconds.
     """
     command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
     env = fairseq_env()
@@ -121,7 +122,7 @@ def run_fairseq(
     if done.returncode is None:
         pytest.fail(f"fairseq-{tool} ran past {timeout}s\n{tail(done.stdout)}", pytrace=False)
     failed = done.returncode != 0
-    if failed != expect_failure:
+    if failed != expect_failure or expect_status not in (None, done.returncode):
         expected = "to fail" if expect_failure else "to succeed"
         pytest.fail(
             f"expected fairseq-{tool} {expected}, exit status {done.returncode}:\n"

@@ -1,0 +1,34 @@
+"""The numeric fields of an NllbMoe ``config.json`` that import-hf reads: each there (where NllbMoe has
+no default) and a number, or one line naming the file and the field, before anything is read or written."""
+
+from typing import Dict
+
+from .errors import CheckpointSetError
+
+# NllbMoeConfig's fields without a default here (hf_config.HF_DEFAULTS): a config.json must hold them.
+REQUIRED_INTEGERS = ("d_model", "num_experts", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                     "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")  # fmt: skip
+OPTIONAL_INTEGERS = ("max_position_embeddings", "encoder_sparse_step", "decoder_sparse_step", "expert_capacity")
+OPTIONAL_NUMBERS = ("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop", "decoder_layerdrop",
+                    "moe_eval_capacity_token_fraction", "moe_token_dropout")  # fmt: skip
+
+
+def check_numeric_fields(config: Dict, path: str) -> None:
+    """``config`` as read from ``path`` (before NllbMoe's defaults are filled in)."""
+    for name in REQUIRED_INTEGERS:
+        if config.get(name) is None:
+            raise CheckpointSetError(
+                f"{path} has no {name}: NllbMoe's config.json holds it (an integer); add it, or export the "
+                f"config again with transformers' save_pretrained (nothing was written)"
+            )
+    fields = [(n, True) for n in REQUIRED_INTEGERS + OPTIONAL_INTEGERS] + [(n, False) for n in OPTIONAL_NUMBERS]
+    for name, integer in fields:
+        value = config.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (integer and not float(value).is_integer()) or value != value or abs(value) == float("inf"):
+            raise CheckpointSetError(
+                f"{path}: {name} is {value!r}, not {'an integer' if integer else 'a number'}: write it as one in "
+                f"config.json (nothing was written)"
+            )
