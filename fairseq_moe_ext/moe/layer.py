@@ -32,6 +32,7 @@ from .dispatch import (
 )
 from .balance_bias import BalanceBias
 from .balance_scope import UpdateLoad
+from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
@@ -281,18 +282,7 @@ class MoELayer(nn.Module):
         return y, MoEAux(aux_balance, aux_z, stats)
 
     def _mask_expert_outputs(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """Expert Output Masking with rate p: in training each served slot's expert output (one token's
-        output from one of its experts, the whole vector) is zeroed with probability p, without
-        rescaling the others; in evaluation every expert output is multiplied by 1 - p, its expectation.
-        As the nllb branch's MoE layer does it (per dispatched slot, before the gates weight it);
-        Hugging Face's NllbMoe trains with element-wise dropout instead (same evaluation)."""
-        p = self.expert_output_masking
-        if p == 0.0:
-            return expert_out
-        if not self.training:
-            return expert_out * (1.0 - p)
-        keep = torch.rand(expert_out.shape[0], device=expert_out.device) >= p
-        return expert_out * keep.unsqueeze(1).to(expert_out.dtype)
+        return mask_expert_outputs(expert_out, self.expert_output_masking, self.training)
 
     def _slots_within_capacity(self, routing, capacity, expert_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``expert_index`` (default the router's) may send pad slots to the id ``num_experts``."""

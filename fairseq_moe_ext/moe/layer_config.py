@@ -128,7 +128,7 @@ class MoELayerConfig:
     bias: bool = True
     shared_expert_count: int = 0  # shared_experts.py
     shared_expert_dim: Optional[int] = None  # None: hidden_dim
-    expert_output_masking: float = 0.0  # the layer's _mask_expert_outputs
+    expert_output_masking: float = 0.0  # expert_output_masking.py
     # The nllb branch's evaluation capacity, ceil(f * S) slots per expert with S every token position
     # (capacity.token_fraction_capacity); replaces eval_capacity_factor when > 0.
     eval_capacity_token_fraction: float = 0.0

@@ -17,6 +17,7 @@ import tempfile
 import warnings
 from typing import Dict, List, Optional
 
+from ..common.config_value import config_value
 from . import memory_plan as mp
 
 PLAN_FLAGS = ("--world-size", "--device-memory", "--dictionary-size")
@@ -89,8 +90,9 @@ def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
                 "fairseq-train refused these arguments (its message is above): plan takes fairseq-train's "
                 "arguments plus --world-size W"
             ) from exit
-        if getattr(args, "arch", None) is None or not str(args.arch).startswith("moe_"):
-            raise PlanError(f"--arch {getattr(args, 'arch', None)} is not an MoE architecture of this plugin")
+        arch = config_value(args, "arch")
+        if arch is None or not str(arch).startswith("moe_"):
+            raise PlanError(f"--arch {arch} is not an MoE architecture of this plugin")
         cfg = convert_namespace_to_omegaconf(args)
         try:
             task = tasks.setup_task(cfg.task)

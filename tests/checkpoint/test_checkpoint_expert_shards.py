@@ -106,7 +106,7 @@ def test_replicas_that_differed_when_saved_are_a_problem_of_their_own_and_refuse
     assert findings[1].startswith("VERDICT PROBLEM: the replicas of expert shard 1 differed when saved")
     lines = moe_ckpt.inspect_checkpoint(manifest)
     assert any(line.startswith("VERDICT PROBLEM: the replicas of expert shard 1") for line in lines)
-    assert "VERDICT OK: every expert is distinct" in lines  # the other finding, kept apart
+    assert any(line.startswith("VERDICT OK: every expert is distinct") for line in lines)  # the other finding
     with pytest.raises(moe_ckpt.CheckpointSetError, match=r"replicas of expert shard\(s\) \[1\] differed.*merge"):
         load_share(manifest, 0, 2, moe_ckpt.safe_load)
 

@@ -73,8 +73,8 @@ def test_import_fairseq_moe_refuses_a_pickle_running_a_shell_command_and_never_r
     assert not list((tmp_path / "out").iterdir())
 
 
-def test_import_hf_never_opens_a_pickled_pytorch_model_bin(tmp_path, capsys):
-    """import-hf reads safetensors only: a directory holding pytorch_model.bin instead is refused unread."""
+def test_import_hf_refuses_a_pytorch_model_bin_whose_pickle_runs_a_command(tmp_path, capsys):
+    """import-hf reads .bin shards through the restricted unpickler: a pickle that runs a command is refused."""
     source = tmp_path / "hf"
     source.mkdir()
     shape = dict.fromkeys(REQUIRED_INTEGERS, 4)
@@ -83,5 +83,5 @@ def test_import_hf_never_opens_a_pickled_pytorch_model_bin(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     code, err = run_tool(capsys, "import-hf", source, tmp_path / "out" / "imported.pt")
     assert not (tmp_path / MARKER).exists(), "the pickled command ran"
-    assert code == 2 and len(err) == 1 and "only safetensors checkpoints are" in err[0], err
+    assert code == 2 and len(err) == 1 and REFUSED in err[0] and "pytorch_model.bin" in err[0], err
     assert not list((tmp_path / "out").iterdir())
