@@ -36,6 +36,7 @@ from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
+from .routing_stats_flags import add_routing_stats_flags
 from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def wrap_parse_args_and_arch(original):
     @functools.wraps(original)
     def parse_args_and_arch(parser, input_args=None, *args, **kwargs):
         add_inference_experts_flag(parser)
+        add_routing_stats_flags(parser)
         result = original(parser, input_args, *args, **kwargs)
         parsed = result[0] if isinstance(result, tuple) else result
         argv = sys.argv[1:] if input_args is None else input_args

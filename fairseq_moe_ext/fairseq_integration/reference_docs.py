@@ -19,6 +19,7 @@ from ..models.moe_config import MoEConfig, MoEEncoderDecoderConfig
 from ..option_ranges import CRITERION_RANGES, MODEL_RANGES, Range
 from . import HOOKS
 from .inference import add_inference_experts_flag
+from .routing_stats_flags import add_routing_stats_flags
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMAND = "python -m fairseq_moe_ext.fairseq_integration.reference_docs"
@@ -98,7 +99,7 @@ def options_markdown() -> str:
         ),
         (
             "Inference CLIs: generate, interactive, eval-lm, validate",
-            option_rows(parser_of(add_inference_experts_flag), {}),
+            option_rows(parser_of(lambda p: (add_inference_experts_flag(p), add_routing_stats_flags(p))), {}),
         ),
     ]
     return (
