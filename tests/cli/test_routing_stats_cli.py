@@ -17,7 +17,7 @@ def trained(data, tmp_path_factory):
     return train_tiny_set(data, tmp_path_factory.mktemp("routing_stats"))
 
 
-def test_routing_statistics_count_real_tokens_alike_in_one_process_and_on_two_sharded_workers(trained, tmp_path):
+def test_routing_statistics_count_real_tokens_alike_in_one_process_and_on_2_sharded_workers(trained, tmp_path):
     # 4 batches of 4 sentences: each worker generates two of them
     grouped = ["--moe-routing-stats-groups", str(trained["groups"]), "--batch-size", "4"]
     run_fairseq("generate", *stats_args(trained["data"], trained["set"], tmp_path / "one.json", *grouped))
