@@ -156,6 +156,13 @@ def test_nllb_moe_dry_run_imports_a_tiny_nllb_layout_set_generates_and_fine_tune
     log = (work / "finetune" / "train.log").read_text()
     assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
     assert "num_updates: 3 >= max_update: 3" in log and (work / "finetune" / "ckpt" / "checkpoint_last.pt").is_file()
+    # the prune step: statistics of the pair eng_Latn-fra_Latn, half of the 4 experts kept, generation from them
+    stats = json.loads((work / "pruned" / "stats.json").read_text())
+    encoder, decoder = (e["groups"] for e in sorted(stats["layers"].values(), key=lambda e: e["side"] != "encoder"))
+    assert set(encoder) == {"eng_Latn"} and set(decoder) == {"fra_Latn"}
+    manifest = json.loads((work / "pruned" / "model.set.json").read_text())
+    assert set(manifest["num_experts"].values()) == {2} and manifest["pruned"]["groups"] == ["eng_Latn", "fra_Latn"]
+    assert len(hypotheses(work / "generate_pruned.out")) == 8 and "| 0.5 | 2 |" in output
 
 
 def test_nllb_moe_without_the_downloaded_files_says_where_to_get_them(tmp_path):
@@ -176,3 +183,19 @@ def test_real_data_recipes_document_themselves_and_refuse_unknown_arguments(scri
     assert shown.returncode == 0 and "--dry-run" in shown.stdout and "Knobs" in shown.stdout
     refused = subprocess.run(["bash", str(ROOT / "recipes" / script), "--dryrun"], capture_output=True, text=True)
     assert refused.returncode == 2 and "unknown argument --dryrun" in refused.stderr
+
+
+@pytest.mark.slow
+def test_expert_pruning_tiny_mode_prunes_per_dialect_globally_and_at_random_and_tables_bleu(tmp_path):
+    work = tmp_path / "main"
+    output = run_recipe("expert_pruning.sh", work, TINY="1", DIALECTS="2", FRACTIONS="0.5", SEEDS="1", timeout=600)
+    results = json.loads((work / "pruning" / "results.json").read_text())
+    dialects = set((work / "data" / "raw" / "test.domain").read_text().split())
+    row = results["by_fraction"]["0.5"]
+    assert set(row) == dialects | {"mean"} and set(results["full"]) == dialects | {"mean"}
+    for dialect in dialects:
+        assert all(0 <= row[dialect][kind] <= 100 for kind in ("dialect", "global", "random"))
+        manifest = json.loads((work / "pruning" / "sets" / f"{dialect}_keep0.5" / "checkpoint.set.json").read_text())
+        assert manifest["pruned"]["groups"] == [dialect] and set(manifest["num_experts"].values()) == {4}
+    assert "| mean |" in (work / "pruning" / "table.md").read_text() and "per-dialect" in output
+    assert_png(work / "pruning" / "pruning.png")
