@@ -139,7 +139,9 @@ def plot(results: dict, fractions: list, dialects: list, png: Path, title: str) 
 
 def table(results: dict, fractions: list, dialects: list) -> str:
     lines = [
-        "| dialect | full | " + " | ".join(f"{k} {f:.0%}" for f in fractions for k in ("dialect", "global", "random"))
+        "| dialect | full | "
+        + " | ".join(f"{k} {f:.0%}" for f in fractions for k in ("dialect", "global", "random"))
+        + " |"
     ]
     lines.append("|" + " --- |" * (2 + 3 * len(fractions)))
     for d in dialects + ["mean"]:
