@@ -145,7 +145,7 @@ def test_python_stdlib_lm_quick_mode_compares_moe_and_dense_perplexity(tmp_path)
 @pytest.mark.slow
 def test_nllb_moe_dry_run_imports_a_tiny_nllb_layout_set_generates_and_fine_tunes_from_it(tmp_path):
     work = tmp_path / "nllb"
-    output = run_recipe("nllb_moe.sh", work, "--dry-run")
+    output = run_recipe("nllb_moe.sh", work, "--dry-run", timeout=360)
     for stage in range(1, 6):
         assert f"==> [{stage}/5]" in output
     imported = (work / "imported" / "import.log").read_text()
