@@ -10,7 +10,7 @@ per-worker options (``--distributed-rank``, ``--device-id``) may differ.
 
 from typing import Dict, Optional
 
-from .config_value import config_value
+from ..common.config_value import config_value
 from .errors import CheckpointSetError
 
 PREFIXES = ("moe_", "encoder_", "decoder_")
