@@ -80,6 +80,9 @@ class PluginState:
     # Writer and reader: inference.attach_lockstep (a per-model cache: its moe.lockstep.LockStep, or
     # None when its MoE layers talk to no other worker).
     locksteps: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    # Writer: the parse_args_and_arch hook (routing_stats.decide_routing_stats: --moe-routing-stats).
+    # Readers: the load_model_ensemble_and_task hook (attaches its tally) and the progress_bar hook.
+    routing_stats: Optional[Any] = None
     # Writer and reader: io_waits.io_wait_group (the gloo group on which workers wait for another
     # worker's checkpoint file work, one per default group).
     io_wait_groups: Dict[Any, Any] = field(default_factory=dict)

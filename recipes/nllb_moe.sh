@@ -131,6 +131,29 @@ if [ "$GPUS" -gt 1 ]; then
     "$(grep -E 'BLEU' "$WORK/generate-sharded.out" | tail -1)"
 fi
 
+# ---- expert pruning (issue 45; docs/checkpoints.md "Expert pruning"): routing statistics of the import on
+# STATS_SUBSET of your SRC-TGT bitext (the encoder's counts keyed by SRC, the decoder's by TGT), the experts
+# they rank highest for that pair kept (PRUNE_FRACTION of each layer's), and generation from the pruned set.
+# PRUNE [1] (0: skip)   PRUNE_FRACTION [0.25; --dry-run 0.5, the tiny set has 4 experts and k=2]
+# STATS_SUBSET [valid; --dry-run test]   the pruned set: WORK/pruned/model.pt, its output WORK/generate_pruned.out
+if [ "$DRY_RUN" = 1 ]; then : "${PRUNE_FRACTION:=0.5}" "${STATS_SUBSET:=$GEN_SUBSET}"; fi
+: "${PRUNE:=1}" "${PRUNE_FRACTION:=0.25}" "${STATS_SUBSET:=valid}"
+if [ "$PRUNE" = 1 ]; then
+  echo "==> [prune] routing statistics of $STATS_SUBSET ($SRC-$TGT), keep $PRUNE_FRACTION of the experts, generate"
+  launch=("$FAIRSEQ_BIN/fairseq-generate")
+  [ "$GPUS" -gt 1 ] && launch=(python -m torch.distributed.run --standalone --nproc_per_node "$GPUS"
+                               "$FAIRSEQ_BIN/fairseq-generate" --distributed-world-size "$GPUS")
+  rm -rf "$WORK/pruned" && mkdir -p "$WORK/pruned"
+  "${launch[@]}" "${gen_args[@]}" --gen-subset "$STATS_SUBSET" --moe-routing-stats "$WORK/pruned/stats.json" \
+    > "$WORK/pruned/stats_generate.out" 2>&1
+  python -m fairseq_moe_ext.checkpoint prune "$imported" "$WORK/pruned/model.pt" --stats "$WORK/pruned/stats.json" \
+    --keep-fraction "$PRUNE_FRACTION" --group "$SRC" --group "$TGT" --world-size "$GPUS" | sed 's/^/    /'
+  # the weights at each keep fraction, from the import's own tensors, and the smallest GPU that holds them
+  python recipes/pruned_memory.py "$imported" --fractions 1 0.5 0.25 0.2 0.125 2>&1 | grep -v "INFO" | sed 's/^/    /'
+  "${launch[@]}" "${gen_args[@]}" --path "$WORK/pruned/model.pt" > "$WORK/generate_pruned.out" 2>&1
+  echo "    pruned: $(grep -c '^H-' "$WORK/generate_pruned.out") hypotheses; $(grep -E 'BLEU' "$WORK/generate_pruned.out" | tail -1)"
+fi
+
 stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0, --moe-normalize-expert-grad sqrt_world_size)"
 if [ "$FINETUNE" != 1 ]; then
   echo "    skipped (FINETUNE=$FINETUNE)"

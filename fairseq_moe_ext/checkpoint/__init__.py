@@ -36,6 +36,8 @@ Modules:
     staging.py      the checkpoint tool's output appears whole or not at all
     write_failure.py  a failed write (a full disk) in one line, the same for every writer
     upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
+    prune.py        expert pruning: the experts routing statistics rank highest kept, router rows sliced
+    prune_cli.py    the checkpoint tool's ``prune`` subcommand
     __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
 
 Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.

@@ -1,4 +1,4 @@
-"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle|import-fairseq-moe|export-hf|import-hf``.
+"""``python -m fairseq_moe_ext.checkpoint merge|reshard|inspect|upcycle|prune|import-fairseq-moe|export-hf|import-hf``.
 
 The CLI lives apart from the library so that ``-m`` runs a module the package has not imported
 yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integration``).
@@ -21,6 +21,7 @@ from .hf_dtype import cast_dtype
 from .hf_import import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
+from .prune_cli import add_prune_parser, prune_command
 from .reshard import experts_per_key, load_full, save_set
 from .staging import write_all_or_nothing
 
@@ -107,8 +108,12 @@ def main(argv=None) -> int:
         default=None,
         help="cast every tensor to float32, float16 or bfloat16; default: keep the dtype the Hugging Face files hold",
     )
+    add_prune_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "prune":
+            _refuse_overwrite(args.output)
+            return prune_command(args)
         if args.command == "export-hf":
             export_hf(
                 args.checkpoint,

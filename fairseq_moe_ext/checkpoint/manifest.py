@@ -45,6 +45,7 @@ def write_manifest(
     set_id: Optional[str] = None,
     workers: Optional[int] = None,
     replicas: Optional[List[List[str]]] = None,
+    extra: Optional[Dict] = None,
 ) -> str:
     """``world_size``: the set's files (expert shards); ``workers``: the run's W when it was larger (each
     shard then had W / world_size replicas, ``replicas[s]`` their expert digests, in replica order)."""
@@ -62,6 +63,8 @@ def write_manifest(
         manifest["workers"] = workers
     if replicas is not None:
         manifest["replicas"] = replicas
+    for key, value in (extra or {}).items():  # fields the checks ignore: e.g. prune's "pruned" record
+        manifest.setdefault(key, value)
     path = manifest_path(base)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -123,9 +123,12 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
     return out
 
 
-def save_set(full: Dict, base: str, world_size: int, workers: Optional[int] = None) -> str:
+def save_set(
+    full: Dict, base: str, world_size: int, workers: Optional[int] = None, extra: Optional[Dict] = None
+) -> str:
     """Write ``full`` as a set of ``world_size`` rank files (expert shards: the format training writes)
-    for ``workers`` workers (default: one per shard) and return the manifest path."""
+    for ``workers`` workers (default: one per shard) and return the manifest path; ``extra``: more
+    fields for the manifest (prune's record of what it kept)."""
     if world_size < 1:
         raise CheckpointSetError(f"a set needs a positive number of workers, got {world_size}")
     for key, total in experts_per_key(full).items():  # before the first file is written
@@ -144,7 +147,14 @@ def save_set(full: Dict, base: str, world_size: int, workers: Optional[int] = No
             torch.save(state, path)
             files.append(dict(describe_file(path), rank=rank))
         written = write_manifest(
-            staged_base, world_size, full["moe"]["num_updates"], files, experts_per_key(full), set_id, workers=workers
+            staged_base,
+            world_size,
+            full["moe"]["num_updates"],
+            files,
+            experts_per_key(full),
+            set_id,
+            workers=workers,
+            extra=extra,
         )
         return [f["name"] for f in files] + [os.path.basename(written)]
 

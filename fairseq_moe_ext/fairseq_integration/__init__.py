@@ -8,7 +8,8 @@ from it, and ``tests/fairseq/test_fairseq_integration.py`` pins the sha256 of th
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
 fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
-expert-sharded branches of 8 and 11), sharding.py (20-22: --ddp-backend fully_sharded on torch FSDP2).
+expert-sharded branches of 8 and 11), sharding.py (20-22: --ddp-backend fully_sharded on torch FSDP2),
+routing_stats.py (--moe-routing-stats, from 8, 11 and 16).
 The state they share between
 calls is one object, process_state.STATE. Beside the table, ``install()`` sets the process's
 ``sys.excepthook`` (cli.py): an MoE refusal (``common.refusal.MoERefusal``) ends a fairseq tool with
@@ -88,7 +89,8 @@ HOOKS = (
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
-         "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step."),
+         "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step; with "
+         "--moe-routing-stats the model's MoE layers get a routing tally (routing_stats.py)."),
     Hook(9, "fairseq.trainer.Trainer._prepare_sample", training.wrap_prepare_sample,
          "records whether the batch about to run is fairseq's dummy batch, so MoE layers route none of its "
          "tokens while still joining the all-to-all."),
@@ -98,7 +100,8 @@ HOOKS = (
     Hook(11, "fairseq.options.parse_args_and_arch", precision.wrap_parse_args_and_arch,
          "--bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays on only for an explicit --tpu "
          "with torch_xla installed. Adds --moe-inference-experts and decides, on torchrun workers of an "
-         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK)."),
+         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK); adds "
+         "--moe-routing-stats and its groups file, checked here."),
     Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
          "batch runs (flattening drops the expert marker the global norm needs). Under --ddp-backend "
@@ -118,7 +121,8 @@ HOOKS = (
          "a dataclass output's tensors are checked, so the detector names the module where a NaN/inf appeared."),
     Hook(16, "fairseq.logging.progress_bar.progress_bar", inference.wrap_progress_bar,
          "in expert-sharded inference, a worker whose batches ran out (generate, eval-lm and validate all "
-         "loop over a progress bar) keeps joining the other workers' MoE calls until theirs have too."),
+         "loop over a progress bar) keeps joining the other workers' MoE calls until theirs have too; with "
+         "--moe-routing-stats each batch's sentence keys go to the tally, written once every worker is done."),
     Hook(17, "fairseq.tasks.fairseq_task.FairseqTask.inference_step", inference.wrap_inference_step,
          "--eval-bleu in expert-parallel training: each generation is one lock-step session (workers run "
          "different numbers of decoder steps), finished before fairseq gathers the validation statistics. "

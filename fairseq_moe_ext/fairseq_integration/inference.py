@@ -33,6 +33,7 @@ from ..options import INFERENCE_OPTIONS, option_value
 from ..options.inference import EXPERT_PLACEMENTS
 from ..process_state import STATE, LoadTarget
 from ..common.refusal import MoEOptionError
+from . import routing_stats
 
 logger = logging.getLogger(__name__)
 
@@ -214,19 +215,21 @@ def announced(forward, lockstep: LockStep, index: int):
 def wrap_progress_bar(original):
     @functools.wraps(original)
     def progress_bar(iterator, *args, **kwargs):
-        lockstep = STATE.inference_lockstep
-        if lockstep is not None:
-            iterator = FinishingIterator(iterator, lockstep, STATE.sharded_inference)
+        lockstep, stats = STATE.inference_lockstep, STATE.routing_stats
+        if lockstep is not None or stats is not None:
+            iterator = FinishingIterator(iterator, lockstep, STATE.sharded_inference, stats)
         return original(iterator, *args, **kwargs)
 
     return progress_bar
 
 
 class FinishingIterator:
-    """The batches of ``iterator``; once they run out, mirror the other workers until theirs have too."""
+    """The batches of ``iterator``; once they run out, mirror the other workers until theirs have too.
+    With ``stats`` (--moe-routing-stats) each batch's sentence keys go to it first, and its file is
+    written (every worker's counts summed) once every worker is done."""
 
-    def __init__(self, iterator, lockstep: LockStep, sharded: ShardedInference):
-        self.iterator, self.lockstep, self.sharded = iterator, lockstep, sharded
+    def __init__(self, iterator, lockstep: Optional[LockStep], sharded: Optional[ShardedInference], stats=None):
+        self.iterator, self.lockstep, self.sharded, self.stats = iterator, lockstep, sharded, stats
 
     def __len__(self):
         return len(self.iterator)
@@ -238,9 +241,14 @@ class FinishingIterator:
         empty = True
         for sample in self.iterator:
             empty = empty and not (isinstance(sample, dict) and "net_input" in sample)
+            if self.stats is not None:
+                routing_stats.start_batch(self.stats, sample)
             yield sample
-        self.lockstep.finish()
-        if empty and self.sharded.stop_when_empty:
+        if self.lockstep is not None:
+            self.lockstep.finish()
+        if self.stats is not None:
+            routing_stats.finish(self.stats, None if self.lockstep is None else self.lockstep.group)
+        if empty and self.sharded is not None and self.sharded.stop_when_empty:
             logger.info(
                 f"worker {self.sharded.rank} of {self.sharded.world_size} had no batch (fewer batches "
                 f"than workers): it joined the others' MoE calls and has nothing to report"

@@ -20,6 +20,7 @@ from ..training.frozen_resume import carry_optimizer_state_over_freeze
 from ..training.restore_choice import resolve_restore
 from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
+from . import routing_stats
 from .inference import load_sharded
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
@@ -203,8 +204,14 @@ def wrap_load_model_ensemble_and_task(original):
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
         if STATE.sharded_inference is not None:
-            return load_sharded(original, resolved, *args, **kwargs)
-        with moe_dist.all_experts_local():
-            return original(resolved, *args, **kwargs)
+            loaded = load_sharded(original, resolved, *args, **kwargs)
+        else:
+            with moe_dist.all_experts_local():
+                loaded = original(resolved, *args, **kwargs)
+        if STATE.routing_stats is not None:  # --moe-routing-stats: the model's layers count their routing
+            if len(loaded[0]) != 1:
+                raise ValueError("--moe-routing-stats counts one model, got an ensemble: pass one --path")
+            routing_stats.attach(loaded[0][0], loaded[2] if len(loaded) > 2 else None)
+        return loaded
 
     return load_model_ensemble_and_task

@@ -39,6 +39,7 @@ from ..fully_sharded import is_sharded, local_part
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from . import sharding
+from .routing_stats import decide_routing_stats
 from .saving import is_expert_parallel_trainer
 from ..common.refusal import MoEOptionError
 
@@ -57,6 +58,7 @@ def wrap_parse_args_and_arch(original):
         argv = sys.argv[1:] if input_args is None else input_args
         keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
         decide_sharded_inference(parsed)
+        decide_routing_stats(parsed)
         return result
 
     return parse_args_and_arch

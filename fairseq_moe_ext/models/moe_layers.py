@@ -29,6 +29,7 @@ class MoEFeedForward(MoELayer):
     ``B x T`` padding mask, which the layer hands over just before its forward."""
 
     padding_mask: Optional[torch.Tensor] = None
+    token_shape = None  # (x.shape[:-1], batch_major) of the last forward
 
     def __init__(self, *args, batch_major: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
@@ -43,6 +44,8 @@ class MoEFeedForward(MoELayer):
 
     def _forward_tokens(self, x, batch_major: bool = False):
         """``x``: T x B x C, or B x T x C when ``batch_major``."""
+        # Which sentence of the batch each routed token belongs to, for a routing tally (--moe-routing-stats).
+        self.token_shape = (tuple(x.shape[:-1]), batch_major)
         if STATE.dummy_batch:
             # fairseq's dummy batch (a worker whose data shard ran out repeats a batch with its loss
             # multiplied by 0): its tokens still travel through the all-to-all, so every worker

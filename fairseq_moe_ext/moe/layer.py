@@ -85,6 +85,9 @@ class MoELayer(nn.Module):
         # The most rows this worker's experts computed in one call since rows_received.take_peak
         # last read it: with dropless routing nothing bounds it, and it is what runs a GPU out of memory.
         self.rows_received_peak = 0
+        # Called as routing_tally(layer, expert_index, gates) after each evaluation-mode routing, pads
+        # already sent to the id num_experts (routing_stats.py's counts; None: nothing is counted).
+        self.routing_tally = None
         routing = config.routing
         # Loss-free balancing (balance_bias.py): the layer makes the bias, the router reads it when
         # choosing (its state key stays router.balance_bias.bias); None keeps the routing as it was.
@@ -192,6 +195,8 @@ class MoELayer(nn.Module):
             # Pad tokens choose the id num_experts, which no expert holds: sorted after every real
             # slot, never dispatched, counted nowhere.
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
+        if self.routing_tally is not None and not self.training:
+            self.routing_tally(self, expert_index, routing.gates)
 
         # Losses from world-wide sums (see comm.all_reduce_sum for why its backward also sums).
         # Counts stay exact integers and sums fp32 (or wider) whatever the router's dtype: with

@@ -146,7 +146,7 @@ def test_python_stdlib_lm_quick_mode_compares_moe_and_dense_perplexity(tmp_path)
 @pytest.mark.parametrize("variant", ["replicas", "first-half"])
 def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_fine_tunes(tmp_path, variant):
     work = tmp_path / "nllb"
-    output = run_recipe("nllb_moe.sh", work, "--dry-run", TINY_VARIANT=variant, timeout=420)
+    output = run_recipe("nllb_moe.sh", work, "--dry-run", TINY_VARIANT=variant, timeout=540)
     for stage in range(1, 6):
         assert f"==> [{stage}/5]" in output
     imported = (work / "imported" / "import.log").read_text()
@@ -165,6 +165,13 @@ def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_f
     assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
     assert "num_updates: 3 >= max_update: 3" in log
     assert_set(work / "finetune" / "ckpt")  # fine-tuned on the GPUS=2 workers, saved as a 2-file set
+    # the prune step: statistics of the pair eng_Latn-fra_Latn, half of the 4 experts kept, generation from them
+    stats = json.loads((work / "pruned" / "stats.json").read_text())
+    encoder, decoder = (e["groups"] for e in sorted(stats["layers"].values(), key=lambda e: e["side"] != "encoder"))
+    assert set(encoder) == {"eng_Latn"} and set(decoder) == {"fra_Latn"}
+    manifest = json.loads((work / "pruned" / "model.set.json").read_text())
+    assert set(manifest["num_experts"].values()) == {2} and manifest["pruned"]["groups"] == ["eng_Latn", "fra_Latn"]
+    assert len(hypotheses(work / "generate_pruned.out")) == 8 and "| 0.5 | 2 |" in output
 
 
 def test_nllb_langs_gives_stock_fairseq_one_comma_list_and_refuses_a_code_twice_in_one_line(tmp_path, capsys):
@@ -199,3 +206,19 @@ def test_real_data_recipes_document_themselves_and_refuse_unknown_arguments(scri
     assert shown.returncode == 0 and "--dry-run" in shown.stdout and "Knobs" in shown.stdout
     refused = subprocess.run(["bash", str(ROOT / "recipes" / script), "--dryrun"], capture_output=True, text=True)
     assert refused.returncode == 2 and "unknown argument --dryrun" in refused.stderr
+
+
+@pytest.mark.slow
+def test_expert_pruning_tiny_mode_prunes_per_dialect_globally_and_at_random_and_tables_bleu(tmp_path):
+    work = tmp_path / "main"
+    output = run_recipe("expert_pruning.sh", work, TINY="1", DIALECTS="2", FRACTIONS="0.5", SEEDS="1", timeout=600)
+    results = json.loads((work / "pruning" / "results.json").read_text())
+    dialects = set((work / "data" / "raw" / "test.domain").read_text().split())
+    row = results["by_fraction"]["0.5"]
+    assert set(row) == dialects | {"mean"} and set(results["full"]) == dialects | {"mean"}
+    for dialect in dialects:
+        assert all(0 <= row[dialect][kind] <= 100 for kind in ("dialect", "global", "random"))
+        manifest = json.loads((work / "pruning" / "sets" / f"{dialect}_keep0.5" / "checkpoint.set.json").read_text())
+        assert manifest["pruned"]["groups"] == [dialect] and set(manifest["num_experts"].values()) == {4}
+    assert "| mean |" in (work / "pruning" / "table.md").read_text() and "per-dialect" in output
+    assert_png(work / "pruning" / "pruning.png")

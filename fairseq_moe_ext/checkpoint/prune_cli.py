@@ -1,0 +1,67 @@
+"""The checkpoint tool's ``prune`` subcommand (prune.py does the work)."""
+
+import math
+
+from .errors import CheckpointSetError
+from .names import base_of
+from .prune import METRIC_NAMES, prune
+from .reshard import load_full, save_set
+
+
+def add_prune_parser(sub) -> None:
+    p = sub.add_parser(
+        "prune",
+        help="keep the experts routing statistics rank highest (per language or domain) and write a smaller set",
+    )
+    p.add_argument("checkpoint", help="the set or file to prune, e.g. save_dir/checkpoint_best.pt")
+    p.add_argument("output", help="output name, e.g. pruned/checkpoint_best.pt (a new name)")
+    how_many = p.add_mutually_exclusive_group(required=True)
+    how_many.add_argument("--keep", type=int, help="experts each MoE layer keeps (k..E)")
+    how_many.add_argument("--keep-fraction", type=float, help="the share of each layer's experts kept, e.g. 0.25")
+    p.add_argument(
+        "--stats", required=True, help="routing statistics of this checkpoint (fairseq-generate --moe-routing-stats)"
+    )
+    p.add_argument(
+        "--group",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="rank experts for these groups of the statistics (a language, a domain; repeatable); default: all",
+    )
+    p.add_argument(
+        "--metric",
+        choices=sorted(METRIC_NAMES),
+        default="gate-mass",
+        help="what ranks the experts: top1 (first choices), topk (all k choices) or gate-mass (the gate weight "
+        "they received; default)",
+    )
+    p.add_argument(
+        "--world-size", type=int, default=1, help="W: the pruned set's rank files (W must divide the experts kept)"
+    )
+
+
+def prune_command(args) -> int:
+    if args.world_size < 1:
+        raise CheckpointSetError(f"--world-size must be a positive number of workers, got {args.world_size}")
+    full = load_full(args.checkpoint)
+    pruned = prune(
+        full,
+        args.stats,
+        keep=args.keep,
+        fraction=args.keep_fraction,
+        metric=args.metric,
+        groups=args.group,
+        source=args.checkpoint,
+    )
+    kept = pruned["moe"]["pruned"]["kept"]
+    experts = len(next(iter(kept.values())))
+    if experts % args.world_size:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise CheckpointSetError(
+            f"--world-size {args.world_size} does not divide the {experts} experts kept: use one of {divisors}"
+        )
+    written = save_set(pruned, base_of(args.output), args.world_size, extra={"pruned": pruned["moe"]["pruned"]})
+    for layer, ids in kept.items():
+        print(f"{layer}: kept experts {ids}")
+    print(f"wrote {written} ({experts} experts per MoE layer, {math.ceil(experts / args.world_size)} per worker)")
+    return 0

@@ -1,0 +1,200 @@
+"""``--moe-routing-stats FILE`` for fairseq-generate and fairseq-validate: which experts each group of
+sentences (a language, a domain) uses, counted over real tokens only, written as the JSON that
+``python -m fairseq_moe_ext.checkpoint prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
+
+Where fairseq meets it: the command line is read when it is parsed (``decide_routing_stats``, from the
+parse_args_and_arch hook), the model's MoE layers get a tally and its encoder a row tracker when it is
+loaded (``attach``, from the load_model_ensemble_and_task hook), and the progress-bar hook hands each
+batch to the tracker and writes the file when the batches run out (every worker's counts summed, in
+expert-sharded inference). A token's key is its sentence's: the line of ``--moe-routing-stats-groups``
+for its sentence id, or else the task's source language on the encoder side and target language on
+the decoder side. In generation the decoder's rows follow the beam search through the encoder's
+``reorder_encoder_out``, so every hypothesis token counts under its own sentence's key.
+"""
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as moe_ckpt
+from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
+from ..moe import MoELayer
+from ..moe.routing_stats import RoutingTally, statistics_document, write_statistics
+from ..process_state import STATE
+
+
+# fmt: off
+@dataclass
+class RoutingStatsRun:
+    """This process's --moe-routing-stats: where to write, the keys per sentence id, and the counts so far."""
+
+    output: str
+    path: str  # the --path counted
+    keys: Optional[List[str]]  # per sentence id (--moe-routing-stats-groups), or None
+    grouped_by: str
+    encoder_key: str
+    decoder_key: str
+    subset: Optional[str]
+    tool: str
+    tally: RoutingTally = field(default_factory=RoutingTally)
+    names: List[str] = field(default_factory=list)  # group key by index
+    rows: dict = field(default_factory=dict)  # side -> LongTensor: each batch row's group index
+    model: Optional[dict] = None  # the model's identity (statistics_document's "model")
+# fmt: on
+
+
+def decide_routing_stats(args) -> None:
+    """At parse time: record --moe-routing-stats in STATE, or refuse it in one line."""
+    STATE.routing_stats = None
+    output = config_value(args, "moe_routing_stats")
+    groups = config_value(args, "moe_routing_stats_groups")
+    if output is None:
+        if groups is not None:
+            raise MoEOptionError(
+                "--moe-routing-stats-groups needs --moe-routing-stats FILE: add it, or drop the groups"
+            )
+        return
+    tool = os.path.basename(sys.argv[0]) or "python"
+    if not config_value(args, "path") or config_value(args, "input") is not None:
+        raise MoEOptionError(
+            "--moe-routing-stats counts the sentences of a subset: use it with fairseq-generate or fairseq-validate"
+        )
+    directory = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(directory):
+        raise MoEOptionError(f"--moe-routing-stats {output}: the directory {directory} does not exist; create it first")
+    keys = None
+    if groups is not None:
+        try:
+            with open(groups) as f:
+                keys = [line.strip() for line in f]
+        except OSError as e:
+            raise MoEOptionError(
+                f"--moe-routing-stats-groups {groups}: cannot read it ({e.strerror}); give a file with "
+                f"one key per line of the subset"
+            ) from None
+        if not keys or any(not k for k in keys):
+            raise MoEOptionError(
+                f"--moe-routing-stats-groups {groups}: every line must hold a key (an empty line "
+                f"was found); give one key per line of the subset"
+            )
+    source, target = config_value(args, "source_lang"), config_value(args, "target_lang")
+    subset = config_value(args, "gen_subset") or config_value(args, "valid_subset")
+    STATE.routing_stats = RoutingStatsRun(
+        output=output,
+        path=str(config_value(args, "path")).split(os.pathsep)[0],
+        keys=keys,
+        grouped_by=f"file {os.path.abspath(groups)}" if keys is not None else "language pair" if source else "all",
+        encoder_key=str(source or "all"),
+        decoder_key=str(target or "all"),
+        subset=subset,
+        tool=tool,
+    )
+
+
+def group_index(run: RoutingStatsRun, key: str) -> int:
+    if key not in run.names:
+        run.names.append(key)
+    return run.names.index(key)
+
+
+def attach(model, task=None) -> None:
+    """Give ``model``'s MoE layers the run's tally, and its encoder the rows the decoder follows; the
+    language pair is read off the set-up ``task`` (translation infers it from the data directory)."""
+    run = STATE.routing_stats
+    for holder in (getattr(task, "cfg", None), getattr(task, "args", None)):
+        source, target = config_value(holder, "source_lang"), config_value(holder, "target_lang")
+        if run.keys is None and source and target:
+            run.encoder_key, run.decoder_key, run.grouped_by = str(source), str(target), "language pair"
+            break
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    run.model = dict(
+        identity(run.path), layers={name: m.num_experts for name, m in named}, top_k=named[0][1].k if named else None
+    )
+    for name, layer in named:
+        layer.routing_tally = functools.partial(count, run, name)
+    encoder = getattr(model, "encoder", None)
+    if encoder is not None and hasattr(encoder, "reorder_encoder_out"):
+        encoder.reorder_encoder_out = reordered(encoder.reorder_encoder_out, run)
+
+
+def identity(path: str) -> dict:
+    """The set id and update of the checkpoint counted (None where a single file records no set id)."""
+    manifest = moe_ckpt.manifest_path(moe_ckpt.base_of(path))
+    if os.path.isfile(manifest):
+        found = moe_ckpt.read_manifest(manifest)
+        return {"set_id": found.get("set_id"), "num_updates": found["num_updates"]}
+    meta = moe_ckpt.peek_metadata(path) or {}
+    return {"set_id": meta.get("set_id"), "num_updates": meta.get("num_updates")}
+
+
+def reordered(reorder, run: RoutingStatsRun):
+    @functools.wraps(reorder)
+    def reorder_encoder_out(encoder_out, new_order):
+        if "decoder" in run.rows:
+            run.rows["decoder"] = run.rows["decoder"][new_order.cpu()]
+        return reorder(encoder_out, new_order)
+
+    return reorder_encoder_out
+
+
+def start_batch(run: RoutingStatsRun, sample) -> None:
+    """The group index of each row of ``sample``, for both sides (the decoder's then follow reorders)."""
+    if not isinstance(sample, dict) or "net_input" not in sample:
+        run.rows = {}
+        return
+    ids = sample["id"].tolist()
+    if run.keys is not None:
+        if max(ids, default=-1) >= len(run.keys):
+            raise MoEOptionError(
+                f"--moe-routing-stats-groups has {len(run.keys)} lines, but the subset has sentence id "
+                f"{max(ids)}: give one key per line of the subset"
+            )
+        encoder = decoder = [group_index(run, run.keys[i]) for i in ids]
+    else:
+        encoder = [group_index(run, run.encoder_key)] * len(ids)
+        decoder = [group_index(run, run.decoder_key)] * len(ids)
+    run.rows = {"encoder": torch.tensor(encoder, dtype=torch.long), "decoder": torch.tensor(decoder, dtype=torch.long)}
+
+
+def count(run: RoutingStatsRun, name: str, layer, expert_index, gates) -> None:
+    if expert_index.shape[0] == 0:  # a lock-step mirror call, or an empty batch
+        return
+    side = "encoder" if name.startswith("encoder.") else "decoder"
+    rows = run.rows.get(side)
+    shape, batch_major = getattr(layer, "token_shape", None) or ((expert_index.shape[0],), False)
+    if rows is None or len(shape) != 2:
+        raise MoEOptionError(
+            f"--moe-routing-stats: MoE layer {name} ran outside a batch of the evaluated subset, so its "
+            f"tokens have no key; count with fairseq-generate or fairseq-validate"
+        )
+    batch = shape[0] if batch_major else shape[1]
+    steps = shape[1] if batch_major else shape[0]
+    if batch != rows.shape[0]:
+        raise MoEOptionError(
+            f"--moe-routing-stats: MoE layer {name} saw {batch} sentences where the batch has "
+            f"{rows.shape[0]}; this generation path is not supported by the routing statistics"
+        )
+    token_group = rows.repeat_interleave(steps) if batch_major else rows.repeat(steps)
+    run.tally.add(name, layer.num_experts, expert_index, gates, token_group, list(run.names))
+
+
+def finish(run: RoutingStatsRun, group=None) -> None:
+    """Sum every worker's counts (``group``: the expert-sharded run's) and write the file on rank 0."""
+    tally = run.tally
+    rank = 0
+    if group is not None:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, run.tally, group=group)
+        rank = dist.get_rank(group)
+        tally = RoutingTally()
+        for other in gathered:
+            tally.merge(other)
+    if rank == 0:
+        source = {"tool": run.tool, "path": run.path, "subset": run.subset}
+        write_statistics(statistics_document(tally, run.model, run.grouped_by, source), run.output)

@@ -1,0 +1,109 @@
+"""Bad input, expert pruning: the checkpoint tool's prune refuses what would write a wrong or unusable
+set (fewer experts than k, more than E, statistics of another model or checkpoint, an unknown group,
+an output that holds a set, a world size not dividing the experts kept), and --moe-routing-stats
+refuses what it cannot count. The same table-driven runner as tests/cli/test_bad_input.py (each case
+through the real command line: a non-zero exit, one last line naming the problem and the fix, no file
+changed or added).
+"""
+
+import json
+
+import pytest
+import torch
+
+from bad_input_makers import checkpoint_tool_on, generate_args
+from bad_input_runner import (
+    GENERATE,
+    TRAIN,
+    Case,
+    check_case,
+    checkpoint_tool,
+    copy_of,
+    fairseq_generate,
+    fairseq_train,
+    train_args,
+)
+from fairseq_moe_ext import checkpoint as moe_ckpt
+from fairseq_moe_ext.checkpoint.prune import moe_layers
+from fairseq_moe_ext.moe.routing_stats import RoutingTally, statistics_document
+
+pytestmark = pytest.mark.slow
+
+
+def statistics_of(set_dir, layers=None, set_id=None):
+    """Routing statistics for the set in ``set_dir`` (every expert used alike by groups ``a`` and ``b``),
+    or, with ``layers`` / ``set_id``, for another model or checkpoint."""
+    full = moe_ckpt.load_full(str(set_dir / "checkpoint_last.pt"))
+    layers = layers or moe_layers(full)
+    tally = RoutingTally()
+    for layer, experts in layers.items():
+        index = torch.arange(2 * experts).remainder(experts).view(-1, 2)
+        tally.add(layer, experts, index, torch.full(index.shape, 0.5), torch.arange(experts) % 2, ["a", "b"])
+    identity = {"set_id": set_id or full["moe"].get("set_id"), "num_updates": full["moe"]["num_updates"]}
+    document = statistics_document(tally, dict(identity, layers=layers, top_k=2), "file x", {})
+    path = set_dir.parent / "stats.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def prune(*flags, existing=None, stats=statistics_of):
+    """``prune in/checkpoint_last.pt out/checkpoint_last.pt --stats S *flags`` (S made by ``stats``)."""
+    base = checkpoint_tool_on("prune", *flags, existing=existing)
+
+    def make(inputs, work):
+        args, watched = base(inputs, work)
+        return [*args, "--stats", stats(work / "in")], watched
+
+    return make
+
+
+def other_layers(set_dir):
+    return statistics_of(
+        set_dir, layers={k: 8 for k in moe_layers(moe_ckpt.load_full(str(set_dir / "checkpoint_last.pt")))}
+    )
+
+
+def generate_with_short_groups(inputs, work):
+    directory = copy_of(inputs.single, work)
+    (work / "groups.txt").write_text("a\nb\n")
+    flags = ["--moe-routing-stats", str(work / "stats.json"), "--moe-routing-stats-groups", str(work / "groups.txt")]
+    return [*generate_args(inputs.data, directory / "checkpoint_last.pt"), *flags], [directory]
+
+
+def train_with_routing_stats(inputs, work):
+    return train_args(inputs.data, work / "ck", "--max-update", "1", "--moe-routing-stats", str(work / "s.json")), []
+
+
+train_with_routing_stats.needs_checkpoints = False
+
+# fmt: off
+CASES = [
+    Case("prune-to-fewer-experts-than-k", checkpoint_tool, prune("--keep", "1"), "error",
+         "--keep 1 keeps fewer experts than the 2 each token is routed to (--moe-top-k)", "keep at least 2"),
+    Case("prune-to-more-experts-than-there-are", checkpoint_tool, prune("--keep", "5"), "error",
+         "--keep 5 keeps more experts than the 4 each MoE layer has", "keep 1..4"),
+    Case("prune-with-statistics-of-another-model", checkpoint_tool, prune("--keep", "2", stats=other_layers), "error",
+         "counts another model: its MoE layers and expert counts", "count the routing of this checkpoint with "
+         "fairseq-generate or fairseq-validate --moe-routing-stats"),
+    Case("prune-with-statistics-of-another-checkpoint", checkpoint_tool,
+         prune("--keep", "2", stats=lambda d: statistics_of(d, set_id="0123456789abcdef")), "error",
+         "counts another checkpoint: its set_id is 0123456789abcdef", "count the routing of this checkpoint"),
+    Case("prune-for-an-unknown-group", checkpoint_tool, prune("--keep", "2", "--group", "zz"), "error",
+         "--group zz is not a key of the statistics", "use one of ['a', 'b'], or drop --group"),
+    Case("prune-onto-a-set-of-the-same-name", checkpoint_tool, prune("--keep", "2", existing="set"), "error",
+         "exists", "choose another output name (nothing was overwritten)"),
+    Case("prune-to-a-world-size-not-dividing-the-experts-kept", checkpoint_tool,
+         prune("--keep", "3", "--world-size", "2"), "error",
+         "--world-size 2 does not divide the 3 experts kept", "use one of [1, 3]"),
+    Case("routing-statistics-with-fewer-group-lines-than-sentences", fairseq_generate, generate_with_short_groups,
+         GENERATE, "--moe-routing-stats-groups has 2 lines, but the subset has sentence id",
+         "give one key per line of the subset"),
+    Case("routing-statistics-in-training", fairseq_train, train_with_routing_stats, TRAIN,
+         "--moe-routing-stats counts the sentences of a subset", "use it with fairseq-generate or fairseq-validate"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_bad_input_fails_in_one_line_naming_problem_and_fix_and_changes_no_file(case, started):
+    check_case(case, started[case.id])
