@@ -46,6 +46,7 @@ def warm_launcher():
     return launcher
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(EXIT_RULES))
 def test_a_forked_run_follows_the_interpreters_exit_rules_stdin_argv_and_path(case, tmp_path):
     source, status, shown = EXIT_RULES[case]
@@ -64,6 +65,7 @@ def test_a_forked_run_follows_the_interpreters_exit_rules_stdin_argv_and_path(ca
     assert shown in output and shown in fresh.stdout + fresh.stderr
 
 
+@pytest.mark.slow
 def test_a_forked_run_past_its_timeout_is_killed_with_its_children(tmp_path):
     (tmp_path / "sleeper.py").write_text(
         "import subprocess, sys, time\n"
