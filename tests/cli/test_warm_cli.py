@@ -46,6 +46,7 @@ def warm_launcher():
     return launcher
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(EXIT_RULES))
 def test_a_forked_run_follows_the_interpreters_exit_rules_stdin_argv_and_path(case, tmp_path):
     source, status, shown = EXIT_RULES[case]
@@ -64,6 +65,7 @@ def test_a_forked_run_follows_the_interpreters_exit_rules_stdin_argv_and_path(ca
     assert shown in output and shown in fresh.stdout + fresh.stderr
 
 
+@pytest.mark.slow
 def test_a_forked_run_past_its_timeout_is_killed_with_its_children(tmp_path):
     (tmp_path / "sleeper.py").write_text(
         "import subprocess, sys, time\n"
@@ -126,6 +128,7 @@ def test_an_emulated_two_worker_torchrun_trains_and_refuses_as_a_real_torchrun_d
             assert "distributed_world_size" not in warm or "'distributed_world_size': 2" in warm
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_stops_its_peers_and_fails_the_emulated_launch(tmp_path):
     """What torchrun's agent does when a worker exits non-zero: the others are stopped, the launch exits 1."""
     script = tmp_path / "worker.py"
@@ -154,6 +157,7 @@ LOGGING_ORDERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", list(LOGGING_ORDERS))
 def test_a_forked_worker_logs_to_the_stream_a_fresh_interpreter_logs_to(order, tmp_path):
     script = tmp_path / "logs.py"

@@ -160,6 +160,7 @@ def run_without_fairseq(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_moe_and_checkpoint_import_and_the_tool_runs_where_fairseq_cannot_be_imported():
     done = run_without_fairseq(
         """
@@ -178,6 +179,7 @@ def test_moe_and_checkpoint_import_and_the_tool_runs_where_fairseq_cannot_be_imp
     assert "upcycle" in done.stdout and "merge" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "first, then",
     [
@@ -212,6 +214,7 @@ def test_a_process_that_imported_the_plugin_before_fairseq_has_its_hooks_once_fa
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module",
     [

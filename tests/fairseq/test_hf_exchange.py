@@ -16,7 +16,9 @@ from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+# slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 10 s of CPU for its
+# 11 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
 TOLERANCE = 1e-5
 
 

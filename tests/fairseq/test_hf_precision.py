@@ -19,7 +19,9 @@ from fairseq_moe_ext.checkpoint.hf_names import EMBEDDING, NOT_WEIGHTS, TIED_HER
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+# slow: each case exports and imports a set through Hugging Face NllbMoe, about 5 s of CPU for its 11
+# cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
 TOLERANCE = 1e-5
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

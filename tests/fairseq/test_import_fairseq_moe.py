@@ -8,7 +8,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from branch_sets import branch_model_options, consolidate_in_place, write_branch_set
+from branch_sets import branch_options, consolidate_in_place, write_branch_set
 from fake_checkpoints import fingerprint
 from tiny_fairseq_models import translation, translation_batch
 from fairseq_moe_ext.checkpoint import load_full
@@ -30,33 +30,6 @@ def model(data):  # noqa: F811
 
 def model_args(built):
     return built.model.args if hasattr(built.model, "args") else built.model.cfg
-
-
-def branch_options(data, **changes):  # noqa: F811
-    from fairseq import options as fairseq_options
-    from fairseq_helpers import USER_DIR
-
-    parser = fairseq_options.get_training_parser()
-    args = fairseq_options.parse_args_and_arch(
-        parser,
-        [
-            str(data),
-            "--user-dir",
-            USER_DIR,
-            "--task",
-            "translation",
-            "--arch",
-            "moe_transformer_tiny",
-            "--cpu",
-            "--source-lang",
-            "src",
-            "--target-lang",
-            "tgt",
-            "--moe-expert-count",
-            str(EXPERTS),
-        ],
-    )
-    return branch_model_options(args, EXPERTS, **changes)
 
 
 def logits(model, task):

@@ -88,6 +88,7 @@ def printed_scores(output):
     return re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", output).groups()
 
 
+@pytest.mark.slow
 def test_an_imported_moe_lm_set_scores_the_same_loss_and_perplexity_in_fairseq_eval_lm(
     lm_data, trained, tmp_path, capsys
 ):

@@ -7,9 +7,8 @@ import pytest
 import torch
 from fairseq import options, tasks
 
-from branch_sets import write_branch_set
+from branch_sets import branch_options, write_branch_set
 from fairseq_helpers import USER_DIR
-from test_import_fairseq_moe import branch_options
 from tiny_fairseq_models import translation
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 

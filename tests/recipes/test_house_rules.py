@@ -1,5 +1,6 @@
 """The size rules of docs/testing.md hold over the whole tree, so that they stay true without a reviewer."""
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -40,3 +41,29 @@ def test_every_test_name_states_its_promise_in_at_most_88_characters():
     assert len(names) > 300, "few test functions found: the check would pass on nothing"
     too_long = [f"{f}: {name} ({len(name)})" for f, name in names if len(name) > MOST_TEST_NAME]
     assert not too_long, f"shorten these test names (at most {MOST_TEST_NAME} characters):\n" + "\n".join(too_long)
+
+
+def imported_modules(tree: ast.AST) -> set:
+    """Every module an import statement anywhere in ``tree`` names, and each of its dotted parts."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found = [node.module or ""] + [alias.name for alias in node.names if not node.module]
+        else:
+            continue
+        names.update(part for name in found for part in name.split("."))
+    return names
+
+
+def test_no_module_of_the_tree_imports_a_test_module_whose_helpers_belong_in_support():
+    test_modules = {f.stem for f in (ROOT / "tests").rglob("test_*.py")}
+    files = [f for f in tracked_python_and_shell_files() if f.suffix == ".py"]
+    assert len(test_modules) > 50 and len(files) > 100, "few files found: the check would pass on nothing"
+    offenders = [
+        f"{f.relative_to(ROOT)} imports {', '.join(sorted(found))}"
+        for f in files
+        if (found := imported_modules(ast.parse(f.read_text())) & test_modules)
+    ]
+    assert not offenders, "move what these share to tests/support/ (docs/testing.md):\n" + "\n".join(offenders)

@@ -43,6 +43,18 @@ def branch_model_options(our_model_args, experts: int, **changes) -> argparse.Na
     return argparse.Namespace(**options)
 
 
+def branch_options(data, experts: int = 4, **changes) -> argparse.Namespace:
+    """branch_model_options of a ``moe_transformer_tiny`` translation model with ``experts`` experts on
+    the dictionaries in ``data`` (what an import test writes its branch set with)."""
+    from fairseq import options as fairseq_options
+    from fairseq_helpers import USER_DIR
+
+    flags = ["--user-dir", USER_DIR, "--task", "translation", "--arch", "moe_transformer_tiny", "--cpu"]
+    flags += ["--source-lang", "src", "--target-lang", "tgt", "--moe-expert-count", str(experts)]
+    args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), [str(data), *flags])
+    return branch_model_options(args, experts, **changes)
+
+
 # The MoE options of the moe branch's TransformerLanguageModelConfig (fairseq/models/transformer_lm.py there),
 # as a moe_lm run (examples/moe_lm, README.moe.md there) sets them, with an eval capacity that drops nothing.
 # fmt: off
