@@ -73,6 +73,10 @@ class PluginState:
     # Writer: the parse_args_and_arch hook (inference.decide_sharded_inference: --moe-inference-experts
     # on N torchrun workers). Reader: the load_model_ensemble_and_task hook. None: every expert local.
     sharded_inference: Optional[Any] = None
+    # Writer: the parse_args_and_arch hook (run_dtype.record_inference_dtype: the torch dtype an inference CLI's
+    # --fp16 / --bf16 asks for). Reader: the load_model_ensemble_and_task hook, which casts MoE models to it.
+    # None: no inference CLI parsed (a hub load reads its own keyword overrides).
+    inference_dtype: Optional[Any] = None
     # Writer: inference.load_sharded (the sharded CLI's model, in lock-step for the whole process).
     # Reader: the progress_bar hook, whose iterator finishes the lock-step when its batches run out.
     inference_lockstep: Optional[Any] = None

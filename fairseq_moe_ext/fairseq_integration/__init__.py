@@ -8,7 +8,8 @@ from it, and ``tests/fairseq/test_fairseq_integration.py`` pins the sha256 of th
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
 fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
-expert-sharded branches of 8 and 11), sharding.py (20-22: --ddp-backend fully_sharded on torch FSDP2).
+expert-sharded branches of 8 and 11), run_dtype.py (the inference dtype of 8 and 11), sharding.py (20-22:
+--ddp-backend fully_sharded on torch FSDP2).
 The state they share between
 calls is one object, process_state.STATE.
 
@@ -82,7 +83,10 @@ HOOKS = (
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
-         "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step."),
+         "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step. "
+         "Either way an MoE model comes back in the dtype asked for (run_dtype.py: the CLI's --fp16 / --bf16, "
+         "or the hub's fp16= / bf16=), cast on the CPU before the CLI moves it to a GPU: fairseq casts only for "
+         "--fp16 in its CLIs and never in the hub, so --bf16 ran fp32. One INFO line names the dtype."),
     Hook(9, "fairseq.trainer.Trainer._prepare_sample", training.wrap_prepare_sample,
          "records whether the batch about to run is fairseq's dummy batch, so MoE layers route none of its "
          "tokens while still joining the all-to-all."),
@@ -92,7 +96,8 @@ HOOKS = (
     Hook(11, "fairseq.options.parse_args_and_arch", precision.wrap_parse_args_and_arch,
          "--bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays on only for an explicit --tpu "
          "with torch_xla installed. Adds --moe-inference-experts and decides, on torchrun workers of an "
-         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK)."),
+         "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK), and "
+         "records the dtype an inference CLI's --fp16 / --bf16 asks for (hook 8 casts to it)."),
     Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
          "batch runs (flattening drops the expert marker the global norm needs)."),
@@ -169,6 +174,14 @@ RELIED_ON = (
     "fairseq.sequence_generator.EnsembleModel.forward_encoder",
     "fairseq.sequence_generator.EnsembleModel.forward_decoder",
     "fairseq.models.transformer.transformer_encoder.TransformerEncoderBase.forward_torchscript",
+    # The inference dtype (hooks 8, 11; run_dtype.py): each entry point loads through hook 8, then casts only
+    # for --fp16 (the hub never), then moves the model to the GPU.
+    "fairseq_cli.generate._main",
+    "fairseq_cli.interactive.main",
+    "fairseq_cli.validate.main",
+    "fairseq_cli.eval_lm.main",
+    "fairseq.hub_utils.from_pretrained",
+    "fairseq.hub_utils.GeneratorHubInterface.__init__",
 )
 # fmt: on
 

@@ -21,6 +21,7 @@ from ..training.restore_choice import resolve_restore
 from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
 from .inference import load_sharded
+from .run_dtype import cast_for_inference, dtype_for_load
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
 
@@ -200,9 +201,13 @@ def wrap_load_model_ensemble_and_task(original):
             named_set = not os.path.exists(name) or names_a_rank_file(name)
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
+        dtype = dtype_for_load(kwargs.get("arg_overrides", args[0] if args else None))
         if STATE.sharded_inference is not None:
-            return load_sharded(original, resolved, *args, **kwargs)
-        with moe_dist.all_experts_local():
-            return original(resolved, *args, **kwargs)
+            loaded = load_sharded(original, resolved, *args, **kwargs)
+        else:
+            with moe_dist.all_experts_local():
+                loaded = original(resolved, *args, **kwargs)
+        cast_for_inference(loaded[0], dtype)  # --fp16 / --bf16, before the CLI moves the model to a GPU
+        return loaded
 
     return load_model_ensemble_and_task

@@ -36,6 +36,7 @@ from ..checkpoint.config_value import config_value
 from ..moe.torch_compat import scaler_optimizer_state
 from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
+from .run_dtype import record_inference_dtype
 from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def wrap_parse_args_and_arch(original):
         argv = sys.argv[1:] if input_args is None else input_args
         keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
         decide_sharded_inference(parsed)
+        record_inference_dtype(parsed)
         return result
 
     return parse_args_and_arch

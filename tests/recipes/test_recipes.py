@@ -153,6 +153,9 @@ def test_nllb_moe_dry_run_imports_a_tiny_nllb_layout_set_generates_and_fine_tune
     # NLLB's dictionary: the language tokens, then the 3 data-source tags, which the task must add
     assert "+ 3 language tokens + 3 data-source tags = 70 rows" in imported and "--moe-eom 0.2" in imported
     assert len(hypotheses(work / "generate.out")) == 8  # the tiny set's 8 test sentences
+    # The precision check: --fp16 and --bf16 generation in one process ran the model in that dtype (its log line).
+    assert "--fp16: the model ran in float16; 8 hypotheses" in output
+    assert "--bf16: the model ran in bfloat16; 8 hypotheses" in output
     log = (work / "finetune" / "train.log").read_text()
     assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
     assert "num_updates: 3 >= max_update: 3" in log and (work / "finetune" / "ckpt" / "checkpoint_last.pt").is_file()

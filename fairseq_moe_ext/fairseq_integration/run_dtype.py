@@ -1,0 +1,78 @@
+"""The dtype an inference entry point runs an MoE model in (the cast of hooks 8 and 11).
+
+fairseq 0.12.3's inference CLIs cast a loaded model only for ``--fp16`` (``if cfg.common.fp16:
+model.half()`` in generate, interactive, validate and eval-lm), after the model was built and loaded in
+fp32, and never for ``--bf16``: ``fairseq-generate --bf16`` silently runs fp32, twice the memory asked
+for. The hub interface (``from_pretrained(..., bf16=True)``) casts for neither. Here the dtype asked for
+is recorded when an inference CLI's command line is parsed (hook 11), or read from the hub's keyword
+overrides, and the load hook (8) casts every MoE model it returns to it, on the CPU, before the CLI moves
+it to a GPU; the CLI's own ``model.half()`` then changes nothing. As in training (fairseq's Trainer casts
+the model the same way), the router computes in fp32 unless --moe-gating-no-fp32, and the balance bias
+stays an fp32 buffer (moe/balance_bias.py). One INFO line names the dtype the model runs in.
+"""
+
+import logging
+from typing import Mapping, Optional
+
+import torch
+
+from ..checkpoint.config_value import config_value
+from ..moe import MoELayer
+from ..process_state import STATE
+
+logger = logging.getLogger(__name__)
+
+# fairseq's flags, in the order its Trainer honours them (--fp16 first); memory-efficient ones set the
+# plain flag when fairseq parses them, but a hub override is taken as written.
+FLAGS = (
+    ("fp16", torch.float16),
+    ("memory_efficient_fp16", torch.float16),
+    ("bf16", torch.bfloat16),
+    ("memory_efficient_bf16", torch.bfloat16),
+)
+NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def asked_dtype(source) -> Optional[torch.dtype]:
+    """The dtype ``source`` (parsed args, a cfg, or the hub's overrides) asks for: None when it names no flag
+    at all (a mapping without any of them), else float16, bfloat16 or float32."""
+    if isinstance(source, Mapping):
+        named = [(flag, dtype) for flag, dtype in FLAGS if flag in source]
+        if not named:
+            return None
+        return next((dtype for flag, dtype in named if source[flag]), torch.float32)
+    return next((dtype for flag, dtype in FLAGS if config_value(source, flag, False)), torch.float32)
+
+
+def record_inference_dtype(args) -> None:
+    """At parse time, in every CLI: the dtype an inference CLI (one with --path) asked for, else None."""
+    STATE.inference_dtype = asked_dtype(args) if config_value(args, "path") else None
+
+
+def dtype_for_load(arg_overrides) -> Optional[torch.dtype]:
+    """The hub's keyword overrides when they name a precision flag, else what the CLI asked for (None: no
+    inference CLI and no flag, a load outside generation that keeps fairseq's dtype)."""
+    from_overrides = asked_dtype(arg_overrides) if isinstance(arg_overrides, Mapping) else None
+    return from_overrides if from_overrides is not None else STATE.inference_dtype
+
+
+def cast_for_inference(models, dtype: Optional[torch.dtype]) -> None:
+    """Cast each MoE model of ``models`` to ``dtype`` in place (on the device it is on) and say so."""
+    if dtype is None:
+        return
+    for model in models:
+        layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        if not layers:
+            continue  # a dense model: fairseq's own handling, unchanged
+        model.to(dtype=dtype)
+        logger.info(describe(model, layers, dtype))
+
+
+def describe(model, layers, dtype: torch.dtype) -> str:
+    name = NAMES.get(dtype, str(dtype))
+    routing = "float32" if all(layer.router.fp32 for layer in layers) else f"{name} (--moe-gating-no-fp32)"
+    biases = [layer.router.balance_bias for layer in layers if layer.router.balance_bias is not None]
+    bias = f", balance bias {NAMES.get(biases[0].bias.dtype)}" if biases else ""
+    held = {p.dtype for p in model.parameters()}
+    weights = ", ".join(sorted(NAMES.get(d, str(d)) for d in held))
+    return f"the model runs in {name}: weights {weights}, routing computed in {routing}{bias}"
