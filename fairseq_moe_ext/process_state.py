@@ -77,6 +77,10 @@ class PluginState:
     # --fp16 / --bf16 asks for). Reader: the load_model_ensemble_and_task hook, which casts MoE models to it.
     # None: no inference CLI parsed (a hub load reads its own keyword overrides).
     inference_dtype: Optional[Any] = None
+    # Writer: the load_model_ensemble_and_task hook (run_dtype.built_for_load, around fairseq's load). Reader:
+    # models/moe_layers.install_moe_layers, which then builds experts on meta in this dtype, to be filled from the
+    # checkpoint. None: experts are built and initialised (training, a model built from flags).
+    experts_built_for_load: Optional[Any] = None
     # Writer: inference.load_sharded (the sharded CLI's model, in lock-step for the whole process).
     # Reader: the progress_bar hook, whose iterator finishes the lock-step when its batches run out.
     inference_lockstep: Optional[Any] = None

@@ -98,8 +98,8 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
     meta = state["moe"]
     out = copy.copy(state)
     out["model"] = dict(state["model"])
-    for key, (_, start, count) in rows.items():
-        out["model"][key] = state["model"][key][start : start + count].clone()
+    for key, (held, start, count) in rows.items():
+        out["model"][key] = taken(state["model"][key], held, start, count)
     optimizer = state.get("last_optimizer_state")
     if isinstance(optimizer, dict) and "state" in optimizer:
         sliced = dict(optimizer)
@@ -111,9 +111,7 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
                 continue
             held, start, count = rows[name]
             sliced["state"][slot] = {
-                k: (
-                    v[start : start + count].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v
-                )
+                k: (taken(v, held, start, count) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v)
                 for k, v in entry.items()
             }
         out["last_optimizer_state"] = sliced
@@ -121,6 +119,15 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
     out["moe"] = dict(meta, world_size=world_size, rank=rank)
     out["moe"]["experts_held"] = experts_held(rank, counts[0] if counts else 0)
     return out
+
+
+def taken(tensor: torch.Tensor, held: int, start: int, count: int) -> torch.Tensor:
+    """Rows ``start .. start + count`` of ``tensor`` (which holds ``held``): all of them as they are (no copy: a
+    worker loading the layout it was saved with keeps the loaded, possibly memory-mapped, tensor), a part as a
+    copy of its own (a view would keep the other rows' memory alive)."""
+    if start == 0 and count == held:
+        return tensor
+    return tensor[start : start + count].clone()
 
 
 def save_set(full: Dict, base: str, world_size: int, workers: Optional[int] = None) -> str:

@@ -21,7 +21,7 @@ from ..training.restore_choice import resolve_restore
 from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
 from .inference import load_sharded
-from .run_dtype import cast_for_inference, dtype_for_load
+from .run_dtype import built_for_load, cast_for_inference, check_loaded, dtype_for_load
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def wrap_load_checkpoint_to_cpu(original):
     def load_one(path, arg_overrides=None, verified=False, **kwargs):
         """fairseq's load of one file; ``verified``: its sha256 was just checked against a manifest."""
-        return moe_ckpt.safe_load(path, lambda p: original(p, arg_overrides, **kwargs), verified=verified)
+        return moe_ckpt.safe_load(path, lambda p: original(p, arg_overrides, **kwargs), verified=verified, mapped=True)
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
@@ -202,11 +202,13 @@ def wrap_load_model_ensemble_and_task(original):
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
         dtype = dtype_for_load(kwargs.get("arg_overrides", args[0] if args else None))
-        if STATE.sharded_inference is not None:
-            loaded = load_sharded(original, resolved, *args, **kwargs)
-        else:
-            with moe_dist.all_experts_local():
-                loaded = original(resolved, *args, **kwargs)
+        with built_for_load(dtype):  # experts on meta, filled from the checkpoint in the dtype they run in
+            if STATE.sharded_inference is not None:
+                loaded = load_sharded(original, resolved, *args, **kwargs)
+            else:
+                with moe_dist.all_experts_local():
+                    loaded = original(resolved, *args, **kwargs)
+        check_loaded(loaded[0], resolved)
         cast_for_inference(loaded[0], dtype)  # --fp16 / --bf16, before the CLI moves the model to a GPU
         return loaded
 

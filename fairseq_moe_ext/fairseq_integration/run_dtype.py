@@ -11,6 +11,7 @@ the model the same way), the router computes in fp32 unless --moe-gating-no-fp32
 stays an fp32 buffer (moe/balance_bias.py). One INFO line names the dtype the model runs in.
 """
 
+import contextlib
 import logging
 from typing import Mapping, Optional
 
@@ -54,6 +55,33 @@ def dtype_for_load(arg_overrides) -> Optional[torch.dtype]:
     inference CLI and no flag, a load outside generation that keeps fairseq's dtype)."""
     from_overrides = asked_dtype(arg_overrides) if isinstance(arg_overrides, Mapping) else None
     return from_overrides if from_overrides is not None else STATE.inference_dtype
+
+
+@contextlib.contextmanager
+def built_for_load(dtype: Optional[torch.dtype]):
+    """Around fairseq's load of a model to run in ``dtype`` (None: as built, fp32): MoE layers build their
+    experts on ``meta`` in that dtype (the checkpoint's tensors become them, moe/experts.py), and fp16/bf16 runs
+    build every other parameter in it directly, so no fp32 copy of the model exists on the way."""
+    previous = (STATE.experts_built_for_load, torch.get_default_dtype())
+    STATE.experts_built_for_load = dtype or torch.float32
+    if dtype in (torch.float16, torch.bfloat16):
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        STATE.experts_built_for_load = previous[0]
+        torch.set_default_dtype(previous[1])
+
+
+def check_loaded(models, filenames) -> None:
+    """Experts built on meta that the checkpoint did not fill (a non-strict load of a file without them)."""
+    for model, name in zip(models, filenames):
+        empty = [key for key, p in model.named_parameters() if p.is_meta]
+        if empty:
+            raise ValueError(
+                f"{name} holds no {empty[0]} ({len(empty)} expert tensor(s) missing): the file is not a checkpoint of "
+                f"this MoE model; pass the checkpoint it was saved as, or load it with strict=True to see what differs"
+            )
 
 
 def cast_for_inference(models, dtype: Optional[torch.dtype]) -> None:

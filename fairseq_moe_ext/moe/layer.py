@@ -43,7 +43,8 @@ class MoELayer(nn.Module):
     """``config``: what the layer computes (checked when it was built); ``group``: the expert-parallel
     process group its experts are spread over (None: all local); ``statistics_group``: the workers
     its routing statistics are totalled over (default ``group``); ``cache``: where ``forward``
-    records the aux losses under ``name``; ``seed``: the experts' initialisation."""
+    records the aux losses under ``name``; ``seed``: the experts' initialisation; ``expert_device="meta"``:
+    experts built to be loaded from a checkpoint, in ``expert_dtype`` (nothing allocated until then)."""
 
     def __init__(
         self,
@@ -54,6 +55,8 @@ class MoELayer(nn.Module):
         cache: Optional[MoEAuxCache] = None,
         name: str = "moe",
         seed: int = 0,
+        expert_device=None,
+        expert_dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if not isinstance(config, MoELayerConfig):
@@ -96,6 +99,8 @@ class MoELayer(nn.Module):
             activation_dropout=config.activation_dropout,
             bias=config.bias,
             seed=seed,
+            device=expert_device,  # "meta": built to be loaded (experts.py), in expert_dtype
+            dtype=expert_dtype,
         )
         for p in self.experts.parameters():
             # The marker stock fairseq already honours (clip_grad_norm_, legacy DDP): this tensor
