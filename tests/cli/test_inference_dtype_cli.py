@@ -154,3 +154,17 @@ def test_one_info_line_per_load_names_the_dtype_the_model_runs_in(one_process):
     )
     # Every CLI run and hub load in the module's one process: 5 entry points x 3 dtypes, one line each.
     assert sorted(lines) == sorted([(d, d) for d in DTYPES.values()] * 5), one_process[1][-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_sharded_worker_allocates_only_its_own_experts_in_the_dtype_it_runs_no_fp32_copy(two_workers, dtype):
+    # The set's files are fp32 (4 experts per layer, 2 per worker): every expert tensor a worker allocates while
+    # loading is one it keeps (2 experts), in the dtype it runs in (experts are the model's only 3-D tensors).
+    for record in two_workers[0][f"generate-{dtype}"]:
+        assert record["allocated"], "no expert tensor was allocated"
+        assert {(d, s[0]) for d, s in record["allocated"]} == {(DTYPES[dtype], 2)}, record["allocated"]
+
+
+def test_one_process_in_bf16_allocates_every_expert_once_in_bf16_never_in_fp32(one_process):
+    (record,) = one_process[0]["generate-bf16"]
+    assert {(d, s[0]) for d, s in record["allocated"]} == {("bfloat16", 4)}, record["allocated"]

@@ -5,8 +5,9 @@ Usage (under torchrun, one worker or several): python tests/support/fairseq_dtyp
 RUNS_JSON maps a run's name to {"tool": "generate" | "interactive" | "validate" | "eval_lm", "args": [...]}, whose
 command line gets ARGS appended (torchrun's --distributed-world-size), or to {"tool": "hub", "dir", "checkpoint_file",
 "data", "overrides": {...}, "sentence"}: MoETransformerModel.from_pretrained(dir, ..., **overrides).translate(sentence).
-Run NAME writes OUT_DIR/NAME/rank{R}.json: {"seen": {what: [dtype names]}, "forwards": MoE layer calls} where what
-is experts / moe_input / router_logits / balance_bias / attention_weights / attention_input / output_logits.
+Run NAME writes OUT_DIR/NAME/rank{R}.json: {"seen": {what: [dtype names]}, "forwards": MoE layer calls, "allocated":
+[[dtype, shape] of each 3-D floating tensor allocated while the model loaded]} where what is experts / moe_input /
+router_logits / balance_bias / attention_weights / attention_input / output_logits.
 """
 
 import json
@@ -25,7 +26,8 @@ def main():
     plugin_load = checkpoint_utils.load_model_ensemble_and_task
 
     def load_model_ensemble_and_task(*args, **kwargs):
-        loaded = plugin_load(*args, **kwargs)
+        with AllocationRecorder(record["allocated"]):
+            loaded = plugin_load(*args, **kwargs)
         for model in loaded[0]:
             watch(model, record)
         return loaded
@@ -33,7 +35,7 @@ def main():
     checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
     for name, run in runs.items():
         record.clear()
-        record.update(seen=defaultdict(set), forwards=0)
+        record.update(seen=defaultdict(set), forwards=0, allocated=[])
         if run["tool"] == "hub":
             translate_with_hub(run)
         else:
@@ -41,7 +43,7 @@ def main():
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
         seen = {what: sorted(dtypes) for what, dtypes in record["seen"].items()}
         with open(os.path.join(out_dir, name, f"rank{rank}.json"), "w") as f:
-            json.dump({"seen": seen, "forwards": record["forwards"]}, f)
+            json.dump({"seen": seen, "forwards": record["forwards"], "allocated": record["allocated"]}, f)
 
 
 def run_cli(tool, argv):
@@ -59,6 +61,27 @@ def translate_with_hub(run):
         run["dir"], checkpoint_file=run["checkpoint_file"], data_name_or_path=run["data"], **run["overrides"]
     )
     assert isinstance(hub.translate(run["sentence"]), str)
+
+
+ALLOCATING = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "zeros", "_to_copy", "clone",
+              "cat", "contiguous"}  # fmt: skip
+
+
+def AllocationRecorder(allocated):
+    """A TorchDispatchMode appending [dtype, shape] of every 3-D floating CPU tensor an op allocates (experts are the
+    model's only 3-D parameters; tensors a memory-mapped torch.load makes are views of the file, not allocations)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ALLOCATING and torch.is_tensor(out):
+                if out.dim() == 3 and out.is_floating_point() and out.device.type == "cpu":
+                    allocated.append([dtype_name(out), list(out.shape)])
+            return out
+
+    return Recorder()
 
 
 def dtype_name(tensor):
