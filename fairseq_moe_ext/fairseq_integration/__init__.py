@@ -47,7 +47,9 @@ HOOKS = (
          "beyond tensors. Exactly those are allowed (checkpoint.CHECKPOINT_SAFE_GLOBALS) during fairseq's load, "
          "the check stays on, and torch's multi-line refusal becomes one line naming the type. A single file "
          "is first checked whole (torch.load verifies none of the CRC-32s torch.save writes), and a file "
-         "holding no fairseq checkpoint is refused in one line (NotACheckpointError)."),
+         "holding no fairseq checkpoint is refused in one line (NotACheckpointError). The file is memory-mapped "
+         "(checkpoint/safe_load.py: fairseq opens it itself, torch maps only a path), so what a worker does not "
+         "use (another worker's experts, a generation's optimizer state) is never read."),
     Hook(2, "fairseq.distributed.utils._infer_torch_distributed_launch_init", training.wrap_torchrun_init,
          "under torchrun it computes rank % torch.cuda.device_count() (ZeroDivisionError on CPU). Without "
          "CUDA every worker uses device 0 (the CPU) and the default nccl backend becomes gloo."),
@@ -86,7 +88,10 @@ HOOKS = (
          "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step. "
          "Either way an MoE model comes back in the dtype asked for (run_dtype.py: the CLI's --fp16 / --bf16, "
          "or the hub's fp16= / bf16=), cast on the CPU before the CLI moves it to a GPU: fairseq casts only for "
-         "--fp16 in its CLIs and never in the hub, so --bf16 ran fp32. One INFO line names the dtype."),
+         "--fp16 in its CLIs and never in the hub, so --bf16 ran fp32. One INFO line names the dtype. The model "
+         "is built for the load: experts on meta and the rest in that dtype, the checkpoint's experts gathered "
+         "into it and taken as the parameters, the mapped files' pages given back (host memory about the bytes "
+         "kept, docs/checkpoints.md)."),
     Hook(9, "fairseq.trainer.Trainer._prepare_sample", training.wrap_prepare_sample,
          "records whether the batch about to run is fairseq's dummy batch, so MoE layers route none of its "
          "tokens while still joining the all-to-all."),

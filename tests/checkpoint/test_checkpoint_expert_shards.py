@@ -219,3 +219,23 @@ def test_rank_0_alone_validates_the_set_and_every_worker_follows_its_choice(refu
         assert all(r["refused"] == "checkpoint set x.set.json cannot be loaded: damaged" for r in results)
     else:
         assert [r["resolved"] for r in results] == ["chosen by rank 0"] * 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's /proc/self/maps and madvise")
+def test_pages_given_back_from_a_mapped_checkpoint_are_read_again_with_the_same_bytes(tmp_path):
+    from fairseq_moe_ext.checkpoint import mapped_pages
+
+    path = tmp_path / "big.pt"
+    torch.save({"w": torch.arange(8_000_000, dtype=torch.float32)}, path)  # 32 MB
+
+    def resident_kib():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    weight = torch.load(path, mmap=True, weights_only=True)["w"]
+    total = float(weight.sum())  # every page read
+    touched = resident_kib()
+    assert mapped_pages.release([str(path)]) >= 32_000_000
+    assert resident_kib() < touched - 20_000  # the file's pages left this process
+    assert float(weight.sum()) == total and float(weight[-1]) == 7_999_999  # read again, the same bytes
+    assert mapped_pages.release([str(tmp_path / "never-mapped.pt")]) == 0
