@@ -81,10 +81,10 @@ class PluginState:
     # models/moe_layers.install_moe_layers, which then builds experts on meta in this dtype, to be filled from the
     # checkpoint. None: experts are built and initialised (training, a model built from flags).
     experts_built_for_load: Optional[Any] = None
-    # Writer: the load_checkpoint_to_cpu hook during such a load (the checkpoint files it memory-mapped). Reader:
-    # the same hook and the load_model_ensemble_and_task hook, which give their pages back
+    # Writer: the load_checkpoint_to_cpu hook during such a load (the (start, end) of each file mapping it made).
+    # Reader: the same hook and the load_model_ensemble_and_task hook, which give their pages back
     # (checkpoint/mapped_pages.py) once read, and empty it.
-    inference_mapped_files: List[str] = field(default_factory=list)
+    inference_mappings: List[Any] = field(default_factory=list)
     # Writer: inference.load_sharded (the sharded CLI's model, in lock-step for the whole process).
     # Reader: the progress_bar hook, whose iterator finishes the lock-step when its batches run out.
     inference_lockstep: Optional[Any] = None

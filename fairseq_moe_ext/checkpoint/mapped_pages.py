@@ -48,8 +48,14 @@ def release(paths: Iterable[str]) -> int:
     paths = list(paths)
     if not paths or not os.path.exists("/proc/self/maps"):
         return 0
+    return release_ranges(private_mappings(paths))
+
+
+def release_ranges(ranges: Iterable[Tuple[int, int]]) -> int:
+    """``release`` for mappings named by (start, end), e.g. only those one load created: a mapping made earlier
+    (a model loaded before from the same file, whose pages may have been written since) is left alone."""
     madvise, released = _madvise(), 0
-    for start, end in private_mappings(paths):
+    for start, end in ranges:
         if madvise(start, end - start, MADV_DONTNEED) == 0:
             released += end - start
     return released

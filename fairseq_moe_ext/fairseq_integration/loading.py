@@ -13,7 +13,7 @@ from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
 from ..checkpoint.config_value import config_value
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
-from ..checkpoint.mapped_pages import release
+from ..checkpoint.mapped_pages import private_mappings, release_ranges
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..models.moe_config import moe_freq
@@ -52,23 +52,27 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     # Inside the load_model_ensemble_and_task hook (generation): experts gathered straight into the dtype the model
     # will run in, the optimizer state never read, each mapped file's pages given back once read.
     into = STATE.experts_built_for_load
-    merging = {} if into is None else dict(into=into, after_each=lambda: release(STATE.inference_mapped_files))
+    merging = {} if into is None else dict(into=into, after_each=lambda: release_ranges(STATE.inference_mappings))
 
-    def for_inference(state, f):
-        if into is not None and isinstance(state, dict):
+    def for_inference(load, f):
+        if into is None:
+            return load()
+        before = set(private_mappings([f]))
+        state = load()
+        STATE.inference_mappings.extend(set(private_mappings([f])) - before)  # the mapping this load made
+        if isinstance(state, dict):
             state.pop("last_optimizer_state", None)
-            STATE.inference_mapped_files.append(f)
         return state
 
     def load_listed(f):  # a file of a set, whose sha256 the resolve of the set checked
-        return for_inference(original_load(f, arg_overrides, verified=True, **kwargs), f)
+        return for_inference(lambda: original_load(f, arg_overrides, verified=True, **kwargs), f)
 
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
         if target is None:
             return moe_ckpt.load_set(path, load_listed, **merging)
         state = load_share(path, target.rank, target.world_size, load_listed, **merging)  # this worker's share
     else:
-        full = for_inference(original_load(path, arg_overrides, **kwargs), path)
+        full = for_inference(lambda: original_load(path, arg_overrides, **kwargs), path)
         if into is not None and "moe" in full:
             for key in full["moe"].get("expert_keys", []):
                 full["model"][key] = moe_ckpt.concatenated([full["model"][key]], **merging)
@@ -222,8 +226,8 @@ def wrap_load_model_ensemble_and_task(original):
             else:
                 with moe_dist.all_experts_local():
                     loaded = original(resolved, *args, **kwargs)
-        release(STATE.inference_mapped_files)  # what the model did not take by reference is read again if used
-        STATE.inference_mapped_files.clear()
+        release_ranges(STATE.inference_mappings)  # what the model took by reference is read again when used
+        STATE.inference_mappings.clear()
         check_loaded(loaded[0], resolved)
         cast_for_inference(loaded[0], dtype)  # --fp16 / --bf16, before the CLI moves the model to a GPU
         return loaded

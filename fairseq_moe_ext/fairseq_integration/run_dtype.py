@@ -91,7 +91,11 @@ def cast_for_inference(models, dtype: Optional[torch.dtype]) -> None:
     for model in models:
         layers = [m for m in model.modules() if isinstance(m, MoELayer)]
         if not layers:
-            continue  # a dense model: fairseq's own handling, unchanged
+            if dtype != torch.float32:
+                model.to(
+                    dtype=dtype
+                )  # built in that dtype (built_for_load): its fp32 buffers follow, as --fp16's half()
+            continue
         model.to(dtype=dtype)
         logger.info(describe(model, layers, dtype))
 
