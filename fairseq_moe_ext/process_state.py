@@ -81,7 +81,7 @@ class PluginState:
     # models/moe_layers.install_moe_layers, which then builds experts on meta in this dtype, to be filled from the
     # checkpoint. None: experts are built and initialised (training, a model built from flags).
     experts_built_for_load: Optional[Any] = None
-    # Writer: the load_checkpoint_to_cpu hook during such a load (the (start, end) of each file mapping it made).
+    # Writer: the load_checkpoint_to_cpu hook during such a load ((path, start, end) of each file mapping it made).
     # Reader: the same hook and the load_model_ensemble_and_task hook, which give their pages back
     # (checkpoint/mapped_pages.py) once read, and empty it.
     inference_mappings: List[Any] = field(default_factory=list)

@@ -48,14 +48,17 @@ def release(paths: Iterable[str]) -> int:
     paths = list(paths)
     if not paths or not os.path.exists("/proc/self/maps"):
         return 0
-    return release_ranges(private_mappings(paths))
+    return release_ranges((path, start, end) for path in paths for start, end in private_mappings([path]))
 
 
-def release_ranges(ranges: Iterable[Tuple[int, int]]) -> int:
-    """``release`` for mappings named by (start, end), e.g. only those one load created: a mapping made earlier
-    (a model loaded before from the same file, whose pages may have been written since) is left alone."""
+def release_ranges(mappings: Iterable[Tuple[str, int, int]]) -> int:
+    """``release`` for mappings named by (path, start, end), e.g. only those one load created: a mapping made
+    earlier (a model loaded before from the same file, whose pages may have been written since) is left alone. A
+    range is released only while it still maps that file: once torch unmapped it, malloc may have reused it."""
+    mappings = list(mappings)
+    live = set(private_mappings({path for path, _, _ in mappings}))
     madvise, released = _madvise(), 0
-    for start, end in ranges:
-        if madvise(start, end - start, MADV_DONTNEED) == 0:
+    for _, start, end in mappings:
+        if (start, end) in live and madvise(start, end - start, MADV_DONTNEED) == 0:
             released += end - start
     return released

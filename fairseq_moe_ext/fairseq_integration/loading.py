@@ -59,7 +59,8 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
             return load()
         before = set(private_mappings([f]))
         state = load()
-        STATE.inference_mappings.extend(set(private_mappings([f])) - before)  # the mapping this load made
+        made = set(private_mappings([f])) - before  # the mapping this load made
+        STATE.inference_mappings.extend((f, start, end) for start, end in made)
         if isinstance(state, dict):
             state.pop("last_optimizer_state", None)
         return state
