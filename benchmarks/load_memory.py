@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -131,7 +132,9 @@ def run_row(directory: str, workers: int, precision: str, before: bool):
     done = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"measurement failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = [
+        json.loads(found) for found in re.findall(r'\{"rank"[^{}]*\}', done.stdout)
+    ]  # workers' lines may interleave
     return sorted(rows, key=lambda r: r["rank"])
 
 
