@@ -74,6 +74,18 @@ class PluginState:
     # Writer: the parse_args_and_arch hook (inference.decide_sharded_inference: --moe-inference-experts
     # on N torchrun workers). Reader: the load_model_ensemble_and_task hook. None: every expert local.
     sharded_inference: Optional[Any] = None
+    # Writer: the parse_args_and_arch hook (run_dtype.record_inference_dtype: the torch dtype an inference CLI's
+    # --fp16 / --bf16 asks for). Reader: the load_model_ensemble_and_task hook, which casts MoE models to it.
+    # None: no inference CLI parsed (a hub load reads its own keyword overrides).
+    inference_dtype: Optional[Any] = None
+    # Writer: the load_model_ensemble_and_task hook (run_dtype.built_for_load, around fairseq's load). Reader:
+    # models/moe_layers.install_moe_layers, which then builds experts on meta in this dtype, to be filled from the
+    # checkpoint. None: experts are built and initialised (training, a model built from flags).
+    experts_built_for_load: Optional[Any] = None
+    # Writer: the load_checkpoint_to_cpu hook during such a load ((path, start, end) of each file mapping it made).
+    # Reader: the same hook and the load_model_ensemble_and_task hook, which give their pages back
+    # (checkpoint/mapped_pages.py) once read, and empty it.
+    inference_mappings: List[Any] = field(default_factory=list)
     # Writer: inference.load_sharded (the sharded CLI's model, in lock-step for the whole process).
     # Reader: the progress_bar hook, whose iterator finishes the lock-step when its batches run out.
     inference_lockstep: Optional[Any] = None

@@ -27,13 +27,14 @@
 # Fine-tuning 54.5B with Adam needs far more than one node (NLLB's config: 16 nodes x 8 GPUs, FSDP):
 #   run the printed command with torchrun on every node, or set FINETUNE=0.
 # Outputs (under WORK): imported/ (the set), generate.out (one process), generate-sharded.out (GPUS workers),
-#   finetune/ (train.log, ckpt/).
+#   generate-{fp16,bf16}.out, finetune/ (train.log, ckpt/).
 #
 # Knobs (environment; defaults in brackets):
 #   WORK [./work-dirs/nllb_moe]   MODEL_DIR [./nllb-200-moe]   PREFIX [checkpoint_2_300000]
 #   DICT [$MODEL_DIR/dictionary.txt]   SPM [$MODEL_DIR/sentencepiece.bpe.model]   LANGS [$MODEL_DIR/langs.txt]
 #   DATA [required unless --dry-run]   SRC [eng_Latn] TGT [fra_Latn]   GPUS [8] (1: one process)
 #   BEAM [4] GEN_SUBSET [test] MAX_SENTENCES [16]   TINY_VARIANT [replicas] (--dry-run: or first-half)
+#   PRECISION_CHECK [1 with --dry-run or GPUS=1]
 #   FINETUNE [1] DROPOUT [0.3] LR [5e-05] WARMUP [10] MAX_UPDATE [50] MAX_TOKENS [250] UPDATE_FREQ [16]
 #   DDP_BACKEND [fully_sharded]   (the README's: --moe-eom 0.2 --moe-gate-loss-wt 0, lr 5e-5, warmup 10,
 #   50 updates, 250 tokens per GPU; UPDATE_FREQ 16 on 8 GPUs keeps its 128 GPUs' batch)
@@ -153,6 +154,26 @@ if [ "$PRUNE" = 1 ]; then
   "${launch[@]}" "${gen_args[@]}" --path "$WORK/pruned/model.pt" > "$WORK/generate_pruned.out" 2>&1
   echo "    pruned: $(grep -c '^H-' "$WORK/generate_pruned.out") hypotheses; $(grep -E 'BLEU' "$WORK/generate_pruned.out" | tail -1)"
 fi
+
+# ---------------- precision check: --fp16 and --bf16 generation in one process, the dtype the model ran in asserted
+# fairseq-generate casts only for --fp16 (--bf16 ran fp32, twice the memory); the plugin casts for both and logs
+# "the model runs in <dtype>" (fairseq_integration/run_dtype.py). One process holds all 128 experts: 109 GB in
+# fp16/bf16, one H200. PRECISION_CHECK [1 with --dry-run or GPUS=1, else 0].
+: "${PRECISION_CHECK:=$([ "$DRY_RUN" = 1 ] || [ "$GPUS" = 1 ] && echo 1 || echo 0)}"
+if [ "$PRECISION_CHECK" = 1 ]; then
+  check_args=()  # generate's own, less the device's --bf16: the precision is what this check picks
+  for arg in "${gen_args[@]}"; do [ "$arg" = --bf16 ] || check_args+=("$arg"); done
+  for precision in fp16:float16 bf16:bfloat16; do
+    flag=${precision%%:*} dtype=${precision#*:}
+    fairseq_tool generate "${check_args[@]}" "--$flag" > "$WORK/generate-$flag.out" 2>&1
+    if ! grep -q "the model runs in $dtype: weights $dtype," "$WORK/generate-$flag.out"; then
+      echo "$0: fairseq-generate --$flag did not run the model in $dtype: see $WORK/generate-$flag.out" >&2
+      exit 1
+    fi
+    echo "    --$flag: the model ran in $dtype; $(grep -c '^H-' "$WORK/generate-$flag.out") hypotheses"
+  done
+fi
+# ---------------- end of the precision check
 
 stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0, --moe-normalize-expert-grad sqrt_world_size)"
 if [ "$FINETUNE" != 1 ]; then

@@ -20,7 +20,8 @@ Modules:
     errors.py       the one-line errors (CheckpointError and its kinds) and their common fix
     contents.py     what a loaded state holds: a checkpoint at all, dense, whole, or one rank's part
     rank_state.py   what a save writes into each rank's file (``state["moe"]``, shared state stripped)
-    safe_load.py    loading a file: allowed types, the zip CRC check, failures as one line
+    safe_load.py    loading a file: allowed types, the zip CRC check, failures as one line, memory-mapped
+    mapped_pages.py giving back a memory-mapped file's pages once a load for generation has read them
     manifest.py     the manifest: written atomically, read as untrusted input, checked against the files
     foreign.py      ``*.set.json`` files found in a save dir that are not ours
     resolve.py      what a name refers to on disk, the fallback to the newest complete set
@@ -83,7 +84,7 @@ from .names import (
     split_rank_suffix,
 )
 from .rank_state import moe_metadata, strip_shared_state
-from .reshard import experts_per_key, load_full, load_set, merge_states, save_set, shard_state
+from .reshard import concatenated, experts_per_key, load_full, load_set, merge_states, save_set, shard_state
 from .resolve import Resolved, complete_sets, remove_other_layouts, resolve
 from .set_id import LAUNCH_ENVIRONMENT, agreed_set_id, derive_set_id  # noqa: F401
 from .safe_load import (

@@ -21,26 +21,35 @@ from .safe_load import safe_load
 from .staging import write_all_or_nothing
 
 
-def load_set(manifest_file: str, load_fn: Optional[Callable[[str], Dict]] = None, check: bool = True) -> Dict:
-    """Merge a set into one full state (what a single process holding every expert would save)."""
+def load_set(
+    manifest_file: str, load_fn: Optional[Callable[[str], Dict]] = None, check: bool = True, **merging
+) -> Dict:
+    """Merge a set into one full state (what a single process holding every expert would save); ``merging``:
+    merge_states' ``into`` and ``after_each``."""
     manifest = validate_set(manifest_file, check_digests=check) if check else read_manifest(manifest_file)
     if load_fn is None:
         load_fn = functools.partial(safe_load, verified=check)
     directory = os.path.dirname(manifest_file)
     states = [load_fn(os.path.join(directory, f["name"])) for f in manifest["files"]]
     check_rank_states(manifest, states, directory)
-    return merge_states(states)
+    return merge_states(states, **merging)
 
 
-def merge_states(states: List[Dict], shared: Optional[Dict] = None) -> Dict:
+def merge_states(
+    states: List[Dict],
+    shared: Optional[Dict] = None,
+    into: Optional[torch.dtype] = None,
+    after_each: Optional[Callable[[], object]] = None,
+) -> Dict:
     """Rank states (rank order) -> full state: shared parts from ``shared`` (default: the first,
-    rank 0's), experts concatenated."""
+    rank 0's), experts concatenated (``into``: in that dtype, cast part by part; ``after_each``: called
+    after each part was read, e.g. to give back a memory-mapped file's pages)."""
     shared = states[0] if shared is None else shared
     full = copy.copy(shared)
     meta = full["moe"]
     full["model"] = dict(shared["model"])
     for key in meta["expert_keys"]:
-        full["model"][key] = torch.cat([s["model"][key] for s in states])
+        full["model"][key] = concatenated([s["model"][key] for s in states], into, after_each)
     optimizer = shared.get("last_optimizer_state")
     if isinstance(optimizer, dict) and "state" in optimizer:
         merged = dict(optimizer)
@@ -54,6 +63,25 @@ def merge_states(states: List[Dict], shared: Optional[Dict] = None) -> Dict:
     if "experts_held" in meta:
         full["moe"]["experts_held"] = experts_held(0, _experts_in(full))
     return full
+
+
+def concatenated(parts: List[torch.Tensor], into: Optional[torch.dtype] = None, after_each=None) -> torch.Tensor:
+    """``torch.cat(parts)`` in dtype ``into`` (default: theirs) without a temporary: one part is returned as it is
+    (cast if asked), several are copied into one tensor part by part."""
+    into = into or parts[0].dtype
+    if len(parts) == 1:
+        whole = parts[0].to(into)
+        if after_each is not None and whole is not parts[0]:
+            after_each()
+        return whole
+    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=into)
+    row = 0
+    for part in parts:
+        out[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+        if after_each is not None:
+            after_each()
+    return out
 
 
 def _experts_in(full: Dict) -> int:
@@ -98,8 +126,8 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
     meta = state["moe"]
     out = copy.copy(state)
     out["model"] = dict(state["model"])
-    for key, (_, start, count) in rows.items():
-        out["model"][key] = state["model"][key][start : start + count].clone()
+    for key, (held, start, count) in rows.items():
+        out["model"][key] = taken(state["model"][key], held, start, count)
     optimizer = state.get("last_optimizer_state")
     if isinstance(optimizer, dict) and "state" in optimizer:
         sliced = dict(optimizer)
@@ -111,9 +139,7 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
                 continue
             held, start, count = rows[name]
             sliced["state"][slot] = {
-                k: (
-                    v[start : start + count].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v
-                )
+                k: (taken(v, held, start, count) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == held else v)
                 for k, v in entry.items()
             }
         out["last_optimizer_state"] = sliced
@@ -121,6 +147,15 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
     out["moe"] = dict(meta, world_size=world_size, rank=rank)
     out["moe"]["experts_held"] = experts_held(rank, counts[0] if counts else 0)
     return out
+
+
+def taken(tensor: torch.Tensor, held: int, start: int, count: int) -> torch.Tensor:
+    """Rows ``start .. start + count`` of ``tensor`` (which holds ``held``): all of them as they are (no copy: a
+    worker loading the layout it was saved with keeps the loaded, possibly memory-mapped, tensor), a part as a
+    copy of its own (a view would keep the other rows' memory alive)."""
+    if start == 0 and count == held:
+        return tensor
+    return tensor[start : start + count].clone()
 
 
 def save_set(

@@ -10,6 +10,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import os
 import pickle
 import re
 import zipfile
@@ -133,7 +134,37 @@ def _weights_only_by_default():
         torch.load = original
 
 
-def safe_load(path: str, load: Optional[Callable[[str], object]] = None, verified: bool = False):
+def is_zip_checkpoint(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def mapping_loads_of(path: str):
+    """While active, a ``torch.load`` of a file object opened on ``path`` (fairseq's ``load_checkpoint_to_cpu``
+    opens the file itself, and torch maps only files named by path) maps the file instead of reading it
+    (``mmap=True``; the same restricted unpickler): a tensor's bytes are read from disk when first used, and
+    tensors never used (another worker's experts, optimizer state a generation drops) take no memory. Only
+    torch's zip format can be mapped; any other ``torch.load`` is torch's own."""
+    real_load, target = torch.load, os.path.realpath(path)
+
+    def load(f, *args, **kwargs):
+        name = getattr(f, "name", None)
+        if isinstance(name, str) and "mmap" not in kwargs and os.path.realpath(name) == target:
+            return real_load(target, *args, mmap=True, **kwargs)
+        return real_load(f, *args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real_load
+
+
+def safe_load(path: str, load: Optional[Callable[[str], object]] = None, verified: bool = False, mapped: bool = False):
     """``load(path)`` (default: torch.load onto the CPU) with fairseq's extra types allowed, after
     checking the file is intact (skipped if ``verified``: its sha256 was just checked against a
     manifest). A refused type or a damaged file ends in one line; so does a file that holds no
@@ -142,12 +173,16 @@ def safe_load(path: str, load: Optional[Callable[[str], object]] = None, verifie
 
     The not-a-checkpoint check re-reads the file with plain torch.load, so it runs only for a custom
     ``load``: after torch.load itself failed, the re-read would fail alike.
+
+    ``mapped``: the file is memory-mapped (``mapping_loads_of``), for loaders that never write the file while
+    its tensors live (fairseq's loads: saves go to new files and are renamed into place).
     """
     if not verified:
         check_file_intact(path)
     explain_other_failures = load is not None
     restricted = _weights_only_by_default() if load is not None else contextlib.nullcontext()
-    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS), restricted:
+    mapping = mapping_loads_of(path) if mapped and is_zip_checkpoint(path) else contextlib.nullcontext()
+    with torch.serialization.safe_globals(CHECKPOINT_SAFE_GLOBALS), restricted, mapping:
         try:
             return (load or _torch_load_on_cpu)(path)
         except (EOFError, RuntimeError, pickle.UnpicklingError) as error:

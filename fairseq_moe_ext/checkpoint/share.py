@@ -8,7 +8,9 @@ its verdict), so nothing here hashes or re-reads a file.
 """
 
 import os
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
+
+import torch
 
 from .contents import check_rank_states
 from .errors import CheckpointSetError
@@ -23,9 +25,16 @@ def files_holding(shards: int, rank: int, world_size: int) -> range:
     return range(first, last + 1)
 
 
-def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable[[str], Dict]) -> Dict:
+def load_share(
+    manifest_file: str,
+    rank: int,
+    world_size: int,
+    load_fn: Callable[[str], Dict],
+    into: Optional[torch.dtype] = None,
+    after_each: Optional[Callable[[], object]] = None,
+) -> Dict:
     """What worker ``rank`` of ``world_size`` loads from the set: shard_state(load_set(...), rank,
-    world_size), reading only the files it needs."""
+    world_size), reading only the files it needs (``into``, ``after_each``: as merge_states)."""
     manifest = read_manifest(manifest_file)
     differing = differing_replicas(manifest)
     if differing:
@@ -46,7 +55,7 @@ def load_share(manifest_file: str, rank: int, world_size: int, load_fn: Callable
     needed = sorted({0, *span})
     loaded = {f: load_fn(os.path.join(directory, entries[f]["name"])) for f in needed}
     check_rank_states(dict(manifest, files=[entries[f] for f in needed]), [loaded[f] for f in needed], directory)
-    held = merge_states([loaded[f] for f in span], shared=loaded[0])
+    held = merge_states([loaded[f] for f in span], shared=loaded[0], into=into, after_each=after_each)
     if set(rows) != set(held["moe"]["expert_keys"]) or any(
         tuple(held["model"][key].shape[:1]) != (rows[key][0],) for key in rows
     ):

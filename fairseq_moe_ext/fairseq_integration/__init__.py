@@ -8,8 +8,8 @@ from it, and ``tests/fairseq/test_fairseq_integration.py`` pins the sha256 of th
 of ``RELIED_ON``), so it fails if fairseq changes under a hook. The wrappers live in one module per
 fairseq subsystem: loading.py (1, 7, 8), training.py (2-4, 9, 18, 19), saving.py (5, 6: adapters around the
 transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference.py (16, 17, and the
-expert-sharded branches of 8 and 11), sharding.py (20-22: --ddp-backend fully_sharded on torch FSDP2),
-routing_stats.py (--moe-routing-stats, from 8, 11 and 16).
+expert-sharded branches of 8 and 11), run_dtype.py (the inference dtype of 8 and 11), sharding.py (20-22:
+--ddp-backend fully_sharded on torch FSDP2), routing_stats.py (--moe-routing-stats, from 8, 11 and 16).
 The state they share between
 calls is one object, process_state.STATE. Beside the table, ``install()`` sets the process's
 ``sys.excepthook`` (cli.py): an MoE refusal (``common.refusal.MoERefusal``) ends a fairseq tool with
@@ -49,7 +49,9 @@ HOOKS = (
          "beyond tensors. Exactly those are allowed (checkpoint.CHECKPOINT_SAFE_GLOBALS) during fairseq's load, "
          "the check stays on, and torch's multi-line refusal becomes one line naming the type. A single file "
          "is first checked whole (torch.load verifies none of the CRC-32s torch.save writes), and a file "
-         "holding no fairseq checkpoint is refused in one line (NotACheckpointError)."),
+         "holding no fairseq checkpoint is refused in one line (NotACheckpointError). The file is memory-mapped "
+         "(checkpoint/safe_load.py: fairseq opens it itself, torch maps only a path), so what a worker does not "
+         "use (another worker's experts, a generation's optimizer state) is never read."),
     Hook(2, "fairseq.distributed.utils._infer_torch_distributed_launch_init", training.wrap_torchrun_init,
          "under torchrun it computes rank % torch.cuda.device_count() (ZeroDivisionError on CPU). Without "
          "CUDA every worker uses device 0 (the CPU) and the default nccl backend becomes gloo."),
@@ -90,7 +92,13 @@ HOOKS = (
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
          "(--moe-inference-experts), each worker reads and builds its own experts and runs in lock-step; with "
-         "--moe-routing-stats the model's MoE layers get a routing tally (routing_stats.py)."),
+         "--moe-routing-stats the model's MoE layers get a routing tally (routing_stats.py). "
+         "Either way an MoE model comes back in the dtype asked for (run_dtype.py: the CLI's --fp16 / --bf16, "
+         "or the hub's fp16= / bf16=), cast on the CPU before the CLI moves it to a GPU: fairseq casts only for "
+         "--fp16 in its CLIs and never in the hub, so --bf16 ran fp32. One INFO line names the dtype. The model "
+         "is built for the load: experts on meta and the rest in that dtype, the checkpoint's experts gathered "
+         "into it and taken as the parameters, the mapped files' pages given back (host memory about the bytes "
+         "kept, docs/checkpoints.md)."),
     Hook(9, "fairseq.trainer.Trainer._prepare_sample", training.wrap_prepare_sample,
          "records whether the batch about to run is fairseq's dummy batch, so MoE layers route none of its "
          "tokens while still joining the all-to-all."),
@@ -101,7 +109,8 @@ HOOKS = (
          "--bf16 / --memory-efficient-bf16 no longer imply --tpu; tpu stays on only for an explicit --tpu "
          "with torch_xla installed. Adds --moe-inference-experts and decides, on torchrun workers of an "
          "inference CLI, whether experts stay sharded (fairseq-generate then shards batches by RANK); adds "
-         "--moe-routing-stats and its groups file, checked here."),
+         "--moe-routing-stats and its groups file, checked here; and records the dtype an inference CLI's --fp16 "
+         "/ --bf16 asks for (hook 8 casts to it)."),
     Hook(12, "fairseq.trainer.Trainer._build_optimizer", precision.wrap_build_optimizer,
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
          "batch runs (flattening drops the expert marker the global norm needs). Under --ddp-backend "
@@ -184,6 +193,14 @@ RELIED_ON = (
     "fairseq.sequence_generator.EnsembleModel.forward_encoder",
     "fairseq.sequence_generator.EnsembleModel.forward_decoder",
     "fairseq.models.transformer.transformer_encoder.TransformerEncoderBase.forward_torchscript",
+    # The inference dtype (hooks 8, 11; run_dtype.py): each entry point loads through hook 8, then casts only
+    # for --fp16 (the hub never), then moves the model to the GPU.
+    "fairseq_cli.generate._main",
+    "fairseq_cli.interactive.main",
+    "fairseq_cli.validate.main",
+    "fairseq_cli.eval_lm.main",
+    "fairseq.hub_utils.from_pretrained",
+    "fairseq.hub_utils.GeneratorHubInterface.__init__",
 )
 # fmt: on
 

@@ -13,6 +13,7 @@ from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
 from ..common.config_value import config_value
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
+from ..checkpoint.mapped_pages import private_mappings, release_ranges
 from ..checkpoint.share import load_share
 from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..process_state import STATE, LoadTarget
@@ -22,6 +23,7 @@ from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
 from . import routing_stats
 from .inference import load_sharded
+from .run_dtype import built_for_load, cast_for_inference, check_loaded, dtype_for_load
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
 from ..common.refusal import MoEOptionError
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 def wrap_load_checkpoint_to_cpu(original):
     def load_one(path, arg_overrides=None, verified=False, **kwargs):
         """fairseq's load of one file; ``verified``: its sha256 was just checked against a manifest."""
-        return moe_ckpt.safe_load(path, lambda p: original(p, arg_overrides, **kwargs), verified=verified)
+        return moe_ckpt.safe_load(path, lambda p: original(p, arg_overrides, **kwargs), verified=verified, mapped=True)
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, **kwargs):
@@ -49,16 +51,34 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         resolved = moe_ckpt.resolve(path, fallback=False)
         path = resolved.path if resolved is not None else path
     target = STATE.load_targets[-1] if STATE.load_targets else None
+    # Inside the load_model_ensemble_and_task hook (generation): experts gathered straight into the dtype the model
+    # will run in, the optimizer state never read, each mapped file's pages given back once read.
+    into = STATE.experts_built_for_load
+    merging = {} if into is None else dict(into=into, after_each=lambda: release_ranges(STATE.inference_mappings))
+
+    def for_inference(load, f):
+        if into is None:
+            return load()
+        before = set(private_mappings([f]))
+        state = load()
+        made = set(private_mappings([f])) - before  # the mapping this load made
+        STATE.inference_mappings.extend((f, start, end) for start, end in made)
+        if isinstance(state, dict):
+            state.pop("last_optimizer_state", None)
+        return state
 
     def load_listed(f):  # a file of a set, whose sha256 the resolve of the set checked
-        return original_load(f, arg_overrides, verified=True, **kwargs)
+        return for_inference(lambda: original_load(f, arg_overrides, verified=True, **kwargs), f)
 
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
         if target is None:
-            return moe_ckpt.load_set(path, load_listed)
-        state = load_share(path, target.rank, target.world_size, load_listed)  # resuming: this worker's share
+            return moe_ckpt.load_set(path, load_listed, **merging)
+        state = load_share(path, target.rank, target.world_size, load_listed, **merging)  # this worker's share
     else:
-        full = original_load(path, arg_overrides, **kwargs)
+        full = for_inference(lambda: original_load(path, arg_overrides, **kwargs), path)
+        if into is not None and "moe" in full:
+            for key in full["moe"].get("expert_keys", []):
+                full["model"][key] = moe_ckpt.concatenated([full["model"][key]], **merging)
         if "moe" not in full:
             if target is not None and target.model is not None and moe_dist.has_experts(target.model):
                 raise MoEOptionError(
@@ -203,14 +223,20 @@ def wrap_load_model_ensemble_and_task(original):
             named_set = not os.path.exists(name) or names_a_rank_file(name)
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
-        if STATE.sharded_inference is not None:
-            loaded = load_sharded(original, resolved, *args, **kwargs)
-        else:
-            with moe_dist.all_experts_local():
-                loaded = original(resolved, *args, **kwargs)
+        dtype = dtype_for_load(kwargs.get("arg_overrides", args[0] if args else None))
+        with built_for_load(dtype):  # experts on meta, filled from the checkpoint in the dtype they run in
+            if STATE.sharded_inference is not None:
+                loaded = load_sharded(original, resolved, *args, **kwargs)
+            else:
+                with moe_dist.all_experts_local():
+                    loaded = original(resolved, *args, **kwargs)
+        release_ranges(STATE.inference_mappings)  # what the model took by reference is read again when used
+        STATE.inference_mappings.clear()
+        check_loaded(loaded[0], resolved)
+        cast_for_inference(loaded[0], dtype)  # --fp16 / --bf16, before the CLI moves the model to a GPU
         if STATE.routing_stats is not None:  # --moe-routing-stats: the model's layers count their routing
             if len(loaded[0]) != 1:
-                raise ValueError("--moe-routing-stats counts one model, got an ensemble: pass one --path")
+                raise MoEOptionError("--moe-routing-stats counts one model, got an ensemble: pass one --path")
             routing_stats.attach(loaded[0][0], loaded[2] if len(loaded) > 2 else None)
         return loaded
 

@@ -40,6 +40,7 @@ from ..process_state import STATE
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from . import sharding
 from .routing_stats import decide_routing_stats
+from .run_dtype import record_inference_dtype
 from .saving import is_expert_parallel_trainer
 from ..common.refusal import MoEOptionError
 
@@ -59,6 +60,7 @@ def wrap_parse_args_and_arch(original):
         keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
         decide_sharded_inference(parsed)
         decide_routing_stats(parsed)
+        record_inference_dtype(parsed)
         return result
 
     return parse_args_and_arch

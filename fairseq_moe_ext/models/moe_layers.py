@@ -157,6 +157,10 @@ def install_moe_layers(
             statistics_group=statistics_group,
             seed=layer_seed_base + i,
             batch_major=bool(moe_option(args, "moe_batch_major_routing")),
+            # A model built to be loaded (fairseq_integration/run_dtype.py): its experts on meta, in the dtype
+            # they will run in, filled from the checkpoint when it is loaded.
+            expert_device="meta" if STATE.experts_built_for_load is not None else None,
+            expert_dtype=STATE.experts_built_for_load,
         )
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))

@@ -25,6 +25,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import comm
 from .dispatch import bucket_counts
 from ..common.refusal import MoEOptionError
 
@@ -101,3 +102,19 @@ def slots_within_capacity(
     keep = torch.empty_like(expert_index, dtype=torch.bool)
     keep[token_order] = (position < capacity).view(k, n).t()
     return keep
+
+
+def slots_within_capacity_of_batch(
+    expert_index: torch.Tensor, num_experts: int, capacity, score: Optional[torch.Tensor], group
+) -> torch.Tensor:
+    """``slots_within_capacity`` of this worker's rows, decided over the whole batch of ``group`` (None: this
+    process alone). Capacity is a property of the whole batch (every replica's tokens, not only those the
+    all-to-all brings here): decide on the gathered routing decisions exactly as a single process would, then
+    keep this worker's rows."""
+    if group is None:
+        return slots_within_capacity(expert_index, num_experts, capacity, score)
+    all_index, sizes = comm.all_gather_rows(expert_index, group)
+    all_score = comm.all_gather_rows(score, group, sizes)[0] if score is not None else None
+    keep = slots_within_capacity(all_index, num_experts, capacity, all_score)
+    start = sum(sizes[: comm.group_rank(group)])
+    return keep[start : start + expert_index.shape[0]]

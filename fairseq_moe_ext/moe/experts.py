@@ -73,7 +73,11 @@ class BatchedExperts(nn.Module):
         bias: bool = True,
         seed: int = 0,
         matmul: Optional[str] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[torch.dtype] = None,
     ):
+        """``device="meta"``: built to be loaded (allocates nothing, initialises nothing); the checkpoint's
+        tensors become the parameters in ``dtype`` when the state is loaded (``_load_from_state_dict``)."""
         # The sizes and the dropout were checked where they were configured (MoELayerConfig).
         super().__init__()
         self.model_dim = model_dim
@@ -85,15 +89,33 @@ class BatchedExperts(nn.Module):
         self.seed = seed
         # Which kernels run the expert matmuls (see grouped_mm.py); None: $FAIRSEQ_MOE_EXPERT_MATMUL or auto.
         self.matmul = check_expert_matmul(matmul) if matmul is not None else default_expert_matmul()
-        self.batched_fc1_w = nn.Parameter(torch.empty(num_local_experts, hidden_dim, model_dim))
-        self.batched_fc2_w = nn.Parameter(torch.empty(num_local_experts, model_dim, hidden_dim))
+        where = dict(device=device, dtype=dtype)
+        self.batched_fc1_w = nn.Parameter(torch.empty(num_local_experts, hidden_dim, model_dim, **where))
+        self.batched_fc2_w = nn.Parameter(torch.empty(num_local_experts, model_dim, hidden_dim, **where))
         if bias:
-            self.batched_fc1_b = nn.Parameter(torch.empty(num_local_experts, hidden_dim))
-            self.batched_fc2_b = nn.Parameter(torch.empty(num_local_experts, model_dim))
+            self.batched_fc1_b = nn.Parameter(torch.empty(num_local_experts, hidden_dim, **where))
+            self.batched_fc2_b = nn.Parameter(torch.empty(num_local_experts, model_dim, **where))
         else:
             self.register_parameter("batched_fc1_b", None)
             self.register_parameter("batched_fc2_b", None)
-        self.reset_parameters()
+        if not self.batched_fc1_w.is_meta:
+            self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args, **kwargs):
+        """Experts built on ``meta`` take the checkpoint's tensors as their parameters, cast to the dtype they
+        were built in (a tensor already in it is kept as loaded, a memory-mapped file's pages included): no
+        second copy, and no fp32 copy of experts that run in fp16/bf16. Built ones copy as torch does."""
+        built = dict(self.named_parameters(recurse=False))
+        if not any(p.is_meta for p in built.values()):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args, **kwargs)
+        for name, param in built.items():
+            key = prefix + name
+            if key in state_dict and torch.is_tensor(state_dict[key]) and state_dict[key].shape == param.shape:
+                state_dict[key] = state_dict[key].to(dtype=param.dtype)  # the shape is checked by torch below
+        assigning = dict(local_metadata, assign_to_params_buffers=True)
+        super()._load_from_state_dict(state_dict, prefix, assigning, strict, *args, **kwargs)
+        for name, param in self.named_parameters(recurse=False):
+            param.expert = getattr(built[name], "expert", False)  # the marker travels with the parameter
 
     @torch.no_grad()
     def reset_parameters(self):

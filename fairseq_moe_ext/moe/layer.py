@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import comm
 from .cache import MoEAux, MoEAuxCache, inside_backward
-from .capacity import expert_capacity_tensor, slots_within_capacity, token_fraction_capacity
+from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
 from .dispatch import (
     bucket_counts,
     combine_slots,
@@ -46,7 +46,8 @@ class MoELayer(nn.Module):
     """``config``: what the layer computes (checked when it was built); ``group``: the expert-parallel
     process group its experts are spread over (None: all local); ``statistics_group``: the workers
     its routing statistics are totalled over (default ``group``); ``cache``: where ``forward``
-    records the aux losses under ``name``; ``seed``: the experts' initialisation."""
+    records the aux losses under ``name``; ``seed``: the experts' initialisation; ``expert_device="meta"``:
+    experts built to be loaded from a checkpoint, in ``expert_dtype`` (nothing allocated until then)."""
 
     def __init__(
         self,
@@ -57,6 +58,8 @@ class MoELayer(nn.Module):
         cache: Optional[MoEAuxCache] = None,
         name: str = "moe",
         seed: int = 0,
+        expert_device=None,
+        expert_dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if not isinstance(config, MoELayerConfig):
@@ -105,6 +108,8 @@ class MoELayer(nn.Module):
             activation_dropout=config.activation_dropout,
             bias=config.bias,
             seed=seed,
+            device=expert_device,  # "meta": built to be loaded (experts.py), in expert_dtype
+            dtype=expert_dtype,
         )
         for p in self.experts.parameters():
             # The marker stock fairseq already honours (clip_grad_norm_, legacy DDP): this tensor
@@ -291,18 +296,9 @@ class MoELayer(nn.Module):
 
     def _slots_within_capacity(self, routing, capacity, expert_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``expert_index`` (default the router's) may send pad slots to the id ``num_experts``."""
-        score, group = routing.priority_score, self.statistics_group
         expert_index = routing.expert_index if expert_index is None else expert_index
-        if group is None:
-            return slots_within_capacity(expert_index, self.num_experts, capacity, score)
-        # Capacity is a property of the whole batch (every replica's tokens, not only those the
-        # all-to-all brings here): decide on the gathered routing decisions exactly as a single
-        # process would, then keep this worker's rows.
-        all_index, sizes = comm.all_gather_rows(expert_index, group)
-        all_score = comm.all_gather_rows(score, group, sizes)[0] if score is not None else None
-        keep = slots_within_capacity(all_index, self.num_experts, capacity, all_score)
-        start = sum(sizes[: comm.group_rank(group)])
-        return keep[start : start + expert_index.shape[0]]
+        score, group = routing.priority_score, self.statistics_group
+        return slots_within_capacity_of_batch(expert_index, self.num_experts, capacity, score, group)
 
     def _read_counts(self, expert_load: torch.Tensor) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
         """The layer's one host read per forward: rows per (global) expert sent from here, and with

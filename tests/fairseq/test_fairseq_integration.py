@@ -55,6 +55,12 @@ CHECKED_SOURCES = {
     "fairseq.trainer.Trainer.train_step": "8cbf0406b1fe5093",
     "fairseq.utils.clip_grad_norm_": "0e9a45d266e19456",
     "torch.amp.grad_scaler.GradScaler.step": "cb246ec35e769acd",
+    "fairseq_cli.generate._main": "ca3a4a7f2f3a7fc4",
+    "fairseq_cli.interactive.main": "9d87c54cae78a8b9",
+    "fairseq_cli.validate.main": "037ba2ed2cfbe54f",
+    "fairseq_cli.eval_lm.main": "709ed456c97776e7",
+    "fairseq.hub_utils.from_pretrained": "d88bb772ba0b3e03",
+    "fairseq.hub_utils.GeneratorHubInterface.__init__": "901f65e93189c944",
 }
 # fmt: on
 

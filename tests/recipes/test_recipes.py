@@ -161,6 +161,9 @@ def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_f
     assert len(hypotheses(work / "generate.out")) == 8  # one process: the tiny set's 8 test sentences
     assert len(hypotheses(work / "generate-sharded.out")) == 8  # 2 workers, each its own sentences
     assert "expert-sharded inference: worker 1 of 2 holds experts 2..3" in (work / "generate-sharded.out").read_text()
+    # The precision check: --fp16 and --bf16 generation in one process ran the model in that dtype (its log line).
+    assert "--fp16: the model ran in float16; 8 hypotheses" in output
+    assert "--bf16: the model ran in bfloat16; 8 hypotheses" in output
     log = (work / "finetune" / "train.log").read_text()
     assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
     assert "num_updates: 3 >= max_update: 3" in log
