@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Optional
 class LoadTarget:
     """The worker a checkpoint is being loaded for, while fairseq's Trainer.load_checkpoint runs."""
 
-    rank: int
-    world_size: int
+    rank: int  # its rank in the expert-parallel group
+    parallel_size: int  # P, that group's size (the rank files a set is read as)
     model: Any  # the unwrapped model being resumed (its parameter shapes judge the checkpoint); None
     # for an expert-sharded inference load, whose model is built after the load
     model_cfg: Any  # its cfg.model (the flags that decide which parameters it has)

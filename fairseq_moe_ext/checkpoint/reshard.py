@@ -159,31 +159,31 @@ def taken(tensor: torch.Tensor, held: int, start: int, count: int) -> torch.Tens
 
 
 def save_set(
-    full: Dict, base: str, world_size: int, workers: Optional[int] = None, extra: Optional[Dict] = None
+    full: Dict, base: str, parallel_size: int, workers: Optional[int] = None, extra: Optional[Dict] = None
 ) -> str:
-    """Write ``full`` as a set of ``world_size`` rank files (expert shards: the format training writes)
+    """Write ``full`` as a set of ``parallel_size`` (P) rank files (expert shards: the format training writes)
     for ``workers`` workers (default: one per shard) and return the manifest path; ``extra``: more
     fields for the manifest (prune's record of what it kept)."""
-    if world_size < 1:
-        raise CheckpointSetError(f"a set needs a positive number of workers, got {world_size}")
+    if parallel_size < 1:
+        raise CheckpointSetError(f"a set needs a positive number of workers, got {parallel_size}")
     for key, total in experts_per_key(full).items():  # before the first file is written
-        refuse_unsplittable(key, total, world_size)
+        refuse_unsplittable(key, total, parallel_size)
     set_id = secrets.token_hex(8)  # one writer, no workers to agree with
 
     def write(staging_dir):
         staged_base = os.path.join(staging_dir, os.path.basename(base))
         files = []
-        for rank in range(world_size):
-            state = shard_state(full, rank, world_size)
+        for rank in range(parallel_size):
+            state = shard_state(full, rank, parallel_size)
             state["moe"]["set_id"] = set_id
             if rank > 0:
                 state = strip_shared_state(state)
-            path = rank_file(staged_base, rank, world_size)
+            path = rank_file(staged_base, rank, parallel_size)
             torch.save(state, path)
             files.append(dict(describe_file(path), rank=rank))
         written = write_manifest(
             staged_base,
-            world_size,
+            parallel_size,
             full["moe"]["num_updates"],
             files,
             experts_per_key(full),
@@ -193,7 +193,7 @@ def save_set(
         )
         return [f["name"] for f in files] + [os.path.basename(written)]
 
-    write_all_or_nothing(os.path.dirname(base), f"the {world_size}-file set {manifest_path(base)}", write)
+    write_all_or_nothing(os.path.dirname(base), f"the {parallel_size}-file set {manifest_path(base)}", write)
     return manifest_path(base)
 
 

@@ -73,7 +73,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     if path.endswith(moe_ckpt.MANIFEST_SUFFIX):
         if target is None:
             return moe_ckpt.load_set(path, load_listed, **merging)
-        state = load_share(path, target.rank, target.world_size, load_listed, **merging)  # this worker's share
+        state = load_share(path, target.rank, target.parallel_size, load_listed, **merging)  # this worker's share
     else:
         full = for_inference(lambda: original_load(path, arg_overrides, **kwargs), path)
         if into is not None and "moe" in full:
@@ -90,9 +90,9 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         moe_ckpt.check_whole(full, path)  # a rank file copied out of its set, under any name
         if target is None:
             return full
-        state = moe_ckpt.shard_state(full, target.rank, target.world_size)
+        state = moe_ckpt.shard_state(full, target.rank, target.parallel_size)
     if target.model is not None:  # None: an expert-sharded inference load (no model yet to compare)
-        check_resumable(path, state, target.model, target.world_size, target.model_cfg)
+        check_resumable(path, state, target.model, target.parallel_size, target.model_cfg)
         check_resume_policy(
             path,
             state.get("cfg"),

@@ -20,11 +20,12 @@ from typing import Callable, Dict, Optional, Union
 from .balance_bias import check_bias_update_rate
 from .capacity import check_capacity_factor
 from .experts import resolve_activation
+from .scorers import SCORERS
 from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
 from ..common.refusal import MoEOptionError
 
-ROUTER_TYPES = ("top", "cosine", "sigmoid")  # router.py says what each one computes
+ROUTER_TYPES = tuple(SCORERS)  # the registry's names; scorers.py says what each one computes
 # Whose first choices the balance loss's load fractions count (layer.py, balance_scope.py).
 BALANCE_SCOPES = ("micro-batch", "global-batch")
 
@@ -86,12 +87,12 @@ class RoutingConfig:
         k = self.k
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise MoEOptionError(f"top-k must be an integer >= 1, got {k!r}")
-        if self.router_type not in ROUTER_TYPES:
-            raise MoEOptionError(f"unknown router type {self.router_type!r}: choose one of {', '.join(ROUTER_TYPES)}")
+        if self.router_type not in SCORERS:
+            raise MoEOptionError(f"unknown router type {self.router_type!r}: choose one of {', '.join(SCORERS)}")
         noise = self.gate_noise
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
             raise MoEOptionError(f"gate_noise must be a finite number >= 0, got {noise!r}")
-        if self.router_type == "sigmoid" and k < 2:
+        if SCORERS[self.router_type].gates_normalised_over_chosen and k < 2:
             raise ConflictingOptions(
                 "{router_type} normalises the gates over the chosen experts, so with {k} every gate is 1 and the "
                 "router never learns: use {k.name} 2 or more, or {top}",

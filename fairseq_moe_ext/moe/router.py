@@ -1,14 +1,8 @@
 """Routers: score every token against every expert and pick its top-k experts.
 
-Three scoring functions, the first two with Tutel's semantics so that migrating users keep their
-intuition:
-  * ``top``: a linear projection ``d_model -> E``, softmax scores;
-  * ``cosine``: a projection ``d_model -> proj_dim``, cosine similarity against one learned vector
-    per expert, times a learned temperature whose scale is clamped at 100 (``log 100``), softmax;
-  * ``sigmoid`` (DeepSeek-V3): linear logits, per-expert scores ``sigmoid(logits)``, gates = the
-    chosen k scores normalised to sum to 1 (so k >= 2: one normalised gate is always 1 and the
-    router would get no gradient). ``probs`` (behind the balance loss and the entropy statistic) are
-    the scores normalised over all experts, as in DeepSeek-V3's sequence-wise balance loss.
+What a router type computes (its parameters, logits, scores, probabilities, and whether its gates are
+renormalised over the chosen experts) is its scorer in ``scorers.py``; ``TopKRouter`` does the rest the
+same for every type.
 
 With a ``balance_bias`` (balance_bias.py) the experts are chosen by ``score + bias`` while the gates
 stay functions of the scores alone.
@@ -18,17 +12,16 @@ inside, because softmax over a handful of bf16 logits decides which expert a tok
 rounding differences flip that decision between otherwise identical runs.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .balance_bias import BalanceBias
 from .layer_config import ROUTER_TYPES, RoutingConfig
+from .scorers import SCORERS
 from .second_expert import randomly_kept_second, sampled_second_expert
 
 __all__ = ["ROUTER_TYPES", "Routing", "TopKRouter", "take_chosen"]
@@ -93,33 +86,15 @@ class TopKRouter(nn.Module):
         self.balance_bias = balance_bias
         # The nllb branch's --moe-second-expert-policy (second_expert.py); "all" is plain top-2.
         self.second_expert_policy = routing.second_expert_policy
-        if self.router_type in ("top", "sigmoid"):
-            self.wg = nn.Linear(model_dim, num_experts, bias=False)
-        else:
-            self.cosine_projector = nn.Linear(model_dim, cosine_proj_dim)
-            self.sim_matrix = nn.Parameter(torch.empty(cosine_proj_dim, num_experts))
-            nn.init.normal_(self.sim_matrix, std=0.01)
-            self.temperature = nn.Parameter(torch.full([1], math.log(1.0 / cosine_init_temperature)))
+        self.scorer = SCORERS[self.router_type]  # a plain object: its parameters are the router's own
+        self.scorer.add_parameters(self, model_dim, num_experts, cosine_proj_dim, cosine_init_temperature)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.router_type != "cosine":
-            weight = self.wg.weight.float() if self.fp32 else self.wg.weight
-            return F.linear(x, weight)
-        proj = self.cosine_projector
-        if self.fp32:
-            h = F.linear(x, proj.weight.float(), proj.bias.float())
-            sim = self.sim_matrix.float()
-        else:
-            h = proj(x)
-            sim = self.sim_matrix
-        scale = torch.clamp(self.temperature, max=math.log(100.0)).exp()
-        return torch.matmul(F.normalize(h, dim=-1), F.normalize(sim, dim=0)) * scale
+        return self.scorer.logits(self, x)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-expert affinities: softmax over experts, or an independent sigmoid per expert."""
-        if self.router_type == "sigmoid":
-            return torch.sigmoid(logits.float() if self.fp32 else logits)
-        return torch.softmax(logits, dim=-1, dtype=torch.float32 if self.fp32 else None)
+        """Per-expert affinities (the scorer's: softmax over experts, or an independent sigmoid each)."""
+        return self.scorer.scores(self, logits)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Route ``x`` of shape ``[N, model_dim]``."""
@@ -131,8 +106,7 @@ class TopKRouter(nn.Module):
                 x = x.float()
             logits = self.compute_logits(x)
             scores = self.scores(logits)
-            sigmoid = self.router_type == "sigmoid"
-            probs = scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores
+            probs = self.scorer.probs(scores)
             selection_scores = logits
             if self.training and self.gate_noise > 0:
                 # Noise explores alternatives during training; it changes which experts are chosen
@@ -147,7 +121,7 @@ class TopKRouter(nn.Module):
                 second = sampled_second_expert(logits, expert_index[:, 0])
                 expert_index = torch.stack([expert_index[:, 0], second], dim=1)
             gates = take_chosen(scores, expert_index)
-            if self.normalize_gates or sigmoid:
+            if self.normalize_gates or self.scorer.gates_normalised_over_chosen:
                 total = gates.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
                 if self.k == 1:
                     # One normalised gate is exactly 1 (so an upcycled layer is exactly its dense FFN),

@@ -11,6 +11,7 @@ from typing import Optional
 from ..moe.balance_bias import DEFAULT_BIAS_UPDATE_RATE
 from ..moe.freeze import FREEZABLE_PARTS, parse_frozen_parts
 from ..moe.layer_config import BALANCE_SCOPES, ROUTER_TYPES
+from ..moe.scorers import SCORERS
 from ..moe.second_expert import SECOND_EXPERT_POLICIES
 from .record import (
     CHANGES_FUNCTION,
@@ -43,6 +44,12 @@ def bias_rate(value, read):
 
 def effective_bias_rate(value, section):
     return DEFAULT_BIAS_UPDATE_RATE if value is None else value
+
+
+def router_choices() -> str:
+    """--moe-router's types, each with its scorer's summary (moe/scorers.py): "'top' (...) or 'sigmoid' (...)"."""
+    named = [f"'{name}' ({scorer.summary})" for name, scorer in SCORERS.items()]
+    return named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
 
 
 def frozen_parts(value, section):
@@ -113,9 +120,7 @@ MODEL_OPTIONS = (
            MAY_CHANGE, "the router's precision, not its function",
            field="routing.fp32", to_field=lambda value, read: not value),
     Option("moe_router", str, "top",
-           "router: 'top' (linear logits, softmax), 'cosine' (Tutel's cosine_top: projected "
-           "cosine similarity times a learned temperature clamped at 100) or 'sigmoid' (DeepSeek-V3: "
-           "sigmoid scores, gates = the chosen k scores normalised to sum to 1; needs k >= 2) (default top)",
+           f"router: {router_choices()} (default top)",
            CHANGES_FUNCTION, "top and sigmoid score the experts differently from the same weights; "
                              "cosine has other parameters",
            choices=tuple(ROUTER_TYPES), field="routing.router_type"),
