@@ -39,6 +39,9 @@ Modules:
     upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
     prune.py        expert pruning: the experts routing statistics rank highest kept, router rows sliced
     prune_cli.py    the checkpoint tool's ``prune`` subcommand
+    one_read.py     a checkpoint in one read, parts of it left unread (both imports read through it)
+    hf/             export-hf / import-hf: Hugging Face NLLB-MoE out and in (its own module list)
+    branch/         import-fairseq-moe: a moe/nllb-branch set in (its own module list)
     __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
 
 Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.

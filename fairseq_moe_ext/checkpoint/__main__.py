@@ -12,13 +12,13 @@ import sys
 
 import torch
 
-from .branch_import import import_branch_set
+from .branch.importer import import_branch_set
 from ..common.config_value import config_value
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
-from .hf_export import export_hf, shard_size
-from .hf_dtype import cast_dtype
-from .hf_import import import_hf
+from .hf.exporter import export_hf, shard_size
+from .hf.dtype import cast_dtype
+from .hf.importer import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .prune_cli import add_prune_parser, prune_command

@@ -1,6 +1,6 @@
 """``import-fairseq-moe``: a fairseq ``moe``/``nllb``-branch checkpoint set becomes this project's.
 
-The branch's layout and how it is read: ``branch_set.py``.
+The branch's layout and how it is read: ``reader.py``.
 
 Here each MoE layer's experts are stacked tensors (``<side>.layers.<i>.fc1.experts.batched_fc1_w``
 ``[E, hidden, d]`` etc., ``moe/experts.py``) beside the router ``fc1.router.wg.weight``. The import
@@ -25,16 +25,16 @@ from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
-from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
-from .branch_vocab import check_vocabulary, read_languages
-from ..common.config_value import config_value
-from .errors import CheckpointSetError
-from .manifest import describe_file, write_manifest
-from .names import base_of, manifest_path, rank_file
-from .one_read import load_skipping
-from .progress import Progress
-from .rank_state import moe_metadata
-from .staging import write_all_or_nothing
+from .reader import BRANCH_ROUTER, BranchSet, digest_of
+from .vocab import check_vocabulary, read_languages
+from ...common.config_value import config_value
+from ..errors import CheckpointSetError
+from ..manifest import describe_file, write_manifest
+from ..names import base_of, manifest_path, rank_file
+from ..one_read import load_skipping
+from ..progress import Progress
+from ..rank_state import moe_metadata
+from ..staging import write_all_or_nothing
 
 # fmt: off
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
@@ -152,7 +152,7 @@ def import_branch_set(
     progress_stream: Optional[TextIO] = None,
 ) -> str:
     """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written.
-    With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``). A progress
+    With ``dictionary``, first check it (and ``langs``) against the embedding (``vocab.py``). A progress
     bar goes to ``progress_stream`` (default stderr) when it is a terminal."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")

@@ -21,16 +21,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointSetError
-from .hf_config import SIDES, imported_options
-from .hf_dtype import import_dtypes
-from .hf_names import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
-from .manifest import describe_file, write_manifest
-from .names import base_of, manifest_path, rank_file
-from .rank_state import moe_metadata
+from ..errors import CheckpointSetError
+from .config import SIDES, imported_options
+from .dtype import import_dtypes
+from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
+from ..manifest import describe_file, write_manifest
+from ..names import base_of, manifest_path, rank_file
+from ..rank_state import moe_metadata
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
-from .staging import write_all_or_nothing
+from ..staging import write_all_or_nothing
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -210,7 +210,7 @@ def import_hf(
     dtype: Optional[torch.dtype] = None,
 ) -> str:
     """Import the NllbMoe directory ``hf_dir`` as ``output`` for ``workers`` workers; returns what was written.
-    ``dtype``: cast every tensor to it; None keeps the dtype the Hugging Face files hold (``hf_dtype.py``)."""
+    ``dtype``: cast every tensor to it; None keeps the dtype the Hugging Face files hold (``dtype.py``)."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     config = read_config(hf_dir)
