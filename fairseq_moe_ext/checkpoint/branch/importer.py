@@ -18,7 +18,6 @@ continued training starts a fresh optimizer, as after upcycling.
 
 import argparse
 import copy
-import math
 import os
 import secrets
 from typing import Callable, Dict, List, Optional, TextIO, Tuple
@@ -28,6 +27,7 @@ import torch
 from .reader import BRANCH_ROUTER, BranchSet, digest_of
 from .vocab import check_vocabulary, read_languages
 from ...common.config_value import config_value
+from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
 from ..manifest import describe_file, write_manifest
 from ..names import base_of, manifest_path, rank_file
@@ -188,7 +188,7 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
                 branch.shared_path,
             )
         )
-    shards = math.gcd(workers, branch.experts)
+    shards = default_expert_parallel_size(workers, branch.experts)
     held = (
         f"{branch.local} per rank file"
         if branch.experts >= branch.world

@@ -14,13 +14,13 @@ Written staged and atomically, as the other tools.
 """
 
 import json
-import math
 import os
 import secrets
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
 from .config import SIDES, imported_options
 from .dtype import import_dtypes
@@ -219,7 +219,7 @@ def import_hf(
     names, expert_layers, vocab = plan(hf_dir, options, where)
     precision = import_dtypes({name: shard.entries[name][0] for name, shard in where.items()}, hf_dir, dtype)
     experts = options.moe_expert_count
-    shards, single, base = math.gcd(workers, experts), workers == 1, base_of(output)
+    shards, single, base = default_expert_parallel_size(workers, experts), workers == 1, base_of(output)
     per = experts // shards
     report(
         f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} weight file(s), sparse steps "
