@@ -28,6 +28,7 @@ Modules:
     generations.py  the ``.prev`` generation a save keeps until it is complete
     keep_copy.py    hard link, or durable copy where the filesystem has no hard links
     reshard.py      merging a set, slicing a full state, writing a set, loading either layout whole
+    set_writer.py   the one streaming set writer: rank files staged one at a time, the manifest last
     set_id.py       the set id of a save: derived by each worker alone, agreed on in the manifest
     save.py         the save of a set in training, as one transaction with the collectives as values
     share.py        a worker's share of a set, read without the files that hold other workers' experts

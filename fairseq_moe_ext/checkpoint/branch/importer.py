@@ -29,12 +29,11 @@ from .vocab import check_vocabulary, read_languages
 from ...common.config_value import config_value
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
-from ..manifest import describe_file, write_manifest
-from ..names import base_of, manifest_path, rank_file
+from ..names import base_of
 from ..one_read import load_skipping
 from ..progress import Progress
 from ..rank_state import moe_metadata
-from ..staging import write_all_or_nothing
+from ..set_writer import write_set
 
 # fmt: off
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
@@ -203,9 +202,9 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
     base = base_of(output)
     single = workers == 1
 
-    def write(staging_dir):
+    def fill(files):
         out = _Shards(branch, shards)
-        names, files, parameters, head = [], [], 0, None
+        parameters, head = 0, None
         for rank, path, experts in branch.rank_experts():
             complete = out.add(path, experts)
             experts.clear()  # the pieces live on in ``out`` only, so stacking them can release them
@@ -223,32 +222,18 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
                     branch.shared = None  # rank 0 is written: the shared state is not needed any more
                 parameters += sum(t.numel() for t in model.values())
                 state = _state(branch, head, model, shard, shards, set_id, single)
-                name = os.path.basename(output if single else rank_file(base, shard, shards))
-                torch.save(state, os.path.join(staging_dir, name))
+                files.save(shard, state)
                 del state, model
-                names.append(name)
-                files.append(dict(describe_file(os.path.join(staging_dir, name)), rank=shard))
         report(f"parameters: {parameters}")
-        if single:
-            return names
-        written = write_manifest(
-            os.path.join(staging_dir, os.path.basename(base)),
-            shards,
-            branch.num_updates,
-            files,
-            {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys},
-            set_id,
-            workers=workers,
-        )
-        return names + [os.path.basename(written)]
+        experts = {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys}
+        return files.finish(branch.num_updates, experts, set_id, workers=workers)
 
-    what = output if single else f"the {shards}-file set {manifest_path(base)}"
     for line in branch.notes:
         report(f"NOTE {line}")
     report("flags: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(branch.flags.items())))
-    write_all_or_nothing(os.path.dirname(output), what, write)
-    report(f"wrote {output if single else manifest_path(base)}")
-    return output if single else manifest_path(base)
+    written = write_set(base, shards, fill, single=output if single else None)
+    report(f"wrote {written}")
+    return written
 
 
 def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:

@@ -25,12 +25,11 @@ from ..errors import CheckpointSetError
 from .config import SIDES, imported_options
 from .dtype import import_dtypes
 from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
-from ..manifest import describe_file, write_manifest
-from ..names import base_of, manifest_path, rank_file
+from ..names import base_of
 from ..rank_state import moe_metadata
+from ..set_writer import write_set
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
-from ..staging import write_all_or_nothing
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -240,8 +239,7 @@ def import_hf(
         """{HF name: tensor}, read file by file (a .bin shard is held one at a time)."""
         return {name: read(name) for name in sorted(wanted, key=lambda n: order[where[n]])}
 
-    def write(staging):
-        written, files = [], []
+    def fill(out):
         expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
         for shard in range(shards):
             model = {}
@@ -284,25 +282,10 @@ def import_hf(
                     {"optimizer_name": "none", "lr_scheduler_state": {"best": None}, "num_updates": 0}
                 ],
             }
-            name = os.path.basename(output if single else rank_file(base, shard, shards))
-            torch.save(state, os.path.join(staging, name))
+            out.save(shard, state)
             del state, model
-            written.append(name)
-            files.append(dict(describe_file(os.path.join(staging, name)), rank=shard))
-        if single:
-            return written
-        manifest = write_manifest(
-            os.path.join(staging, os.path.basename(base)),
-            shards,
-            0,
-            files,
-            dict.fromkeys(expert_keys, experts),
-            set_id,
-            workers=workers,
-        )
-        return written + [os.path.basename(manifest)]
+        return out.finish(0, dict.fromkeys(expert_keys, experts), set_id, workers=workers)
 
-    what = output if single else f"the {shards}-file set {manifest_path(base)}"
-    write_all_or_nothing(os.path.dirname(output), what, write)
-    report(f"wrote {output if single else manifest_path(base)}")
-    return output if single else manifest_path(base)
+    written = write_set(base, shards, fill, single=output if single else None)
+    report(f"wrote {written}")
+    return written
