@@ -102,9 +102,9 @@ def peak_growth(run) -> float:
 
 def measure(step: str, source: str, output: str, value: int) -> None:
     """In a fresh process: print the peak RSS growth (MiB) of one export (``export:<dtype>`` casts) or import."""
-    from fairseq_moe_ext.checkpoint.hf_dtype import cast_dtype
-    from fairseq_moe_ext.checkpoint.hf_export import export_hf
-    from fairseq_moe_ext.checkpoint.hf_import import import_hf
+    from fairseq_moe_ext.checkpoint.hf.dtype import cast_dtype
+    from fairseq_moe_ext.checkpoint.hf.exporter import export_hf
+    from fairseq_moe_ext.checkpoint.hf.importer import import_hf
 
     if step.startswith("export"):
         dtype = cast_dtype(step.split(":")[1], "export-hf") if ":" in step else None

@@ -75,7 +75,7 @@ def write_synthetic_set(prefix: str, ranks: int, layers: int, dim: int, hidden: 
 
 def measure_one(prefix: str, output: str, workers: int, loader: str) -> None:
     """In a fresh process: print the peak RSS growth (MiB), the wall time and the CPU time (s) of one import."""
-    from fairseq_moe_ext.checkpoint import branch_import
+    from fairseq_moe_ext.checkpoint.branch import importer as branch_import
     from fairseq_moe_ext.checkpoint.safe_load import safe_load
 
     if loader == "safe_load":  # the reader before one_read: CRC pass, then torch.load of everything

@@ -11,7 +11,7 @@ list, or one naming a code twice, is refused in one line (exit 2), as ``import-f
 
 import sys
 
-from fairseq_moe_ext.checkpoint.branch_vocab import read_languages
+from fairseq_moe_ext.checkpoint.branch.vocab import read_languages
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
 
 

@@ -28,6 +28,7 @@ Modules:
     generations.py  the ``.prev`` generation a save keeps until it is complete
     keep_copy.py    hard link, or durable copy where the filesystem has no hard links
     reshard.py      merging a set, slicing a full state, writing a set, loading either layout whole
+    set_writer.py   the one streaming set writer: rank files staged one at a time, the manifest last
     set_id.py       the set id of a save: derived by each worker alone, agreed on in the manifest
     save.py         the save of a set in training, as one transaction with the collectives as values
     share.py        a worker's share of a set, read without the files that hold other workers' experts
@@ -39,6 +40,9 @@ Modules:
     upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
     prune.py        expert pruning: the experts routing statistics rank highest kept, router rows sliced
     prune_cli.py    the checkpoint tool's ``prune`` subcommand
+    one_read.py     a checkpoint in one read, parts of it left unread (both imports read through it)
+    hf/             export-hf / import-hf: Hugging Face NLLB-MoE out and in (its own module list)
+    branch/         import-fairseq-moe: a moe/nllb-branch set in (its own module list)
     __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
 
 Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.

@@ -6,19 +6,19 @@ yet (fairseq's ``--user-dir`` import loads the library through ``fairseq_integra
 
 import argparse
 import glob
-import math
 import os
 import sys
 
 import torch
 
-from .branch_import import import_branch_set
+from .branch.importer import import_branch_set
 from ..common.config_value import config_value
+from ..moe.expert_layout import default_expert_parallel_size
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
-from .hf_export import export_hf, shard_size
-from .hf_dtype import cast_dtype
-from .hf_import import import_hf
+from .hf.exporter import export_hf, shard_size
+from .hf.dtype import cast_dtype
+from .hf.importer import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .prune_cli import add_prune_parser, prune_command
@@ -164,7 +164,7 @@ def expert_parallel_size(full, workers: int, given) -> int:
     """P for a set that ``workers`` workers resume: the one given, or gcd(W, E); P must divide both."""
     experts = max(experts_per_key(full).values(), default=1)
     if given is None:
-        return math.gcd(workers, experts)
+        return default_expert_parallel_size(workers, experts)
     if given < 1 or workers % given or experts % given:
         raise CheckpointSetError(
             f"--expert-parallel-size {given} must divide both --world-size {workers} and the {experts} experts: use "

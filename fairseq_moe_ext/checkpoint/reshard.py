@@ -13,12 +13,12 @@ import torch
 
 from .contents import check_is_checkpoint, check_rank_states, check_whole, experts_held, is_dense
 from .errors import CheckpointSetError
-from .manifest import describe_file, read_manifest, validate_set, write_manifest
-from .names import base_of, manifest_path, rank_file
+from .manifest import read_manifest, validate_set
+from .names import base_of, manifest_path
 from .rank_state import strip_shared_state
 from .resolve import resolve
 from .safe_load import safe_load
-from .staging import write_all_or_nothing
+from .set_writer import write_set
 
 
 def load_set(
@@ -170,31 +170,14 @@ def save_set(
         refuse_unsplittable(key, total, parallel_size)
     set_id = secrets.token_hex(8)  # one writer, no workers to agree with
 
-    def write(staging_dir):
-        staged_base = os.path.join(staging_dir, os.path.basename(base))
-        files = []
+    def fill(files):
         for rank in range(parallel_size):
             state = shard_state(full, rank, parallel_size)
             state["moe"]["set_id"] = set_id
-            if rank > 0:
-                state = strip_shared_state(state)
-            path = rank_file(staged_base, rank, parallel_size)
-            torch.save(state, path)
-            files.append(dict(describe_file(path), rank=rank))
-        written = write_manifest(
-            staged_base,
-            parallel_size,
-            full["moe"]["num_updates"],
-            files,
-            experts_per_key(full),
-            set_id,
-            workers=workers,
-            extra=extra,
-        )
-        return [f["name"] for f in files] + [os.path.basename(written)]
+            files.save(rank, state if rank == 0 else strip_shared_state(state))
+        return files.finish(full["moe"]["num_updates"], experts_per_key(full), set_id, workers=workers, extra=extra)
 
-    write_all_or_nothing(os.path.dirname(base), f"the {parallel_size}-file set {manifest_path(base)}", write)
-    return manifest_path(base)
+    return write_set(base, parallel_size, fill)
 
 
 def experts_per_key(full: Dict) -> Dict[str, int]:

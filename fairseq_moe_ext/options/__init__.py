@@ -10,8 +10,8 @@ The tables that used to spell each option out are derived from the records, wher
   which also names a conflict ``MoELayerConfig`` finds by its flags (``FLAG_OF_FIELD``);
 * the value of an option in any config, its default where the config lacks it (``option_value``,
   ``moe_freq``), read by ``models/`` and, with no callback into them, by ``checkpoint/``;
-* the Hugging Face and nllb-branch names (``HF_NAMES``, ``BRANCH_NAMES``: ``checkpoint/hf_config.py``,
-  ``checkpoint/branch_options.py``).
+* the Hugging Face and nllb-branch names (``HF_NAMES``, ``BRANCH_NAMES``: ``checkpoint/hf/config.py``,
+  ``checkpoint/branch/options.py``).
 
 Torch only and fairseq-free (tier 1 in tests/core/test_package_tiers.py: above ``moe/``, whose
 constants the records name, below ``checkpoint/``). A new option is one record in ``model.py``,

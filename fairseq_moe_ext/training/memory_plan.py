@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..moe.expert_layout import default_expert_parallel_size
+
 Shape = Tuple[int, ...]
 FP32 = 4
 
@@ -93,8 +95,8 @@ class Layout:
 
 
 def parallel_sizes(world_size: int, num_experts: int) -> List[int]:
-    """Every valid P: the divisors of gcd(W, E), smallest first."""
-    g = math.gcd(world_size, num_experts)
+    """Every valid P: the divisors of the default P, gcd(W, E), smallest first."""
+    g = default_expert_parallel_size(world_size, num_experts)
     return [p for p in range(1, g + 1) if g % p == 0]
 
 

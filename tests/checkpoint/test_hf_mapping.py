@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fairseq_moe_ext.checkpoint import CheckpointSetError
-from fairseq_moe_ext.checkpoint.hf_config import hf_config, imported_options
-from fairseq_moe_ext.checkpoint.hf_export import ShardWriter, shard_size
-from fairseq_moe_ext.checkpoint.hf_names import expert_tensor, hf_expert, hf_expert_key, hf_key, our_key
-from fairseq_moe_ext.checkpoint.safetensors_file import SafetensorsFile, write_safetensors
+from fairseq_moe_ext.checkpoint.hf.config import hf_config, imported_options
+from fairseq_moe_ext.checkpoint.hf.exporter import ShardWriter, shard_size
+from fairseq_moe_ext.checkpoint.hf.keys import expert_tensor, hf_expert, hf_expert_key, hf_key, our_key
+from fairseq_moe_ext.checkpoint.hf.safetensors_file import SafetensorsFile, write_safetensors
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 safetensors = pytest.importorskip("safetensors")

@@ -3,11 +3,14 @@ the default expert-parallel size, and the replica gradient sum. Arithmetic and r
 only: no worker processes (tests/fairseq/test_fairseq_expert_parallel.py runs the layout on four)."""
 
 import argparse
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import fairseq_moe_ext
 from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext.distributed import ExpertLayout, default_expert_parallel_size
 from fairseq_moe_ext.models.moe_runtime import apply_runtime_options, expert_parallel_size
@@ -197,3 +200,15 @@ def test_expert_gradients_are_summed_over_replicas_in_flat_buckets_shared_ones_n
     for p, want in zip(experts, before):
         assert torch.equal(p.grad, 2 * want)
     assert torch.equal(shared.grad, shared_before)
+
+
+def test_the_default_expert_parallel_size_is_computed_by_one_function_only():
+    """gcd(W, E) is the default P: every module that needs it calls default_expert_parallel_size."""
+    root = Path(fairseq_moe_ext.PACKAGE_DIR)
+    calls = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "gcd"
+    )
+    assert calls == ["moe/expert_layout.py"]

@@ -276,7 +276,7 @@ def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_li
     """The second file written fails with ENOSPC (export: a shard; import: an output rank file)."""
     import errno
 
-    from fairseq_moe_ext.checkpoint import hf_export, hf_import
+    from fairseq_moe_ext.checkpoint.hf import exporter as hf_export, importer as hf_import
 
     args, model, hf_dir = good
     module, name = (hf_export, "write_safetensors") if command == "export-hf" else (hf_import.torch, "save")

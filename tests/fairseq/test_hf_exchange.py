@@ -201,7 +201,7 @@ def test_an_hf_checkpoint_saved_by_transformers_imports_with_the_same_logits(our
 
 
 def test_export_streams_one_rank_file_at_a_time_and_holds_at_most_one_shard_of_tensors(ours, tmp_path, monkeypatch):
-    from fairseq_moe_ext.checkpoint import hf_export
+    from fairseq_moe_ext.checkpoint.hf import exporter as hf_export
 
     args, _, model = ours
     name = write_set(args, model, tmp_path / "set" / "ck.pt", 4)

@@ -11,7 +11,7 @@ import torch
 from fake_checkpoints import fingerprint
 from hf_nllb_moe import hf_model
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from fairseq_moe_ext.checkpoint.torch_bin_file import TorchBinFile, _Current
+from fairseq_moe_ext.checkpoint.hf.torch_bin_file import TorchBinFile, _Current
 
 pytest.importorskip("transformers")
 

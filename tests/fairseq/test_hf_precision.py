@@ -1,4 +1,4 @@
-"""fp16 / bf16 through ``export-hf`` and ``import-hf`` (``checkpoint/hf_dtype.py``), against transformers'
+"""fp16 / bf16 through ``export-hf`` and ``import-hf`` (``checkpoint/hf/dtype.py``), against transformers'
 own NllbMoe (4.57.1, test-only). A set keeps its dtype on the way out (config.json's ``torch_dtype`` says
 which) and a Hugging Face checkpoint keeps its dtype on the way in; ``--dtype`` casts while streaming.
 Logits are compared in fp32 on both sides, from the same (rounded) weights: HF loads with
@@ -15,7 +15,7 @@ import hf_nllb_moe
 from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from fairseq_moe_ext.checkpoint.hf_names import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
+from fairseq_moe_ext.checkpoint.hf.keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -52,7 +52,7 @@ def hf_files(hf_dir):
 
 
 def expected_hf_tensors(state):
-    """What export-hf must write for our ``state``, by the plugin's own names (hf_names.py)."""
+    """What export-hf must write for our ``state``, by the plugin's own names (hf/keys.py)."""
     out = {}
     for key, tensor in state.items():
         found = expert_tensor(key)
@@ -131,7 +131,7 @@ def test_export_hf_dtype_casts_every_tensor_while_streaming_and_config_names_the
 
 
 def test_a_cast_export_still_holds_one_rank_file_and_one_shard_of_cast_tensors(ours, tmp_path, monkeypatch):
-    from fairseq_moe_ext.checkpoint import hf_export
+    from fairseq_moe_ext.checkpoint.hf import exporter as hf_export
 
     args, _, model = ours
     name = write_set(args, model, tmp_path / "set" / "ck.pt", 4)

@@ -13,7 +13,7 @@ from fake_checkpoints import fingerprint
 from tiny_fairseq_models import translation, translation_batch
 from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from fairseq_moe_ext.checkpoint.branch_options import branch_flags
+from fairseq_moe_ext.checkpoint.branch.options import branch_flags
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EXPERTS = 4
@@ -110,7 +110,7 @@ def test_branch_options_become_this_projects_flags_and_inexact_ones_are_printed_
 def test_import_streams_one_rank_file_at_a_time_and_writes_each_output_file_once_complete(
     data, model, tmp_path, monkeypatch
 ):  # noqa: F811
-    from fairseq_moe_ext.checkpoint import branch_import
+    from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 
     prefix = write_branch_set(tmp_path / "nllb" / "ck", model.model.state_dict(), branch_options(data), 4)
     events, real_load, real_save = [], branch_import.load_skipping, torch.save

@@ -10,8 +10,8 @@ import inspect
 import pytest
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from fairseq_moe_ext.checkpoint.branch_options import branch_flags
-from fairseq_moe_ext.checkpoint.hf_config import HF_DEFAULTS, hf_config, imported_options
+from fairseq_moe_ext.checkpoint.branch.options import branch_flags
+from fairseq_moe_ext.checkpoint.hf.config import HF_DEFAULTS, hf_config, imported_options
 from fairseq_moe_ext.criterions.moe_criterions import (
     MoECrossEntropyCriterion,
     MoELabelSmoothedCrossEntropyCriterion,

@@ -89,7 +89,7 @@ def preprocessed(root: Path):
 
 def import_from_hf(root: Path, hf, data: Path, world: int = 1) -> Path:
     """hf -> the branch's layout (2 rank files, pad mask on) -> import-fairseq-moe for ``world`` workers."""
-    from fairseq_moe_ext.checkpoint import branch_import
+    from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 
     shared, experts = branch_state(hf)
     options = branch_options(data, use_moe_pad_mask=True)

@@ -227,7 +227,7 @@ def import_hf(tmp_path, task, hf, ranks=2, world=1, **branch_moe):
         tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(task.data_dir, **branch_moe), ranks
     )
     from fairseq import checkpoint_utils
-    from fairseq_moe_ext.checkpoint import branch_import
+    from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 
     lines = []
     branch_import.import_branch_set(str(prefix), str(tmp_path / "imported.pt"), world, report=lines.append)

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointSetError
+from ..errors import CheckpointSetError
 
 # fmt: off
 CAST = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

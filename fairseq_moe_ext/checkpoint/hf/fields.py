@@ -3,7 +3,7 @@ no default) and a number, or one line naming the file and the field, before anyt
 
 from typing import Dict
 
-from .errors import CheckpointSetError
+from ..errors import CheckpointSetError
 
 # NllbMoeConfig's fields without a default here (hf_config.HF_DEFAULTS): a config.json must hold them.
 REQUIRED_INTEGERS = ("d_model", "num_experts", "encoder_layers", "decoder_layers", "encoder_attention_heads",

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointSetError
+from ..errors import CheckpointSetError
 
 # fmt: off
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -14,23 +14,22 @@ Written staged and atomically, as the other tools.
 """
 
 import json
-import math
 import os
 import secrets
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointSetError
-from .hf_config import SIDES, imported_options
-from .hf_dtype import import_dtypes
-from .hf_names import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
-from .manifest import describe_file, write_manifest
-from .names import base_of, manifest_path, rank_file
-from .rank_state import moe_metadata
+from ...moe.expert_layout import default_expert_parallel_size
+from ..errors import CheckpointSetError
+from .config import SIDES, imported_options
+from .dtype import import_dtypes
+from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
+from ..names import base_of
+from ..rank_state import moe_metadata
+from ..set_writer import write_set
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
-from .staging import write_all_or_nothing
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -210,7 +209,7 @@ def import_hf(
     dtype: Optional[torch.dtype] = None,
 ) -> str:
     """Import the NllbMoe directory ``hf_dir`` as ``output`` for ``workers`` workers; returns what was written.
-    ``dtype``: cast every tensor to it; None keeps the dtype the Hugging Face files hold (``hf_dtype.py``)."""
+    ``dtype``: cast every tensor to it; None keeps the dtype the Hugging Face files hold (``dtype.py``)."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
     config = read_config(hf_dir)
@@ -219,7 +218,7 @@ def import_hf(
     names, expert_layers, vocab = plan(hf_dir, options, where)
     precision = import_dtypes({name: shard.entries[name][0] for name, shard in where.items()}, hf_dir, dtype)
     experts = options.moe_expert_count
-    shards, single, base = math.gcd(workers, experts), workers == 1, base_of(output)
+    shards, single, base = default_expert_parallel_size(workers, experts), workers == 1, base_of(output)
     per = experts // shards
     report(
         f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} weight file(s), sparse steps "
@@ -240,8 +239,7 @@ def import_hf(
         """{HF name: tensor}, read file by file (a .bin shard is held one at a time)."""
         return {name: read(name) for name in sorted(wanted, key=lambda n: order[where[n]])}
 
-    def write(staging):
-        written, files = [], []
+    def fill(out):
         expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
         for shard in range(shards):
             model = {}
@@ -284,25 +282,10 @@ def import_hf(
                     {"optimizer_name": "none", "lr_scheduler_state": {"best": None}, "num_updates": 0}
                 ],
             }
-            name = os.path.basename(output if single else rank_file(base, shard, shards))
-            torch.save(state, os.path.join(staging, name))
+            out.save(shard, state)
             del state, model
-            written.append(name)
-            files.append(dict(describe_file(os.path.join(staging, name)), rank=shard))
-        if single:
-            return written
-        manifest = write_manifest(
-            os.path.join(staging, os.path.basename(base)),
-            shards,
-            0,
-            files,
-            dict.fromkeys(expert_keys, experts),
-            set_id,
-            workers=workers,
-        )
-        return written + [os.path.basename(manifest)]
+        return out.finish(0, dict.fromkeys(expert_keys, experts), set_id, workers=workers)
 
-    what = output if single else f"the {shards}-file set {manifest_path(base)}"
-    write_all_or_nothing(os.path.dirname(output), what, write)
-    report(f"wrote {output if single else manifest_path(base)}")
-    return output if single else manifest_path(base)
+    written = write_set(base, shards, fill, single=output if single else None)
+    report(f"wrote {written}")
+    return written

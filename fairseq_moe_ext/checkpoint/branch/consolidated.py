@@ -13,7 +13,7 @@ history and no optimizer state. It returns (and prints) ``<P>_consolidated.pt``.
 files are a plain set under the prefix ``<P>_consolidated``; this module lets the user pass that
 prefix, the ``<P>_consolidated.pt`` the function printed, or the training prefix ``P`` itself.
 
-The raw ``-shard`` files themselves are read by ``branch_fsdp_shards.py`` when no plain or consolidated
+The raw ``-shard`` files themselves are read by ``fsdp_shards.py`` when no plain or consolidated
 set is under the prefix.
 """
 
@@ -22,7 +22,7 @@ import os
 import re
 from typing import Dict, Optional, Tuple
 
-from .errors import CheckpointSetError
+from ..errors import CheckpointSetError
 
 CONSOLIDATED = "_consolidated"
 FLAT = re.compile(r"(^|\.)(flat_param(_\d+)?|_fsdp_wrapped_module|_fpw_module)(\.|$)")

@@ -1,6 +1,6 @@
 """``import-fairseq-moe``: a fairseq ``moe``/``nllb``-branch checkpoint set becomes this project's.
 
-The branch's layout and how it is read: ``branch_set.py``.
+The branch's layout and how it is read: ``reader.py``.
 
 Here each MoE layer's experts are stacked tensors (``<side>.layers.<i>.fc1.experts.batched_fc1_w``
 ``[E, hidden, d]`` etc., ``moe/experts.py``) beside the router ``fc1.router.wg.weight``. The import
@@ -18,23 +18,22 @@ continued training starts a fresh optimizer, as after upcycling.
 
 import argparse
 import copy
-import math
 import os
 import secrets
 from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
-from .branch_set import BRANCH_ROUTER, BranchSet, digest_of
-from .branch_vocab import check_vocabulary, read_languages
-from ..common.config_value import config_value
-from .errors import CheckpointSetError
-from .manifest import describe_file, write_manifest
-from .names import base_of, manifest_path, rank_file
-from .one_read import load_skipping
-from .progress import Progress
-from .rank_state import moe_metadata
-from .staging import write_all_or_nothing
+from .reader import BRANCH_ROUTER, BranchSet, digest_of
+from .vocab import check_vocabulary, read_languages
+from ...common.config_value import config_value
+from ...moe.expert_layout import default_expert_parallel_size
+from ..errors import CheckpointSetError
+from ..names import base_of
+from ..one_read import load_skipping
+from ..progress import Progress
+from ..rank_state import moe_metadata
+from ..set_writer import write_set
 
 # fmt: off
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
@@ -152,7 +151,7 @@ def import_branch_set(
     progress_stream: Optional[TextIO] = None,
 ) -> str:
     """Import the set at ``prefix`` as ``output`` for ``workers`` workers; returns what was written.
-    With ``dictionary``, first check it (and ``langs``) against the embedding (``branch_vocab.py``). A progress
+    With ``dictionary``, first check it (and ``langs``) against the embedding (``vocab.py``). A progress
     bar goes to ``progress_stream`` (default stderr) when it is a terminal."""
     if workers < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {workers}")
@@ -188,7 +187,7 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
                 branch.shared_path,
             )
         )
-    shards = math.gcd(workers, branch.experts)
+    shards = default_expert_parallel_size(workers, branch.experts)
     held = (
         f"{branch.local} per rank file"
         if branch.experts >= branch.world
@@ -203,9 +202,9 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
     base = base_of(output)
     single = workers == 1
 
-    def write(staging_dir):
+    def fill(files):
         out = _Shards(branch, shards)
-        names, files, parameters, head = [], [], 0, None
+        parameters, head = 0, None
         for rank, path, experts in branch.rank_experts():
             complete = out.add(path, experts)
             experts.clear()  # the pieces live on in ``out`` only, so stacking them can release them
@@ -223,32 +222,18 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
                     branch.shared = None  # rank 0 is written: the shared state is not needed any more
                 parameters += sum(t.numel() for t in model.values())
                 state = _state(branch, head, model, shard, shards, set_id, single)
-                name = os.path.basename(output if single else rank_file(base, shard, shards))
-                torch.save(state, os.path.join(staging_dir, name))
+                files.save(shard, state)
                 del state, model
-                names.append(name)
-                files.append(dict(describe_file(os.path.join(staging_dir, name)), rank=shard))
         report(f"parameters: {parameters}")
-        if single:
-            return names
-        written = write_manifest(
-            os.path.join(staging_dir, os.path.basename(base)),
-            shards,
-            branch.num_updates,
-            files,
-            {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys},
-            set_id,
-            workers=workers,
-        )
-        return names + [os.path.basename(written)]
+        experts = {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys}
+        return files.finish(branch.num_updates, experts, set_id, workers=workers)
 
-    what = output if single else f"the {shards}-file set {manifest_path(base)}"
     for line in branch.notes:
         report(f"NOTE {line}")
     report("flags: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(branch.flags.items())))
-    write_all_or_nothing(os.path.dirname(output), what, write)
-    report(f"wrote {output if single else manifest_path(base)}")
-    return output if single else manifest_path(base)
+    written = write_set(base, shards, fill, single=output if single else None)
+    report(f"wrote {written}")
+    return written
 
 
 def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ holds experts ``r*E/R + j``; with E < R, rank r holds expert ``r % E`` (the othe
 which must be identical: compared by sha256; a run's first E rank files alone carry every expert and are
 imported with a NOTE). Files are read by ``one_read.load_skipping``: once, with the restricted types of
 ``safe_load`` (the branch's pickles hold argparse Namespaces and numpy scalars, both allowed), each
-tensor's CRC-32 checked as it is read, and ``last_optimizer_state`` never read. ``branch_import`` writes the set.
+tensor's CRC-32 checked as it is read, and ``last_optimizer_state`` never read. ``importer.py`` writes the set.
 """
 
 import glob
@@ -19,13 +19,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .branch_consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
-from .branch_fsdp_shards import FsdpShards
-from .branch_options import branch_flags, is_language_model, model_options
-from ..common.config_value import config_value
-from .branch_same_run import SameRun
-from .errors import CheckpointSetError
-from .one_read import load_skipping
+from .consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
+from .fsdp_shards import FsdpShards
+from .options import branch_flags, is_language_model, model_options
+from ...common.config_value import config_value
+from .same_run import SameRun
+from ..errors import CheckpointSetError
+from ..one_read import load_skipping
 
 BRANCH_EXPERT = re.compile(
     r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<local>\d+)\."

@@ -13,7 +13,7 @@ combinations are refused in one line. Torch-free.
 
 from typing import Dict, List, Tuple
 
-from .errors import CheckpointSetError
+from ..errors import CheckpointSetError
 
 POLICIES = ("all", "sampling", "random")
 

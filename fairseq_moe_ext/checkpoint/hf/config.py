@@ -3,7 +3,7 @@
 NllbMoe's sparse block is the nllb branch's: a top-2 softmax router in fp32, the two gates renormalised to
 sum to 1, each expert ``fc1 -> activation -> fc2``, Expert Output Masking as ``moe_token_dropout``
 (evaluation multiplies expert outputs by 1 - p, as ``--moe-eom`` does); its second-expert policy,
-normalisation order and evaluation capacity are mapped by ``hf_routing.py``. Around it, a pre-norm
+normalisation order and evaluation capacity are mapped by ``routing.py``. Around it, a pre-norm
 transformer with sinusoidal positions and one embedding table shared by both sides and the output projection.
 
 What NllbMoe cannot express is refused in one line naming the option and the fix; what differs in
@@ -13,11 +13,11 @@ training only comes back as NOTE lines. Torch-free: plain dicts and Namespaces.
 import argparse
 from typing import Dict, List, Tuple
 
-from ..moe.placement import side_moe_freq
-from ..options import HF_NAMES, OPTIONS
-from .errors import CheckpointSetError
-from .hf_fields import check_numeric_fields
-from .hf_routing import exported_routing, imported_routing
+from ...moe.placement import side_moe_freq
+from ...options import HF_NAMES, OPTIONS
+from ..errors import CheckpointSetError
+from .fields import check_numeric_fields
+from .routing import exported_routing, imported_routing
 
 # fmt: off
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",

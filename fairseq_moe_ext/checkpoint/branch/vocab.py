@@ -11,7 +11,7 @@ to pass, before anything is written. Torch-free.
 import os
 from typing import Dict, List, Optional
 
-from .errors import CheckpointSetError
+from ..errors import CheckpointSetError
 
 SPECIALS = 4
 DATA_SOURCE_TAGS = 3

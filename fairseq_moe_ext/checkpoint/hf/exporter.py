@@ -1,9 +1,9 @@
 """``export-hf``: a translation set becomes a Hugging Face NllbMoe checkpoint directory.
 
 The output is what ``NllbMoeForConditionalGeneration.from_pretrained`` reads: ``config.json``
-(``hf_config.py``), safetensors shards ``model-0000X-of-0000N.safetensors`` of at most
+(``config.py``), safetensors shards ``model-0000X-of-0000N.safetensors`` of at most
 ``--max-shard-size`` bytes each (a tensor larger than that gets a shard of its own) and
-``model.safetensors.index.json`` mapping every tensor to its shard. Names: ``hf_names.py``.
+``model.safetensors.index.json`` mapping every tensor to its shard. Names: ``keys.py``.
 
 It streams: one rank file of the set is loaded at a time (rank 0, which holds the shared parameters,
 first), and each output shard is written as soon as it is full. The tensors of an unwritten shard may
@@ -20,16 +20,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointSetError
-from .hf_config import hf_config
-from .hf_dtype import check_expert_dtype, export_dtype, name_of
-from .hf_names import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
-from .manifest import validate_set
-from .names import base_of, manifest_path
-from .resolve import resolve
-from .safe_load import safe_load
+from ..errors import CheckpointSetError
+from .config import hf_config
+from .dtype import check_expert_dtype, export_dtype, name_of
+from .keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
+from ..manifest import validate_set
+from ..names import base_of, manifest_path
+from ..resolve import resolve
+from ..safe_load import safe_load
 from .safetensors_file import tensor_bytes, write_safetensors
-from .staging import write_all_or_nothing
+from ..staging import write_all_or_nothing
 
 INDEX = "model.safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -152,7 +152,7 @@ def export_hf(
 ) -> List[str]:
     """Write the set ``checkpoint`` names as an NllbMoe directory ``out_dir``; returns the files written.
     ``training_as_nllb``: export a set trained with options that act in training only and NllbMoe lacks.
-    ``dtype``: cast every tensor to it as it is written (``hf_dtype.py``); None writes the set's own."""
+    ``dtype``: cast every tensor to it as it is written (``dtype.py``); None writes the set's own."""
     if os.path.lexists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointSetError(
             f"{out_dir} exists and is not an empty directory; choose a new output directory (nothing was overwritten)"

@@ -20,9 +20,9 @@ import argparse
 import math
 from typing import Dict, List, Tuple
 
-from ..options import BRANCH_NAMES, OPTIONS
-from ..common.config_value import config_value
-from .errors import CheckpointSetError
+from ...options import BRANCH_NAMES, OPTIONS
+from ...common.config_value import config_value
+from ..errors import CheckpointSetError
 
 # Options whose non-default value changes what the model computes in a way this project cannot.
 # fmt: off

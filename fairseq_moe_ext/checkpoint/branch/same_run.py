@@ -10,8 +10,8 @@ per-worker options (``--distributed-rank``, ``--device-id``) may differ.
 
 from typing import Dict, Optional
 
-from ..common.config_value import config_value
-from .errors import CheckpointSetError
+from ...common.config_value import config_value
+from ..errors import CheckpointSetError
 
 PREFIXES = ("moe_", "encoder_", "decoder_")
 NAMED = ("arch", "_name", "activation_fn", "share_all_embeddings", "share_decoder_input_output_embed")

@@ -11,7 +11,7 @@ this rank only, so its flat parameter is whole), each with the run's cfg, args, 
 shapes, numels, padding}}, no_broadcast_optim_state, shared_param_info}], buffer_names}``. The branch
 joins the W shared files in one ``consolidate_shard_weights`` call (instances a file lacks are skipped)
 and un-flattens each expert file alone. So does this module, one file at a time, and hands the branch's
-consolidated dicts to ``BranchSet`` (``branch_set.py``): the import is the consolidated set's.
+consolidated dicts to ``BranchSet`` (``reader.py``): the import is the consolidated set's.
 
 Peak memory: the shared parameters once (the W shared files' chunks, kept as they are read, one file
 loaded at a time) plus the largest flat parameter while it is joined; then one expert file at a time.
@@ -27,8 +27,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .errors import CheckpointSetError
-from .safe_load import safe_load
+from ..errors import CheckpointSetError
+from ..safe_load import safe_load
 
 SHARED_SHARD = re.compile(r"-shared-shard(\d+)\.pt$")
 RANK_SHARD = re.compile(r"-rank-(\d+)-shard(\d+)\.pt$")

@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointSetError
-from .one_read import load_skipping
+from ..errors import CheckpointSetError
+from ..one_read import load_skipping
 
 
 class _Current:
