@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 import sacrebleu
-
 from score_translations import hypotheses
 
 BIN = Path(sys.executable).parent

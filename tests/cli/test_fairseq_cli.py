@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-
 from fairseq_helpers import (
     CONFIG_DIR,
     SPLITS,

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from fairseq_helpers import (
     USER_DIR,
     fairseq_env,

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fairseq_helpers import (
     USER_DIR,
     assert_loss_falls,

@@ -2,7 +2,6 @@
 
 import pytest
 from fairseq.data import Dictionary
-
 from fairseq_helpers import VOCAB
 
 

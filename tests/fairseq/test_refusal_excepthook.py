@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from fairseq_helpers import fairseq_env
 
 PROGRAM = """

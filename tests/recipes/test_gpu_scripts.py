@@ -11,7 +11,6 @@ import tarfile
 import time
 
 import pytest
-
 from paths import REPO_ROOT as ROOT
 
 ONESHOT = ROOT / "benchmarks" / "gpu_oneshot.sh"

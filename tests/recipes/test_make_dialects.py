@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from paths import REPO_ROOT
 
 RECIPES = REPO_ROOT / "recipes"

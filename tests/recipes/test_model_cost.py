@@ -4,7 +4,6 @@ import sys
 
 import pytest
 import torch
-
 from paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))

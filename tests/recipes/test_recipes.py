@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fairseq_helpers import fairseq_env, tail
 from paths import REPO_ROOT as ROOT
 

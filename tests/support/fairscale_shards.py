@@ -11,9 +11,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from fairscale_oracle import ORACLE_DIR
+from torch import nn
 
 
 class _Layer(nn.Module):
