@@ -68,9 +68,9 @@ def probe(size: str) -> dict:
     from fairseq.data import LanguagePairDataset
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
-    from measure import max_rss_bytes
 
     import fairseq_moe_ext
+    from measure import max_rss_bytes
 
     torch.set_num_threads(int(os.environ.get("PLAN_BENCH_THREADS", "1")))
     _, _, _, _, vocabulary, max_tokens, length = SIZES[size]

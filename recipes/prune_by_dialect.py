@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import sacrebleu
+
 from score_translations import hypotheses
 
 BIN = Path(sys.executable).parent

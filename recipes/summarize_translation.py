@@ -20,11 +20,10 @@ import json
 from pathlib import Path
 
 from fairseq import checkpoint_utils
+from fairseq_moe_ext import checkpoint as moe_checkpoint
 from fairseq_logs import json_records
 from model_cost import model_cost
 from routing_extensions import effect_lines, routing_features
-
-from fairseq_moe_ext import checkpoint as moe_checkpoint
 
 
 def records(log_file: Path, kind: str) -> list:

@@ -14,10 +14,12 @@ GPU has produced them yet). The CPU dry run runs the same at toy sizes in fp32.
 """
 
 import torch
+
+from report import DRY_RUN, device, emit, out_of_time, run_guarded, sized
+
 from contenders import Shape, build_contender  # noqa: E402
 from measure import median, peak_step_memory, synchronize, time_interleaved  # noqa: E402
 from moe_layer import ffn_flops  # noqa: E402
-from report import DRY_RUN, device, emit, out_of_time, run_guarded, sized
 
 
 def ceiling(dev, dtype):

@@ -13,6 +13,7 @@ On the CPU dry run: the same at d=64, H=128 with torch's CPU grouped kernel.
 import math
 
 import torch
+
 from report import device, emit, out_of_time, run_guarded, sized, verdict
 
 from fairseq_moe_ext.moe import BatchedExperts  # noqa: E402

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from report import DRY_RUN, device, emit, left, rel_err, run_guarded, verdict
 
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402

@@ -19,10 +19,11 @@ import copy
 import warnings
 
 import torch
-from moe_reference import reference_logits, reference_moe  # noqa: E402
+
 from report import DRY_RUN, device, emit, out_of_time, rel_err, run_guarded, sized, skip_cuda, verdict
 
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
+from moe_reference import reference_logits, reference_moe  # noqa: E402
 
 ROUTERS = ("top", "cosine", "sigmoid")
 # fmt: off

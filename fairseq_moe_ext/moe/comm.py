@@ -14,7 +14,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..common.refusal import MoEOptionError, MoERefusal
 from .collective_device import (
     MoECollectiveDeviceError,
     check_served,
@@ -24,6 +23,7 @@ from .collective_device import (
     on_group_device,
 )
 from .stop_notice import announced_stop
+from ..common.refusal import MoEOptionError, MoERefusal
 
 
 class MoECommunicationError(RuntimeError):

@@ -16,7 +16,6 @@ per layer forward.
 """
 
 import torch
-
 from ..common.refusal import MoEOptionError
 
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")

@@ -11,6 +11,7 @@ import os
 
 from ..checkpoint import CheckpointSetError, resolve
 
+
 FAIRSEQ_DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's CheckpointConfig.restore_file default
 
 

@@ -11,7 +11,6 @@ import os
 import uuid
 
 import torch.distributed as dist
-
 from ..common.refusal import MoERefusal
 
 PROBE_NAME = "fairseq-moe-ext.shared-check"

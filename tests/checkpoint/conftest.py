@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
-from fake_checkpoints import full_state
 
+from fake_checkpoints import full_state
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
 

@@ -5,12 +5,12 @@ import os
 
 import pytest
 import torch
-from fake_checkpoints import EXPERT_KEY, full_state
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
 from fairseq_moe_ext.checkpoint.inspection import replica_findings
 from fairseq_moe_ext.checkpoint.share import files_holding, load_share
+from fake_checkpoints import EXPERT_KEY, full_state
 
 EXPERTS = 8
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-from fairseq_helpers import fairseq_env
-from fake_checkpoints import EXPERT_KEY, full_state
 
+from fake_checkpoints import EXPERT_KEY, full_state
+from fairseq_helpers import fairseq_env
 from fairseq_moe_ext.checkpoint import __main__ as tool
 
 EXPERTS = 8

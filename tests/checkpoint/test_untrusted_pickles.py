@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
+
 from fake_checkpoints import full_state
 from untrusted_pickles import MARKER, REFUSED, plant, plant_in_set
-
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
 from fairseq_moe_ext.checkpoint.hf.fields import REQUIRED_INTEGERS

@@ -5,6 +5,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+
 from bad_input_runner import Inputs, Started, fingerprint, train_checkpoints
 from fairseq_helpers import torchrun
 from multiworker_cli_runs import generate, moe_args

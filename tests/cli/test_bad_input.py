@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+
 from bad_input_makers import (
     Smuggled,
     checkpoint_tool_on,

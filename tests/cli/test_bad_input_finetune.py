@@ -3,6 +3,7 @@ same table-driven runner as tests/cli/test_bad_input.py (each case through the r
 exit, one last line naming the problem and the fix, no file changed or added)."""
 
 import pytest
+
 from bad_input_makers import fresh_training
 from bad_input_runner import TRAIN, Case, check_case, fairseq_train
 

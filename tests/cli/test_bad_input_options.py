@@ -10,6 +10,7 @@ option against every kind of bad value: tests/fairseq/test_option_ranges.py.
 import re
 
 import pytest
+
 from bad_input_makers import fresh_training, import_release_lookalike, resume
 from bad_input_runner import TRAIN, Case, check_case, checkpoint_tool, copy_of, fairseq_train, plan_tool, train_args
 from fairseq_helpers import run_fairseq

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+
 from bad_input_makers import checkpoint_tool_on, generate_args
 from bad_input_runner import (
     GENERATE,
@@ -22,7 +23,6 @@ from bad_input_runner import (
     fairseq_train,
     train_args,
 )
-
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.prune import moe_layers
 from fairseq_moe_ext.moe.routing_stats import RoutingTally, statistics_document

@@ -6,6 +6,7 @@ statistics from fairseq-generate, generation from the pruned set (one process an
 import json
 
 import pytest
+
 from fairseq_helpers import run_checkpoint_tool, run_fairseq
 from multiworker_cli_runs import assert_same_generation, generate, moe_args
 from pruning_runs import stats_args, train_tiny_set

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fairseq_helpers import json_logs, run_checkpoint_tool, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
 from paths import SUPPORT
+from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
 
 pytestmark = pytest.mark.slow
 

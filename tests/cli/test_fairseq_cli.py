@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+
 from fairseq_helpers import (
     CONFIG_DIR,
     SPLITS,

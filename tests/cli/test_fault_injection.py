@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dist_utils import free_port
 from fairseq_helpers import fairseq_env, tail, torchrun_command
 from full_precision_logs import carries_every_digit

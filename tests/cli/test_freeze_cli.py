@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+
 from fairseq_helpers import run_fairseq
 from multiworker_cli_runs import moe_args
 

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+
 from fairseq_helpers import json_logs, run_checkpoint_tool, torchrun
 from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import generate, moe_args

@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+
 from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, torchrun
 from multiworker_cli_runs import moe_args
 from paths import SUPPORT

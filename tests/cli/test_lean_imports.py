@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from fairseq_helpers import fairseq_env
 
 pytestmark = pytest.mark.slow

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from fairseq_helpers import (
     USER_DIR,
     fairseq_env,

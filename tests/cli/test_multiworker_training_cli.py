@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fairseq_helpers import (
     USER_DIR,
     assert_loss_falls,

@@ -8,6 +8,7 @@ without CUDA, so those two are checked on GPUs (benchmarks/gpu_oneshot.sh).
 
 import pytest
 import torch
+
 from fairseq_helpers import (
     assert_loss_falls,
     assert_shared_identical_experts_distinct_norms_equal,
@@ -15,8 +16,8 @@ from fairseq_helpers import (
     run_fairseq,
     torchrun,
 )
-from multiworker_cli_runs import moe_args
 from paths import SUPPORT
+from multiworker_cli_runs import moe_args
 
 
 def parsed(*flags):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fairseq_helpers import USER_DIR, json_logs, preprocess_parallel, run_fairseq, torchrun, write_parallel_corpus
 from multiworker_cli_runs import BIN, moe_args
 

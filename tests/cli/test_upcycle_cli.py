@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fairseq_helpers import (
     json_logs,
     run_fairseq,
     torchrun,
     train_args,
 )
-
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 

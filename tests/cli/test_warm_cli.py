@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 import warm_fairseq
 from dist_utils import free_port
 from fairseq_helpers import (

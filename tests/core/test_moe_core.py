@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_reference import assert_layer_matches_reference, reference_moe
 from torch.utils.checkpoint import checkpoint
 
 from fairseq_moe_ext.moe import (
@@ -18,6 +17,7 @@ from fairseq_moe_ext.moe import (
     expert_capacity,
     z_loss,
 )
+from moe_reference import assert_layer_matches_reference, reference_moe
 
 D, H, E = 12, 20, 4
 

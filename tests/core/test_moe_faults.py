@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_workers_through_faults
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dist_utils import run_workers_through_faults
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, comm, grouped_mm
 
 D, H = 8, 16

@@ -13,6 +13,8 @@ gradients are checked against them, on random (non-one-hot) routing with padding
 
 import pytest
 import torch
+
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from router_loss_definitions import (
     E,
     router_probabilities,
@@ -22,8 +24,6 @@ from router_loss_definitions import (
     switch_balance_loss_grad,
     top1_fractions,
 )
-
-from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 
 D, H = 6, 8
 

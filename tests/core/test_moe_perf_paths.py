@@ -4,13 +4,13 @@ autograd's exact gradients. (The choice of the grouped-GEMM kernel: test_grouped
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_reference import reference_moe
 from torch.autograd import gradcheck
 
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.dispatch import combine_slots, dispatch_slots, inverse_permutation, permute_rows
 from fairseq_moe_ext.moe.expert_ffn import expert_ffn
 from fairseq_moe_ext.moe.experts import resolve_activation
+from moe_reference import reference_moe
 
 COUNTS = [3, 0, 5, 1]  # includes an expert without rows
 

@@ -10,12 +10,12 @@ criterion per step. Statistics for the logs stay on the device until the criteri
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_on_workers
-from sync_census import SyncCensus
 
+from dist_utils import run_on_workers
 from fairseq_moe_ext.criterions.moe_criterions import MoELossMixin
 from fairseq_moe_ext.distributed import global_grad_norm
 from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
+from sync_census import SyncCensus
 
 D, H, E = 8, 16, 4
 # fmt: off

@@ -2,6 +2,7 @@
 
 import pytest
 from fairseq.data import Dictionary
+
 from fairseq_helpers import VOCAB
 
 

@@ -9,14 +9,14 @@ import argparse
 import pytest
 import torch
 from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
-from in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
-from thread_world import ThreadWorld
 
 from fairseq_moe_ext import distributed as moe_dist
 from fairseq_moe_ext.distributed import ExpertLayout
 from fairseq_moe_ext.fairseq_integration import training
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases
+from in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
+from thread_world import ThreadWorld
 
 W, P = 4, 2
 WORLD = tuple(range(W))

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from dist_utils import run_on_workers
 from in_process_trainer import (
     assert_step_equals_one_process,

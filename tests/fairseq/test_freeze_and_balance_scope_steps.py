@@ -10,6 +10,7 @@ micro-batch scope; a run restarted from the model and optimizer after update 1 m
 
 import pytest
 import torch
+
 from dist_utils import run_on_workers
 from in_process_trainer import (
     assert_step_equals_one_process,

@@ -10,6 +10,7 @@ momentum each) and fp32 experts.
 """
 
 import pytest
+
 from dist_utils import run_on_workers
 from in_process_trainer import replicated_case_flags, write_dictionaries
 from mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case

@@ -8,6 +8,7 @@ root keeps its parameters gathered between forward and backward, the layers do n
 import json
 
 import pytest
+
 from dist_utils import run_on_workers
 from in_process_trainer import (
     assert_step_equals_one_process,

@@ -16,7 +16,6 @@ pytest.importorskip(
 )
 
 from hf_nllb_moe import TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task  # noqa: E402
-
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool  # noqa: E402
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 4 s of CPU for its

@@ -7,12 +7,12 @@ Logits are compared in fp32 on both sides, from the same (rounded) weights: HF l
 import copy
 import json
 
-import hf_nllb_moe
 import pytest
 import torch
 from fairseq import checkpoint_utils
-from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 
+import hf_nllb_moe
+from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key

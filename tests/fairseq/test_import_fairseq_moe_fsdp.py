@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
+
 from branch_fsdp import shard_in_place
 from branch_sets import branch_model_options, write_branch_set
 from fairscale_oracle import fairscale_fsdp
 from fairseq_helpers import fairseq_env
 from fake_checkpoints import fingerprint
 from tiny_fairseq_models import translation
-
 from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 

@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
-from branch_sets import branch_lm_options, write_branch_set
 from fairseq import checkpoint_utils
+
+from branch_sets import branch_lm_options, write_branch_set
 from fairseq_helpers import USER_DIR, run_fairseq, torchrun, train_args
 from tiny_fairseq_models import language_model, lm_batch
-
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")

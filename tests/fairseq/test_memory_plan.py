@@ -11,6 +11,7 @@ are parametrized and skipped while refused, so they join the test the day they t
 import argparse
 
 import pytest
+
 from dist_utils import run_on_workers
 from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 from memory_counts import KINDS, counted_bytes, cpu_precision_shims

@@ -9,10 +9,10 @@ parameters below the second. A detached or missing term changes the difference, 
 
 import pytest
 import torch
-from router_loss_definitions import E, st_moe_z_loss, switch_balance_loss
-from tiny_fairseq_models import translation, translation_batch
 
 from fairseq_moe_ext.moe import MoELayer, TopKRouter
+from router_loss_definitions import E, st_moe_z_loss, switch_balance_loss
+from tiny_fairseq_models import translation, translation_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 

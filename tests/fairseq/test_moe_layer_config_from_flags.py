@@ -5,10 +5,10 @@ layout it was built for, which the fairseq hooks read from it."""
 
 import pytest
 from fairseq import utils
-from tiny_fairseq_models import language_model, translation
 
 from fairseq_moe_ext.distributed import ExpertLayout
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
+from tiny_fairseq_models import language_model, translation
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 

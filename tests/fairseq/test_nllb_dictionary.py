@@ -5,11 +5,11 @@ set's embedding needs, or refuses in one line, writing nothing, when the diction
 
 import pytest
 import torch
-from branch_sets import branch_options, write_branch_set
 from fairseq import options, tasks
+
+from branch_sets import branch_options, write_branch_set
 from fairseq_helpers import USER_DIR
 from tiny_fairseq_models import translation
-
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")

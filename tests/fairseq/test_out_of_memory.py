@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+
 from dist_utils import run_workers_through_faults
 from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 

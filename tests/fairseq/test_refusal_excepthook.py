@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from fairseq_helpers import fairseq_env
 
 PROGRAM = """

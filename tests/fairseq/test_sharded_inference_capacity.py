@@ -5,9 +5,9 @@ slot (a capacity factor, or a token fraction below 1: measured on an imported NL
 nothing can be dropped (a factor of 0, a token fraction of 1 or more, which replaces the factor)."""
 
 import pytest
-from tiny_fairseq_models import translation
 
 from fairseq_moe_ext.fairseq_integration.inference import moe_layers, refuse_capacity_drops
+from tiny_fairseq_models import translation
 
 # fmt: off
 CASES = [

@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+
 from paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))

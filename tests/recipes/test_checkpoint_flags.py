@@ -5,6 +5,7 @@ import sys
 import torch
 from fairseq import tasks
 from omegaconf import OmegaConf
+
 from paths import REPO_ROOT
 from tiny_fairseq_models import tiny_model_flags, train_config
 

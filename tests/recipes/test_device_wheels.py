@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from paths import REPO_ROOT as ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "device"))

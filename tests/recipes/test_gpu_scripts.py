@@ -11,6 +11,7 @@ import tarfile
 import time
 
 import pytest
+
 from paths import REPO_ROOT as ROOT
 
 ONESHOT = ROOT / "benchmarks" / "gpu_oneshot.sh"

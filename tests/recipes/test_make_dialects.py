@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from paths import REPO_ROOT
 
 RECIPES = REPO_ROOT / "recipes"

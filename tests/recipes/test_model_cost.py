@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+
 from paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fairseq_helpers import fairseq_env, tail
 from paths import REPO_ROOT as ROOT
 

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
+
 from bad_input_runner import Inputs, Make, copy_of, train_args
 from fairseq_helpers import USER_DIR
+
 
 # ---------------------------------------------------------------- damage done to a copy
 

@@ -20,9 +20,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
+
 from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
 from paths import REPO_ROOT, SUPPORT
-
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
 BIN = Path(sys.executable).parent

@@ -11,8 +11,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from fairscale_oracle import ORACLE_DIR
 from torch import nn
+
+from fairscale_oracle import ORACLE_DIR
 
 
 class _Layer(nn.Module):

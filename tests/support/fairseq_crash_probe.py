@@ -41,9 +41,9 @@ def main():
     from fairseq.optim.fairseq_optimizer import FairseqOptimizer
     from fairseq.trainer import Trainer
     from fairseq_cli import train
-    from full_precision_logs import log_every_digit
 
     from fairseq_moe_ext.moe import comm
+    from full_precision_logs import log_every_digit
 
     log_every_digit()  # the tests compare logged losses exactly (after fairseq_cli.train set up logging)
 

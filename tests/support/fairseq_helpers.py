@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-import warm_fairseq
-from paths import REPO_ROOT
 
 import fairseq_moe_ext
+import warm_fairseq
+from paths import REPO_ROOT
 
 sys.path.append(str(REPO_ROOT / "recipes"))  # the modules tests share with recipes and benchmarks
 import toy_pair  # noqa: E402

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
+
 from branch_sets import BRANCH_MOE_OPTIONS, write_branch_parts
 
 VOCAB = 48
@@ -226,7 +227,6 @@ def import_hf(tmp_path, task, hf, ranks=2, world=1, **branch_moe):
         tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(task.data_dir, **branch_moe), ranks
     )
     from fairseq import checkpoint_utils
-
     from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 
     lines = []

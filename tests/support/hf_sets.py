@@ -12,8 +12,8 @@ import torch
 from fairseq import options, tasks, utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from tiny_fairseq_models import tiny_model_flags
 
+from tiny_fairseq_models import tiny_model_flags
 from fairseq_moe_ext import checkpoint as moe_ckpt
 
 EXPERTS = 4

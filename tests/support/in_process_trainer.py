@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+
 from fairseq_helpers import translation_flags
 
 VOCAB = [f"w{i}" for i in range(30)]
@@ -72,6 +73,7 @@ def training_args(data_dir, world_size, extra=()):
 def build_trainer(argv):
     from fairseq import tasks
     from fairseq.trainer import Trainer
+
     from tiny_fairseq_models import train_config
 
     cfg = train_config(argv)

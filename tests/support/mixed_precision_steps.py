@@ -9,6 +9,7 @@ fully_sharded steps the model's fp32 shards and fp32 experts in place.
 from itertools import chain
 
 import torch
+
 from gradient_overflow import first_expert_parameter, inject_once
 from in_process_trainer import build_trainer, collate, sentence_pairs, training_args
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fairseq_helpers import USER_DIR, run_fairseq, torchrun
 
 BIN = Path(sys.executable).parent

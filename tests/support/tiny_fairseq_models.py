@@ -9,6 +9,7 @@ from fairseq import options, tasks, utils
 from fairseq.data import LanguagePairDataset
 from fairseq.data.data_utils import collate_tokens
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
 from fairseq_helpers import USER_DIR
 
 Built = namedtuple("Built", "task model criterion")
