@@ -17,6 +17,7 @@ A new router type is one ``Scorer`` subclass and one row in ``SCORERS`` (docs/ar
 """
 
 import math
+from abc import ABC, abstractmethod
 from typing import Dict
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 __all__ = ["SCORERS", "CosineScorer", "LinearScorer", "Scorer", "SigmoidScorer"]
 
 
-class Scorer:
+class Scorer(ABC):
     """One router type. ``router.fp32`` says whether to compute in fp32 (``x`` is then fp32 already)."""
 
     # What it computes, in a few words: --moe-router's help (options/model.py) names each type with it.
@@ -34,13 +35,13 @@ class Scorer:
     # The chosen k scores are renormalised to sum to 1 whatever --moe-normalize-gates says (so k >= 2).
     gates_normalised_over_chosen = False
 
+    @abstractmethod
     def add_parameters(self, router: nn.Module, model_dim: int, num_experts: int, proj_dim: int, temperature: float):
         """Make this type's parameters as attributes of ``router`` (their names are state keys)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def logits(self, router: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``[N, E]`` logits of the tokens ``x [N, d_model]``."""
-        raise NotImplementedError
 
     def scores(self, router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         """Per-expert affinities (the gates are the chosen ones): softmax over the experts."""
