@@ -11,20 +11,27 @@ import os
 import sys
 
 import pytest
-import torch
 
 # Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 from suite_order import longest_first_rank  # noqa: E402
 
-# One intra-op thread for in-process tests, in one process (MOE_TEST_WORKERS=0) as on each of the two
-# xdist workers: their tensors are tiny, and a second thread on a loaded machine burns CPU spinning, so
-# a test timed alone would read dearer than in the suite. MOE_TEST_TORCH_THREADS=N for another count.
-torch.set_num_threads(int(os.environ.get("MOE_TEST_TORCH_THREADS") or 1))
+
+def pytest_configure(config):
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        return  # pytest-xdist's controller, which runs no test: it need not import torch (2 s of CPU)
+    import torch
+
+    # One intra-op thread for in-process tests, in one process (MOE_TEST_WORKERS=0) as on each of the two
+    # xdist workers: their tensors are tiny, and a second thread on a loaded machine burns CPU spinning, so
+    # a test timed alone would read dearer than in the suite. MOE_TEST_TORCH_THREADS=N for another count.
+    torch.set_num_threads(int(os.environ.get("MOE_TEST_TORCH_THREADS") or 1))
 
 
 @pytest.fixture(autouse=True)
 def _seeded():
+    import torch
+
     torch.manual_seed(1234)
     yield
 

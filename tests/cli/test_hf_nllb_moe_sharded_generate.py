@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not installed: "
-    "bash tests/run.sh installs it into the test venv",
-)
-
-from branch_sets import BRANCH_NAME, OUR_EXPERT  # noqa: E402
-from fairseq_helpers import torchrun  # noqa: E402
-from hf_generation import (  # noqa: E402
+from branch_sets import BRANCH_NAME, OUR_EXPERT
+from fairseq_helpers import torchrun
+from hf_generation import (
     BEAM,
     SOURCES,
     eos_leaning_model,
@@ -33,9 +27,13 @@ from hf_generation import (  # noqa: E402
     preprocessed,
     search_args,
 )
-from hf_nllb_moe import EXPERTS  # noqa: E402
+from hf_nllb_moe import NEEDS_TRANSFORMERS, EXPERTS
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore")]
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore"),
+]
 PROBE = Path(__file__).resolve().parents[1] / "support" / "fairseq_generate_probe.py"
 RUNS = {"greedy": search_args(1), "beam": search_args(BEAM, 1.0)}
 
