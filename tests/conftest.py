@@ -14,7 +14,7 @@ import pytest
 
 # Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
-from suite_order import longest_first_rank  # noqa: E402
+from suite_order import hands_out_by_group, longest_first_rank  # noqa: E402
 
 
 def pytest_configure(config):
@@ -71,8 +71,9 @@ def pytest_itemcollected(item):
 
 def pytest_collection_modifyitems(config, items):
     # xdist 3.8's loadgroup tells groups by a "@group" suffix that it writes into item._nodeid,
-    # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead.
-    if config.getoption("dist", default="no") == "loadgroup":
+    # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead. On the
+    # workers, where the suffix counts, --dist reads "no" (until 7 Dec 2026 no group reached the scheduler).
+    if hands_out_by_group(config):
         from _pytest.nodeid import coerce_node_id
 
         for item in items:

@@ -26,3 +26,9 @@ LONGEST_FIRST = (
 def longest_first_rank(nodeid: str) -> int:
     """Where a test goes among the longest (0 first); every other test ranks after them all."""
     return next((i for i, part in enumerate(LONGEST_FIRST) if part in nodeid), len(LONGEST_FIRST))
+
+
+def hands_out_by_group(config) -> bool:
+    """Whether tests are handed out by ``xdist_group`` (``--dist loadgroup``): xdist's workers read "no"
+    for --dist and carry its own ``loadgroup`` value instead, which a run without xdist lacks."""
+    return config.getoption("dist", default="no") == "loadgroup" or bool(config.getoption("loadgroup", default=False))
