@@ -67,3 +67,64 @@ def test_no_module_of_the_tree_imports_a_test_module_whose_helpers_belong_in_sup
         if (found := imported_modules(ast.parse(f.read_text())) & test_modules)
     ]
     assert not offenders, "move what these share to tests/support/ (docs/testing.md):\n" + "\n".join(offenders)
+
+
+SHARED_TREES = ("benchmarks", "recipes")  # what users run: they may share modules with tests, never import them
+IMPORT_PATH = re.compile(r"sys\.path|PYTHONPATH|addsitedir")
+
+
+def names_the_tests_tree(text: str) -> bool:
+    return "tests" in re.split(r"[/\\]", text)
+
+
+def reaches_into_tests(path: Path, test_names: set) -> list:
+    """How ``path`` (a Python or shell file of benchmarks/ or recipes/) reaches into tests/: a module it imports
+    that only tests/ has, or a tests/ folder it puts on the import path (sys.path, PYTHONPATH)."""
+    text = path.read_text()
+    if path.suffix == ".sh":
+        lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+        return [
+            f"puts tests/ on PYTHONPATH: {line.strip()}" for line in lines if "PYTHONPATH" in line and "tests/" in line
+        ]
+    tree = ast.parse(text)
+    imported = {
+        alias.name.split(".")[0] if isinstance(node, ast.Import) else (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and not node.level)
+        for alias in node.names
+    }
+    found = [f"imports {name} from tests/" for name in sorted(imported & test_names)]
+    if IMPORT_PATH.search(text):  # then no string of its code may name tests/ (docstrings aside)
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None
+        }
+        found += [
+            f"line {node.lineno} names tests/ ({node.value!r}) in a file that sets the import path"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            if names_the_tests_tree(node.value)
+        ]
+    return found
+
+
+def test_no_benchmark_or_recipe_imports_from_tests_or_puts_a_tests_folder_on_the_import_path(tmp_path):
+    test_names = {"tests", *(f.stem for f in (ROOT / "tests").rglob("*.py"))}
+    files = [f for f in tracked_python_and_shell_files() if f.relative_to(ROOT).parts[0] in SHARED_TREES]
+    assert len(files) > 40 and {"fairseq_helpers", "paths", "conftest"} <= test_names, "the check would see nothing"
+    offenders = [f"{f.relative_to(ROOT)} {why}" for f in files for why in reaches_into_tests(f, test_names)]
+    assert not offenders, "move what both need to recipes/ or the package (docs/testing.md):\n" + "\n".join(offenders)
+    # Each way in is seen: an import, a folder put on sys.path (through a loop), a shell PYTHONPATH.
+    (tmp_path / "a.py").write_text(
+        '"""Not tests/ here."""\nimport sys\nfor p in (ROOT / "tests" / "support",):\n    sys.path.insert(0, str(p))\n'
+    )
+    (tmp_path / "b.py").write_text("def f():\n    from fairseq_helpers import torchrun\n")
+    (tmp_path / "c.sh").write_text('# tests/ in a comment\nexport PYTHONPATH="$ROOT/tests/support:$ROOT"\n')
+    (tmp_path / "d.py").write_text('import toy_pair\nSKIP = {"tests"}  # a folder name, with no import path set\n')
+    assert [reaches_into_tests(tmp_path / name, test_names) for name in ("a.py", "b.py", "c.sh", "d.py")] == [
+        ["line 3 names tests/ ('tests') in a file that sets the import path"],
+        ["imports fairseq_helpers from tests/"],
+        ['puts tests/ on PYTHONPATH: export PYTHONPATH="$ROOT/tests/support:$ROOT"'],
+        [],
+    ]
