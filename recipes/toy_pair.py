@@ -2,7 +2,7 @@
 map every token through a fixed permutation. Learnable in a few dozen updates, so "the loss falls" is a real
 check and not noise; generated from a seeded RNG, so nothing is downloaded.
 
-Shared by tests/support/fairseq_helpers.py, benchmarks/ and the GPU one-shot (benchmarks/device/oneshot_runs.py),
+Shared by tests/support/launch/fairseq_helpers.py, benchmarks/ and the GPU one-shot (benchmarks/device/oneshot_runs.py),
 which import nothing from tests/.
 """
 

@@ -1,5 +1,5 @@
 """The FSDP shard reader (``checkpoint/branch/fsdp_shards.py``) on shard files fairscale 0.4.13 itself wrote
-(tests/requirements-fairscale.txt, test-only; tests/support/fairscale_shards.py: 2 gloo CPU workers, the branch's
+(tests/requirements-fairscale.txt, test-only; tests/support/oracles/fairscale_shards.py: 2 gloo CPU workers, the branch's
 wrapping and file split), not only on the files the tests write in its format."""
 
 import pytest

@@ -16,10 +16,10 @@ from fairseq_helpers import (
     write_parallel_corpus,
 )
 from multiworker_cli_runs import moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
-TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
+TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"
 # fmt: off
 FLAGS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-balance", "bias",
          "--moe-bias-update-rate", "0.01", "--moe-gate-loss-wt", "0"]

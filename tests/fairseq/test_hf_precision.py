@@ -28,7 +28,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
-    """(args, task, fp32 model): the tiny moe_transformer NllbMoe can express (tests/support/hf_sets.py)."""
+    """(args, task, fp32 model): the tiny moe_transformer NllbMoe can express (tests/support/inputs/hf_sets.py)."""
     return build(joined_data(tmp_path_factory.mktemp("joined")), *HF_FLAGS)
 
 

@@ -1,5 +1,5 @@
 """``python -m fairseq_moe_ext.checkpoint import-fairseq-moe``: a moe/nllb-branch set (written here in
-that branch's layout, tests/support/branch_sets.py) becomes a checkpoint this project's fairseq models load
+that branch's layout, tests/support/inputs/branch_sets.py) becomes a checkpoint this project's fairseq models load
 and compute the same function with; what it cannot represent is refused in one line, writing nothing."""
 
 import argparse

@@ -1,5 +1,5 @@
 """``import-fairseq-moe`` on the raw files of a moe/nllb-branch FSDP run (``-shared-shard<r>.pt``,
-``-rank-<r>-shard<r>.pt``; written here in that layout by tests/support/branch_fsdp.py with fairscale 0.4's
+``-rank-<r>-shard<r>.pt``; written here in that layout by tests/support/inputs/branch_fsdp.py with fairscale 0.4's
 metadata): the import equals the plain set's, bitwise, and fairscale's own ``consolidate_shard_weights``
 (tests/requirements-fairscale.txt) gives the same tensors; bad shard files are refused in one line."""
 

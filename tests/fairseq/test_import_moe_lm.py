@@ -1,6 +1,6 @@
 """``import-fairseq-moe`` on a moe-branch language model (moe_lm: ``transformer_lm``, decoder-only): a
 ``moe_transformer_lm`` trained and saved here is written out in the branch's file layout and options
-(tests/support/branch_sets.py), imported, and scored by fairseq-eval-lm exactly as the original."""
+(tests/support/inputs/branch_sets.py), imported, and scored by fairseq-eval-lm exactly as the original."""
 
 import re
 

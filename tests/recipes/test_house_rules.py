@@ -3,6 +3,7 @@
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,4 +128,37 @@ def test_no_benchmark_or_recipe_imports_from_tests_or_puts_a_tests_folder_on_the
         ["imports fairseq_helpers from tests/"],
         ['puts tests/ on PYTHONPATH: export PYTHONPATH="$ROOT/tests/support:$ROOT"'],
         [],
+    ]
+
+
+def support_layout_problems(support: Path, import_path: list) -> list:
+    """What breaks tests/support's rule: a folder per kind (oracles/, inputs/, launch/, probes/), each on
+    sys.path (tests/conftest.py), no file loose beside them, and no module name in two of them (the
+    first on sys.path would win silently)."""
+    kinds = sorted(p for p in support.iterdir() if p.is_dir() and p.name != "__pycache__")
+    problems = [
+        f"{p.name}: loose in tests/support; move it to the folder of its kind" for p in support.iterdir() if p.is_file()
+    ]
+    problems += [f"{k.name}/: not on sys.path (tests/conftest.py)" for k in kinds if str(k) not in import_path]
+    where: dict = {}
+    for kind in kinds:
+        for module in sorted(kind.glob("*.py")):
+            if module.stem in where:
+                problems.append(f"{module.stem}: in {where[module.stem]}/ and {kind.name}/; one module per name")
+            where.setdefault(module.stem, kind.name)
+    return problems
+
+
+def test_tests_support_holds_one_folder_per_kind_on_sys_path_and_each_name_once(tmp_path):
+    support = ROOT / "tests" / "support"
+    assert len([p for p in support.iterdir() if p.is_dir()]) >= 4 and len(list(support.rglob("*.py"))) > 30
+    assert support_layout_problems(support, sys.path) == []
+    for kind, module in (("oracles", "moe_math"), ("launch", "runner"), ("launch", "moe_math")):
+        (tmp_path / kind).mkdir(exist_ok=True)
+        (tmp_path / kind / f"{module}.py").write_text("")
+    (tmp_path / "helper.py").write_text("")
+    assert sorted(support_layout_problems(tmp_path, [str(tmp_path / "launch")])) == [
+        "helper.py: loose in tests/support; move it to the folder of its kind",
+        "moe_math: in launch/ and oracles/; one module per name",
+        "oracles/: not on sys.path (tests/conftest.py)",
     ]

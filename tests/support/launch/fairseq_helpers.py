@@ -249,7 +249,7 @@ def assert_loss_falls(output: str, by: float = 0.85) -> None:
 
 
 def load_rank_probes(probe_dir: Path, workers: int) -> List[dict]:
-    """What tests/support/fairseq_rank_probe.py recorded in each worker after training."""
+    """What tests/support/probes/fairseq_rank_probe.py recorded in each worker after training."""
     import torch
 
     return [torch.load(Path(probe_dir) / f"rank{r}.pt") for r in range(workers)]

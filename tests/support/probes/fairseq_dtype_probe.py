@@ -1,7 +1,7 @@
 """Run fairseq's inference entry points in one process (several runs one after another) and record, while each
 runs, the dtypes the MoE model actually computed in: what forward hooks saw, not what a flag said.
 
-Usage (under torchrun, one worker or several): python tests/support/fairseq_dtype_probe.py OUT_DIR RUNS_JSON [ARGS]
+Usage (under torchrun, one worker or several): python tests/support/probes/fairseq_dtype_probe.py OUT_DIR RUNS_JSON [ARGS]
 RUNS_JSON maps a run's name to {"tool": "generate" | "interactive" | "validate" | "eval_lm", "args": [...]}, whose
 command line gets ARGS appended (torchrun's --distributed-world-size), or to {"tool": "hub", "dir", "checkpoint_file",
 "data", "overrides": {...}, "sentence"}: MoETransformerModel.from_pretrained(dir, ..., **overrides).translate(sentence).
