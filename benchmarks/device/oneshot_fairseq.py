@@ -21,7 +21,7 @@ import sys
 import time
 
 from oneshot_ranks import KINDS, backend, judge, judge_generate, legacy_then_generate, start_two_ranks
-from oneshot_runs import RUNS, UPDATES, FALL, corpus, failed_run, kill_started, outcome, start, train_flags, wait_all
+from oneshot_runs import FALL, RUNS, UPDATES, corpus, failed_run, kill_started, outcome, start, train_flags, wait_all
 from report import DRY_RUN, LOGS, emit, run_guarded, skip_cuda, verdict
 
 BOUNDS = {"fp16": 0.03, "amp": 0.03, "bf16": 0.05}

@@ -20,10 +20,9 @@ import warnings
 
 import torch
 
-from report import DRY_RUN, device, emit, out_of_time, rel_err, run_guarded, sized, skip_cuda, verdict
-
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.reference import reference_logits, reference_moe
+from report import DRY_RUN, device, emit, out_of_time, rel_err, run_guarded, sized, skip_cuda, verdict
 
 ROUTERS = ("top", "cosine", "sigmoid")
 # fmt: off

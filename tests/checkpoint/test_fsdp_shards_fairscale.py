@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from dist_utils import run_on_workers
+from fairscale_oracle import ORACLE_DIR
 from fairscale_shards import write_both
 from fairseq_moe_ext.checkpoint.branch.consolidated import sharded_files
 from fairseq_moe_ext.checkpoint.branch.fsdp_shards import FsdpShards
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
-
-from fairscale_oracle import ORACLE_DIR
 
 if not (ORACLE_DIR / "fairscale").is_dir():
     pytest.skip(

@@ -11,8 +11,8 @@ import torch
 
 from fairseq_helpers import json_logs, run_checkpoint_tool, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
-from paths import PROBES
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
 

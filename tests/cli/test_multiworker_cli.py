@@ -13,12 +13,12 @@ import shutil
 import pytest
 import torch
 
-from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     json_logs,
     run_checkpoint_tool,
     torchrun,
 )
+from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args, rewrite_rank_file
 from paths import PROBES
 

@@ -16,8 +16,8 @@ from fairseq_helpers import (
     run_fairseq,
     torchrun,
 )
-from paths import PROBES
 from multiworker_cli_runs import moe_args
+from paths import PROBES
 
 
 def parsed(*flags):

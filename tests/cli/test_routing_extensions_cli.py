@@ -5,7 +5,6 @@ command-line tools: fairseq-train on 2 torchrun workers, resumed bit-exactly, th
 import pytest
 import torch
 
-from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
     json_logs,
@@ -15,6 +14,7 @@ from fairseq_helpers import (
     torchrun,
     write_parallel_corpus,
 )
+from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import moe_args
 from paths import PROBES
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from dist_utils import run_on_workers
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.reference import reference_bias_update, reference_moe
 
 D, H, E = 8, 16, 4

@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers (tests/requirements-oracle.txt) is not installed")
 
-from hf_nllb_moe import PAD, batch, hf_model, import_hf, oracle_task  # noqa: E402
 from transformers.models.nllb_moe.modeling_nllb_moe import load_balancing_loss_func  # noqa: E402
+
+from hf_nllb_moe import PAD, batch, hf_model, import_hf, oracle_task  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 SIDES = ("encoder", "decoder")

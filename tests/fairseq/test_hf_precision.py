@@ -12,10 +12,10 @@ import torch
 from fairseq import checkpoint_utils
 
 import hf_nllb_moe
-from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
+from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
-from paths import PROBES, REPO_ROOT
 from fairseq_moe_ext import checkpoint as moe_ckpt
+from paths import PROBES, REPO_ROOT
 
 BIN = Path(sys.executable).parent
 SET = moe_ckpt.CheckpointSetError.__module__ + ".CheckpointSetError"

@@ -18,8 +18,9 @@ from collections import defaultdict
 
 def main():
     out_dir, runs, common = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
-    import fairseq_moe_ext  # noqa: F401  (its hooks first: the recorder below wraps the plugin's load)
     from fairseq import checkpoint_utils
+
+    import fairseq_moe_ext  # noqa: F401  (its hooks first: the recorder below wraps the plugin's load)
 
     rank = int(os.environ.get("RANK", "0"))
     record = {}
