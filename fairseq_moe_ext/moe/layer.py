@@ -19,7 +19,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..common.refusal import MoEOptionError
 from . import comm
+from .balance_bias import BalanceBias
+from .balance_scope import UpdateLoad
 from .cache import MoEAux, MoEAuxCache, inside_backward
 from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
 from .dispatch import (
@@ -30,8 +33,6 @@ from .dispatch import (
     permute_rows,
     served_slot_rows,
 )
-from .balance_bias import BalanceBias
-from .balance_scope import UpdateLoad
 from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
@@ -39,7 +40,6 @@ from .losses import balance_loss, z_loss
 from .router import TopKRouter
 from .second_expert import gates_renormalised_over_served
 from .shared_experts import SharedExperts
-from ..common.refusal import MoEOptionError
 
 
 class MoELayer(nn.Module):
