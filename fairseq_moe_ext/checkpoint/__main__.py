@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from .branch.importer import import_branch_set
 from ..common.config_value import config_value
 from ..moe.expert_layout import default_expert_parallel_size
+from .branch.importer import import_branch_set
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
-from .hf.exporter import export_hf, shard_size
 from .hf.dtype import cast_dtype
+from .hf.exporter import export_hf, shard_size
 from .hf.importer import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path

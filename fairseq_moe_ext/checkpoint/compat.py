@@ -4,10 +4,10 @@ of size mismatches, when a run is resumed with other flags than it was trained w
 import argparse
 from typing import Dict, Tuple
 
-from ..moe.experts import is_expert
-from ..options import moe_freq
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
+from ..moe.experts import is_expert
+from ..options import moe_freq
 
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -> None:

@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..moe.routing_stats import METRICS, RoutingStatsError, expert_scores, group_keys, read_statistics
 from ..common.config_value import config_value
+from ..moe.routing_stats import METRICS, RoutingStatsError, expert_scores, group_keys, read_statistics
 from .errors import CheckpointSetError
 
 # Per MoE layer (a state-key prefix such as encoder.layers.1.fc1): tensors with one entry per expert,

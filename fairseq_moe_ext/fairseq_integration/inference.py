@@ -27,12 +27,12 @@ from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from .. import fully_sharded
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
 from ..options import INFERENCE_OPTIONS, option_value
 from ..options.inference import EXPERT_PLACEMENTS
 from ..process_state import STATE, LoadTarget
-from ..common.refusal import MoEOptionError
 from . import routing_stats
 
 logger = logging.getLogger(__name__)

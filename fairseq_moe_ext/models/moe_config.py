@@ -13,13 +13,13 @@ from typing import Dict, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..moe.freeze import parse_frozen_parts
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
 from ..moe.placement import places_moe_layer
 from ..option_ranges import MODEL_RANGES, check_option, check_options
 from ..options import ARCH_OPTIONS, FLAG_OF_FIELD, MODEL_OPTIONS, TRANSLATION_OPTIONS, default, option_value
 from ..options import moe_freq as options_moe_freq
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 

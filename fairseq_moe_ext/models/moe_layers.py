@@ -16,12 +16,12 @@ from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..moe import MoELayer, MoELayerConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
 from ..process_state import STATE
 from .moe_config import layer_config, layer_fields, moe_freq, moe_option
-from ..common.refusal import MoEOptionError
 
 
 class MoEFeedForward(MoELayer):

@@ -18,8 +18,8 @@ from ..distributed import expert_layout, expert_parallel_group, moe_statistics_g
 from ..moe import MoEAuxCache, MoELayer
 from ..moe.freeze import freeze_parts, parse_frozen_parts
 from .moe_config import check_moe_args, check_moe_layers_placed, moe_option
-from .moe_runtime import apply_runtime_options
 from .moe_layers import install_moe_layers
+from .moe_runtime import apply_runtime_options
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..distributed import (
     SUPPORTED_DDP_BACKENDS,
     default_expert_parallel_size,
@@ -18,7 +19,6 @@ from ..distributed import (
 )
 from ..fully_sharded import refused_options, zero_sharding_error
 from .moe_config import moe_option
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 

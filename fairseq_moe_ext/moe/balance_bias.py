@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..common.refusal import MoEOptionError
 from . import comm
 from .collective_device import on_group_device
-from ..common.refusal import MoEOptionError
 
 # The rate DeepSeek-V3 used for most of its training.
 DEFAULT_BIAS_UPDATE_RATE = 0.001

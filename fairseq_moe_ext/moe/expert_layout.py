@@ -7,6 +7,7 @@ checkpoint code places experts by it), so it can be reasoned about and tested wi
 import math
 from dataclasses import dataclass
 from typing import List, Tuple
+
 from ..common.refusal import MoEOptionError
 
 

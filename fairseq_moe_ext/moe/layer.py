@@ -25,13 +25,14 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..common.refusal import MoEOptionError
 from . import comm
-from .cache import MoEAux, MoEAuxCache, inside_backward
-from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
-from .batch_totals import BatchTotals, batch_totals
-from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
 from .balance_bias import BalanceBias
 from .balance_scope import UpdateLoad
+from .batch_totals import BatchTotals, batch_totals
+from .cache import MoEAux, MoEAuxCache, inside_backward
+from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
+from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
 from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
@@ -40,7 +41,6 @@ from .router import TopKRouter
 from .routing_log import routing_log
 from .second_expert import gates_renormalised_over_served
 from .shared_experts import SharedExperts
-from ..common.refusal import MoEOptionError
 
 
 class MoELayer(nn.Module):

@@ -25,7 +25,8 @@ from ..common.config_value import config_value
 from ..moe.placement import side_moe_freq
 from .criterion import CRITERION_OPTIONS
 from .inference import INFERENCE_OPTIONS  # noqa: F401  (re-exported)
-from .model import MODEL_OPTIONS as _MODEL, TRANSLATION_OPTIONS
+from .model import MODEL_OPTIONS as _MODEL
+from .model import TRANSLATION_OPTIONS
 from .record import CRITERION, EVERY_ARCH, INFERENCE, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
 from .run import RUN_OPTIONS
 

@@ -21,12 +21,12 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
-from ..common.config_value import config_value
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
+from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_option
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 

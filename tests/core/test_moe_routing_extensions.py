@@ -7,7 +7,7 @@ import torch
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig, TopKRouter
 from fairseq_moe_ext.moe.balance_bias import BalanceBias, update_balance_biases
 from fairseq_moe_ext.moe.experts import is_expert
-from moe_reference import assert_layer_matches_reference, reference_bias_update, reference_moe
+from fairseq_moe_ext.moe.reference import assert_layer_matches_reference, reference_bias_update, reference_moe
 
 D, H, E = 12, 20, 4
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -1,7 +1,7 @@
 """Generation through the Hugging Face exchange: ``export-hf`` and ``import-hf`` keep what the two searches find.
 
 fairseq-generate (``fairseq_cli.generate``'s own main, in this process) and HF's
-``NllbMoeForConditionalGeneration.generate`` run as the same search (``tests/support/hf_generation.py`` lists
+``NllbMoeForConditionalGeneration.generate`` run as the same search (``tests/support/oracles/hf_generation.py`` lists
 the settings: decoder_start_token_id eos, pad suppressed, min_new_tokens 1, early_stopping True,
 length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy and with 4 beams:
 

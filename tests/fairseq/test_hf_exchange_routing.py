@@ -15,8 +15,8 @@ pytest.importorskip(
     "bash tests/run.sh installs it into the test venv",
 )
 
-from hf_nllb_moe import TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task  # noqa: E402
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool  # noqa: E402
+from hf_nllb_moe import TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task  # noqa: E402
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 4 s of CPU for its
 # 4 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.

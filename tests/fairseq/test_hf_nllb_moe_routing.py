@@ -15,6 +15,8 @@ pytest.importorskip(
     "bash tests/run.sh installs it into the test venv",
 )
 
+from fairseq_moe_ext.models.moe_layers import MoEFeedForward  # noqa: E402
+from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig  # noqa: E402
 from hf_nllb_moe import (
     PAD,
     TOLERANCE,
@@ -25,8 +27,6 @@ from hf_nllb_moe import (
     import_hf,
     oracle_task,
 )
-from fairseq_moe_ext.models.moe_layers import MoEFeedForward  # noqa: E402
-from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 FRACTION = 0.25  # the branch's default: ceil(S/4) slots per expert for 2S slots over 4 experts, most dropped
@@ -189,6 +189,7 @@ def test_import_hf_maps_the_routing_options_and_drops_as_hf(tmp_path, task):
     # NllbMoe's own checkpoint (save_pretrained) with a fraction below 1, gates normalised after dropping and the
     # random policy: import-hf maps each to its option here, and the imported set computes HF's logits.
     from fairseq import checkpoint_utils
+
     from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
     hf = hf_model(moe_eval_capacity_token_fraction=FRACTION, normalize_router_prob_before_dropping=False)
@@ -209,6 +210,7 @@ def test_export_hf_of_an_imported_branch_set_carries_its_routing_options_to_hf(t
     # nllb layout (fraction 0.25, gates normalised after dropping) -> import-fairseq-moe -> export-hf -> HF loads
     # it and drops what the original drops
     from transformers import NllbMoeForConditionalGeneration
+
     from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
     model, hf, _ = both(tmp_path, task)

@@ -14,8 +14,9 @@ import pytest
 from fairseq import tasks
 
 from fairseq_helpers import translation_flags
-from tiny_fairseq_models import train_config
 from fairseq_moe_ext.checkpoint.compat import check_resumable
+from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
+from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
 from fairseq_moe_ext.training.resume_policy import (
     CHANGES_FUNCTION,
     CHANGES_PARAMETERS,
@@ -23,8 +24,7 @@ from fairseq_moe_ext.training.resume_policy import (
     POLICY,
     check_resume_policy,
 )
-from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
-from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
+from tiny_fairseq_models import train_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 PATH = "ck/checkpoint_last.pt"

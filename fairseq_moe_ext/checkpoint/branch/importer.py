@@ -24,8 +24,6 @@ from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
-from .reader import BRANCH_ROUTER, BranchSet, digest_of
-from .vocab import check_vocabulary, read_languages
 from ...common.config_value import config_value
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
@@ -34,6 +32,8 @@ from ..one_read import load_skipping
 from ..progress import Progress
 from ..rank_state import moe_metadata
 from ..set_writer import write_shards
+from .reader import BRANCH_ROUTER, BranchSet, digest_of
+from .vocab import check_vocabulary, read_languages
 
 # fmt: off
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",

@@ -21,12 +21,12 @@ import torch
 
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
-from .config import SIDES, imported_options
-from .dtype import import_dtypes
-from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
 from ..names import base_of
 from ..rank_state import moe_metadata
 from ..set_writer import write_shards
+from .config import SIDES, imported_options
+from .dtype import import_dtypes
+from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
 

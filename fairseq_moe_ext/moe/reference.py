@@ -1,7 +1,10 @@
 """A deliberately naive MoE: one token and one choice at a time, written from the definitions.
 
 Tests compare the real layer against it; nothing here is shared with the implementation except
-the parameters it reads.
+the parameters it reads. It lives in the package, beside what it checks, so that the tests
+(tests/core) and the GPU one-shot (benchmarks/device/oneshot_layer.py, which imports nothing from
+tests/) share one oracle; no module of the package imports it
+(tests/core/test_package_tiers.py).
 """
 
 import math

@@ -13,8 +13,8 @@ from fairseq import options, tasks, utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from tiny_fairseq_models import tiny_model_flags
 from fairseq_moe_ext import checkpoint as moe_ckpt
+from tiny_fairseq_models import tiny_model_flags
 
 EXPERTS = 4
 # What NllbMoe can express: top-2, gates renormalised, dropless evaluation (fraction 1.0), NllbMoe's
