@@ -31,7 +31,7 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
     n, num_experts, k = len(real), layer.num_experts, layer.k
 
     sigmoid = router.router_type == "sigmoid"
-    bias = None if router.balance_bias is None else router.balance_bias.bias
+    bias = None if layer.balance_bias is None else layer.balance_bias.bias  # the layer's own (layer.py)
     probs, choices, top1 = {}, {}, {}
     for t in real:
         logits = reference_logits(router, flat[t])
