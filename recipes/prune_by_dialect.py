@@ -126,8 +126,10 @@ def per_side_budgets(args, work, out, stats, data, by_dialect_data, per_dialect,
                 continue
             seen.add(split_of(glob_path))
             print(f"keep {fraction:.0%}, encoder:decoder {split_of(glob_path)} (R {ratio:g})", flush=True)
-            glob_out = gen / f"global_{tag}.out"
-            glob = per_dialect(generate(data, glob_path, "test", glob_out, args.beam, sentences=len(refs)))
+            glob = None
+            if args.ratio_global:
+                glob_out = gen / f"global_{tag}.out"
+                glob = per_dialect(generate(data, glob_path, "test", glob_out, args.beam, sentences=len(refs)))
             own = {}
             for d_index, d in enumerate(dialects):
                 path = prune(work, out, f"{d}_{tag}", stats, fraction, args.metric, [d], ratio=ratio)
@@ -147,6 +149,9 @@ def budgets_table(rows: list, full: dict, dialects: list) -> str:
     for row in rows:
         cells = []
         for kind in ("dialect", "global"):
+            if row[kind] is None:
+                cells.append("not measured")
+                continue
             mean = statistics.mean(row[kind][d] for d in dialects)
             cells.append(f"{mean:.2f} ({mean / max(full['mean'], 1e-9):.1%})")
         lines.append(f"| {row['fraction']:.1%} | {row['ratio']:g} | {row['split']} | {cells[0]} | {cells[1]} |")
@@ -229,8 +234,11 @@ def main(argv=None):
         type=float,
         nargs="*",
         default=[],
-        help="encoder:decoder ratios R (prune --encoder-decoder-ratio) to measure per-dialect and global pruning "
-        "at, for each keep fraction: a second table (budgets.md); splits a budget does not allow are left out",
+        help="encoder:decoder ratios R (prune --encoder-decoder-ratio) to measure per-dialect pruning at, for each "
+        "keep fraction: a second table (budgets.md); splits a budget does not allow are left out",
+    )
+    parser.add_argument(
+        "--ratio-global", action="store_true", help="measure global pruning at each ratio too (the whole test set)"
     )
     parser.add_argument(
         "--random-cached-only",
