@@ -29,7 +29,7 @@ def prune(trained, out, *flags):
     return run_checkpoint_tool("prune", trained["set"], out, "--stats", trained["stats"], *flags, check=True).stdout
 
 
-def test_a_set_pruned_to_unequal_sides_generates_as_the_masked_router_one_process_and_sharded(trained, tmp_path):
+def test_a_set_pruned_to_unequal_sides_generates_as_the_masked_router_in_one_and_two_workers(trained, tmp_path):
     # 3 of 6 per layer, split 1:2 between encoder and decoder: 2 encoder experts and 4 decoder ones
     out = tmp_path / "p" / "ck.pt"
     printed = prune(
