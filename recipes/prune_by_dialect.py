@@ -117,7 +117,7 @@ def per_side_budgets(args, work, out, stats, data, by_dialect_data, per_dialect,
     """Per-dialect and global pruning at each keep fraction split between the sides by each --ratios R
     (prune --encoder-decoder-ratio): one row per split the budget allows (ratios giving the same split share it)."""
     rows, gen = [], out / "generate"
-    for fraction in args.fractions:
+    for fraction in args.ratio_fractions or args.fractions:
         seen = set()
         for ratio in args.ratios:
             tag = f"keep{fraction:g}_r{ratio:g}"
@@ -239,6 +239,13 @@ def main(argv=None):
     )
     parser.add_argument(
         "--ratio-global", action="store_true", help="measure global pruning at each ratio too (the whole test set)"
+    )
+    parser.add_argument(
+        "--ratio-fractions",
+        type=float,
+        nargs="*",
+        default=[],
+        help="the keep fractions --ratios applies to (default: all)",
     )
     parser.add_argument(
         "--random-cached-only",
