@@ -125,7 +125,7 @@ def per_side_budgets(args, work, out, stats, data, by_dialect_data, per_dialect,
             if glob_path is None or split_of(glob_path) in seen:
                 continue
             seen.add(split_of(glob_path))
-            print(f"keep {fraction:.0%}, encoder:decoder {split_of(glob_path)} (R {ratio:g})", flush=True)
+            print(f"keep {100 * fraction:g}%, encoder:decoder {split_of(glob_path)} (R {ratio:g})", flush=True)
             glob = None
             if args.ratio_global:
                 glob_out = gen / f"global_{tag}.out"
@@ -154,7 +154,7 @@ def budgets_table(rows: list, full: dict, dialects: list) -> str:
                 continue
             mean = statistics.mean(row[kind][d] for d in dialects)
             cells.append(f"{mean:.2f} ({mean / max(full['mean'], 1e-9):.1%})")
-        lines.append(f"| {row['fraction']:.1%} | {row['ratio']:g} | {row['split']} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {100 * row['fraction']:g}% | {row['ratio']:g} | {row['split']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +190,7 @@ def plot(results: dict, fractions: list, dialects: list, png: Path, title: str) 
             ax.bar([x + (i - 1) * width for x in range(len(dialects))], values, width, label=label)
         ax.axhline(100, color="black", linewidth=0.8)
         ax.set_xticks(range(len(dialects)), dialects, rotation=45, fontsize=8)
-        ax.set_title(f"keep {fraction:.0%} of the experts", fontsize=10)
+        ax.set_title(f"keep {100 * fraction:g}% of the experts", fontsize=10)
         ax.set_ylabel("BLEU, % of the full model")
     axes[0][-1].legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
@@ -201,7 +201,7 @@ def plot(results: dict, fractions: list, dialects: list, png: Path, title: str) 
 def table(results: dict, fractions: list, dialects: list) -> str:
     lines = [
         "| dialect | full | "
-        + " | ".join(f"{k} {f:.0%}" for f in fractions for k in ("dialect", "global", "random"))
+        + " | ".join(f"{k} {100 * f:g}%" for f in fractions for k in ("dialect", "global", "random"))
         + " |"
     ]
     lines.append("|" + " --- |" * (2 + 3 * len(fractions)))
@@ -214,7 +214,7 @@ def table(results: dict, fractions: list, dialects: list) -> str:
     for f in fractions:
         row = results["by_fraction"][str(f)]["mean"]
         lines.append(
-            f"\nkeep {f:.0%}: per-dialect {row['dialect_share']:.1%} of the full BLEU, global "
+            f"\nkeep {100 * f:g}%: per-dialect {row['dialect_share']:.1%} of the full BLEU, global "
             f"{row['global_share']:.1%}, random {row['random_share']:.1%}; per-dialect beats random on "
             f"{row['dialect_beats_random']} of {len(dialects)} dialects (random: {row['random_seeds']} seeds)"
         )
@@ -290,7 +290,7 @@ def main(argv=None):
     }
     for fraction in args.fractions:
         tag = f"keep{fraction:g}"
-        print(f"keep {fraction:.0%}: global, per dialect, {args.seeds} random", flush=True)
+        print(f"keep {100 * fraction:g}%: global, per dialect, {args.seeds} random", flush=True)
         glob_path = prune(work, out, f"global_{tag}", stats, fraction, args.metric)
         global_bleu = per_dialect(
             generate(data, glob_path, "test", gen / f"global_{tag}.out", args.beam, sentences=len(refs))

@@ -231,6 +231,5 @@ def test_expert_pruning_tiny_mode_prunes_per_dialect_globally_and_at_random_and_
     budgets = results["per_side_budgets"]
     assert [(row["ratio"], row["split"]) for row in budgets] == [(3.0, "6:2")]
     assert (
-        set(budgets[0]["dialect"]) == dialects
-        and "| 50.0% | 3 | 6:2 |" in (work / "pruning" / "budgets.md").read_text()
+        set(budgets[0]["dialect"]) == dialects and "| 50% | 3 | 6:2 |" in (work / "pruning" / "budgets.md").read_text()
     )
