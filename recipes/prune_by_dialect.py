@@ -14,7 +14,7 @@ Reads a finished main job (recipes/main.sh; recipes/expert_pruning.sh runs both)
 4. a table (``table.md``), the numbers (``results.json``) and a plot (``pruning.png``) under OUT.
 
   python recipes/prune_by_dialect.py --work work-dirs/main --out work-dirs/main/pruning \
-      [--fractions 0.5 0.25] [--seeds 3] [--metric gate-mass] [--beam 5]
+      [--fractions 0.5 0.25] [--seeds 3] [--metric gate-mass] [--beam 5] [--ratios 0.333 3]
 """
 
 import argparse
@@ -122,7 +122,8 @@ def per_side_budgets(args, work, out, stats, data, by_dialect_data, per_dialect,
         for ratio in args.ratios:
             tag = f"keep{fraction:g}_r{ratio:g}"
             glob_path = prune(work, out, f"global_{tag}", stats, fraction, args.metric, ratio=ratio)
-            if glob_path is None or split_of(glob_path) in seen:
+            cached = all((gen / f"{d}_{tag}.out").exists() for d in dialects)
+            if glob_path is None or split_of(glob_path) in seen or (args.ratio_cached_only and not cached):
                 continue
             seen.add(split_of(glob_path))
             print(f"keep {100 * fraction:g}%, encoder:decoder {split_of(glob_path)} (R {ratio:g})", flush=True)
@@ -240,13 +241,8 @@ def main(argv=None):
     parser.add_argument(
         "--ratio-global", action="store_true", help="measure global pruning at each ratio too (the whole test set)"
     )
-    parser.add_argument(
-        "--ratio-fractions",
-        type=float,
-        nargs="*",
-        default=[],
-        help="the keep fractions --ratios applies to (default: all)",
-    )
+    parser.add_argument("--ratio-fractions", type=float, nargs="*", default=[], help="keep fractions --ratios uses")
+    parser.add_argument("--ratio-cached-only", action="store_true", help="only the ratios' splits generated already")
     parser.add_argument(
         "--random-cached-only",
         action="store_true",
