@@ -210,14 +210,18 @@ def table(results: dict, fractions: list, dialects: list) -> str:
         cells = [f"{results['full'][d]:.2f}"]
         for f in fractions:
             row = results["by_fraction"][str(f)][d]
-            cells += [f"{row['dialect']:.2f}", f"{row['global']:.2f}", f"{row['random']:.2f} ± {row['random_sd']:.2f}"]
+            drawn = (
+                "not measured" if row["random"] != row["random"] else f"{row['random']:.2f} ± {row['random_sd']:.2f}"
+            )
+            cells += [f"{row['dialect']:.2f}", f"{row['global']:.2f}", drawn]
         lines.append(f"| {d} | " + " | ".join(cells) + " |")
     for f in fractions:
         row = results["by_fraction"][str(f)]["mean"]
+        beats = f"per-dialect beats random on {row['dialect_beats_random']} of {len(dialects)} dialects"
+        versus = f"random {row['random_share']:.1%}; {beats}" if row["random_seeds"] else "random not measured"
         lines.append(
             f"\nkeep {100 * f:g}%: per-dialect {row['dialect_share']:.1%} of the full BLEU, global "
-            f"{row['global_share']:.1%}, random {row['random_share']:.1%}; per-dialect beats random on "
-            f"{row['dialect_beats_random']} of {len(dialects)} dialects (random: {row['random_seeds']} seeds)"
+            f"{row['global_share']:.1%}, {versus} (random: {row['random_seeds']} seeds)"
         )
     return "\n".join(lines) + "\n"
 
