@@ -5,7 +5,9 @@ domain; default all), and write an ordinary smaller set: the kept experts renumb
 old order, the router's rows (and the balance bias's entries, the cosine router's columns) sliced
 alike, shared experts and every other parameter untouched, the optimizer state dropped, and the
 config's expert count set to N, so the set generates with nothing but ``--path`` and fine-tunes
-with ``--moe-expert-count N``. Written by reshard's writer (``reshard.save_set``) at any world size;
+with ``--moe-expert-count N``. With ``--encoder-decoder-ratio R`` (``split_by_ratio``) the encoder and
+decoder MoE layers keep different numbers of experts, written as ``--encoder-moe-expert-count`` and
+``--decoder-moe-expert-count``. Written by reshard's writer (``reshard.save_set``) at any world size;
 its manifest and ``state["moe"]["pruned"]`` say what was kept and from which statistics.
 
 A pruned router is the original router with the other experts' logits at -inf: softmax over the
