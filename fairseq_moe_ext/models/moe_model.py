@@ -81,7 +81,7 @@ class MoEModelMixin:
         check_moe_layers_placed(args, sides)
         # First: it sets the timeout and the expert-parallel size P (checked against the workers)
         # that the groups are created with, just below.
-        apply_runtime_options(args)
+        apply_runtime_options(args, sides)
         # The layout (with P) is read from process state once, here, recorded on the model for everything
         # that later has the model (moe_dist.model_layout), and its groups handed to the layers built
         # below: experts are sharded over the P-worker group, routing statistics are the whole world's.

@@ -60,6 +60,19 @@ def moe_freq(cfg, side: str) -> int:
     return side_moe_freq(option_value(cfg, "moe_freq"), option_value(cfg, f"{side}_moe_freq"))
 
 
+def expert_count(cfg, side: str) -> int:
+    """Experts in each MoE layer of ``side`` ("encoder" or "decoder"): --{side}-moe-expert-count, else
+    --moe-expert-count, their defaults where ``cfg`` lacks them. Models, prune, reshard and export read it here."""
+    own = option_value(cfg, f"{side}_moe_expert_count")
+    return int(option_value(cfg, "moe_expert_count") if own is None else own)
+
+
+def expert_count_flag(cfg, side: str) -> str:
+    """The flag that sets ``side``'s expert count in ``cfg``, as a message names it: ``--moe-expert-count 8``."""
+    own = option_value(cfg, f"{side}_moe_expert_count")
+    return f"--{side}-moe-expert-count {own}" if own is not None else f"--moe-expert-count {expert_count(cfg, side)}"
+
+
 def record_problems():
     """One line per incomplete record or name declared twice (empty: every record is whole)."""
     found = [line for o in OPTIONS.values() for line in o.problems()]

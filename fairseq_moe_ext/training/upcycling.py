@@ -142,6 +142,14 @@ def load_upcycled(trainer, path: str) -> None:
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
             "upcycled model does not start as the dense one; add --moe-normalize-gate"
         )
+    for side in ("encoder", "decoder"):
+        own = moe_option(model_cfg, f"{side}_moe_expert_count")
+        if own is not None and own != model_cfg.moe_expert_count:
+            raise MoEOptionError(
+                f"--moe-upcycle-from copies each dense FFN into --moe-expert-count {model_cfg.moe_expert_count} "
+                f"experts in every MoE layer, and this run has --{side}-moe-expert-count {own}: drop it, or upcycle "
+                f"with --moe-expert-count {own}"
+            )
     options = UpcycleOptions(
         model_cfg.moe_expert_count,
         float(moe_option(model_cfg, "moe_upcycle_noise")),

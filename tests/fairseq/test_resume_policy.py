@@ -157,6 +157,10 @@ def build(data, *flags):
 OTHER_PARAMETERS = {
     "moe_expert_count": ([], ["--moe-expert-count", "8"], "holds 4 experts in encoder.layers.1.fc1, this model 8: "
                          "resume with the checkpoint's --moe-expert-count"),
+    "encoder_moe_expert_count": ([], ["--encoder-moe-expert-count", "8"], "holds 4 experts in encoder.layers.1.fc1, "
+                                 "this model 8: resume with the checkpoint's --encoder-moe-expert-count"),
+    "decoder_moe_expert_count": ([], ["--decoder-moe-expert-count", "2"], "holds 4 experts in decoder.layers.1.fc1, "
+                                 "this model 2: resume with the checkpoint's --decoder-moe-expert-count"),
     "moe_freq": ([], ["--moe-freq", "1"], "was trained with --moe-freq 2 and this run has --moe-freq 1, which gives "
                  "the model other parameters: resume with --moe-freq 2"),
     "encoder_moe_freq": ([], ["--encoder-moe-freq", "1"], "was trained with --moe-freq 2 and this run has "
