@@ -68,8 +68,8 @@ if ! "$PYTHON" -c 'import torch' 2>"$ONESHOT_WORK/logs/torch-import.log"; then
 fi
 
 if [[ "$DRY_RUN" == 1 ]]; then
-    # tests/support/lean_imports (run by device_site's sitecustomize) defers scikit-learn's import: start-up only.
-    export PYTHONPATH="$ROOT/benchmarks/device/device_site:$ROOT/tests/support/lean_imports:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    # recipes/lib/lean_imports (run by device_site's sitecustomize) defers scikit-learn's import: start-up only.
+    export PYTHONPATH="$ROOT/benchmarks/device/device_site:$ROOT/recipes/lib/lean_imports:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     export DEVICE_SITE_MISSING=${DEVICE_SITE_MISSING:-pytest} DEVICE_SITE_LOG="$ONESHOT_WORK/logs/refused-imports.txt"
     export CUDA_VISIBLE_DEVICES=
     # One intra-op thread per check: the dry run's tensors are toys, and on a CPU shared with other work

@@ -33,9 +33,8 @@ sys.path.insert(0, str(HERE.parent / "recipes"))  # what benchmarks share with t
 sys.path.insert(0, str(HERE.parent))
 
 from fairseq_logs import json_records  # noqa: E402
-from toy_pair import source_sentence, translate  # noqa: E402
-
 from fairseq_moe_ext import PACKAGE_DIR as USER_DIR  # noqa: E402
+from toy_pair import source_sentence, translate  # noqa: E402
 
 BIN = Path(sys.executable).parent
 

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from .common.config_value import config_value
+from .common.refusal import MoEOptionError
 from .moe.comm import collective
 from .moe.experts import is_expert
-from .common.refusal import MoEOptionError
 
 # torch's FSDP2 and DTensor modules take half a second to import: every fairseq CLI imports this
 # plugin, so they are imported when a model is sharded, and a tensor can only be a DTensor once

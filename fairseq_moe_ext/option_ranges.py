@@ -18,6 +18,8 @@ integers; one that places no MoE layer is refused by ``check_moe_layers_placed``
 
 import math
 
+from .common.refusal import MoEOptionError
+
 # Re-exported: the records are written with these (options/record.py), and callers import them here.
 from .options import CRITERION_OPTIONS, MODEL_OPTIONS
 from .options.record import (  # noqa: F401
@@ -29,7 +31,6 @@ from .options.record import (  # noqa: F401
     TIMEDELTA_MAX_S,
     Range,
 )
-from .common.refusal import MoEOptionError
 
 # Each option's range is its record's (options/model.py, run.py, criterion.py).
 MODEL_RANGES = {o.name: o.range for o in MODEL_OPTIONS if o.range is not None}

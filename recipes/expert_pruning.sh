@@ -19,9 +19,11 @@
 #   WORK [./work-dirs/main]   the main job's output directory
 #   FRACTIONS ["0.5 0.25"]    keep fractions    SEEDS [3]  random prunings per fraction
 #   METRIC [gate-mass]        top1, topk or gate-mass: what ranks the experts
+#   RATIOS [""]               encoder:decoder ratios R (prune --encoder-decoder-ratio) to measure per-dialect
+#                             and global pruning at too, e.g. "0.333 0.6 1.667 3": a second table, budgets.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${WORK:=./work-dirs/main}" "${FRACTIONS:=0.5 0.25}" "${SEEDS:=3}" "${METRIC:=gate-mass}"
+: "${WORK:=./work-dirs/main}" "${FRACTIONS:=0.5 0.25}" "${SEEDS:=3}" "${METRIC:=gate-mass}" "${RATIOS:=}"
 if [ "${TINY:-0}" = 1 ]; then : "${BEAM:=2}"; fi
 : "${BEAM:=5}"
 export WORK BEAM
@@ -30,6 +32,6 @@ source recipes/lib/venv.sh
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
 echo
 echo "==> expert pruning by dialect (keep fractions $FRACTIONS, $SEEDS random seeds, metric $METRIC)"
-# shellcheck disable=SC2086  # FRACTIONS is a list
+# shellcheck disable=SC2086  # FRACTIONS and RATIOS are lists
 python recipes/prune_by_dialect.py --work "$WORK" --out "$WORK/pruning" --fractions $FRACTIONS --seeds "$SEEDS" \
-  --metric "$METRIC" --beam "$BEAM"
+  --metric "$METRIC" --beam "$BEAM" --ratios $RATIOS

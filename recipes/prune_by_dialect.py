@@ -14,7 +14,7 @@ Reads a finished main job (recipes/main.sh; recipes/expert_pruning.sh runs both)
 4. a table (``table.md``), the numbers (``results.json``) and a plot (``pruning.png``) under OUT.
 
   python recipes/prune_by_dialect.py --work work-dirs/main --out work-dirs/main/pruning \
-      [--fractions 0.5 0.25] [--seeds 3] [--metric gate-mass] [--beam 5]
+      [--fractions 0.5 0.25] [--seeds 3] [--metric gate-mass] [--beam 5] [--ratios 0.333 3]
 """
 
 import argparse
@@ -87,14 +87,76 @@ def split_test_by_dialect(work: Path, out: Path, dialects: list) -> Path:
     return data
 
 
-def prune(work: Path, out: Path, name: str, stats: Path, fraction: float, metric: str, groups=()) -> Path:
+def prune(work: Path, out: Path, name: str, stats: Path, fraction: float, metric: str, groups=(), ratio=None):
+    """The pruned set's path; with ``ratio`` (--encoder-decoder-ratio), None where prune refuses the split."""
     path = out / "sets" / name / "checkpoint.pt"
     if not (path.parent / "checkpoint.set.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "fairseq_moe_ext.checkpoint", "prune", work / "moe/ckpt/checkpoint_best.pt"]
         command += [path, "--stats", stats, "--keep-fraction", fraction, "--metric", metric]
-        run(command + [a for g in groups for a in ("--group", g)], out / "sets" / f"{name}.log")
+        command += [a for g in groups for a in ("--group", g)]
+        command += [] if ratio is None else ["--encoder-decoder-ratio", ratio]
+        log = out / "sets" / f"{name}.log"
+        if ratio is not None:  # a split the budget does not allow is refused in one line: no point measured
+            with open(log, "w") as f:
+                if subprocess.run([str(c) for c in command], stdout=f, stderr=subprocess.STDOUT).returncode:
+                    return None
+        else:
+            run(command, log)
     return path
+
+
+def split_of(path: Path) -> str:
+    """The experts each side kept, from the pruned set's manifest: "encoder:decoder", e.g. "6:2"."""
+    kept = json.loads((path.parent / "checkpoint.set.json").read_text())["pruned"]["kept"]
+    sides = {layer.split(".")[0]: len(ids) for layer, ids in kept.items()}
+    return f"{sides.get('encoder', 0)}:{sides.get('decoder', 0)}"
+
+
+def per_side_budgets(args, work, out, stats, data, by_dialect_data, per_dialect, labels, refs, dialects) -> list:
+    """Per-dialect and global pruning at each keep fraction split between the sides by each --ratios R
+    (prune --encoder-decoder-ratio): one row per split the budget allows (ratios giving the same split share it)."""
+    rows, gen = [], out / "generate"
+    for fraction in args.ratio_fractions or args.fractions:
+        seen = set()
+        for ratio in args.ratios:
+            tag = f"keep{fraction:g}_r{ratio:g}"
+            glob_path = prune(work, out, f"global_{tag}", stats, fraction, args.metric, ratio=ratio)
+            cached = all((gen / f"{d}_{tag}.out").exists() for d in dialects)
+            if glob_path is None or split_of(glob_path) in seen or (args.ratio_cached_only and not cached):
+                continue
+            seen.add(split_of(glob_path))
+            print(f"keep {100 * fraction:g}%, encoder:decoder {split_of(glob_path)} (R {ratio:g})", flush=True)
+            glob = None
+            if args.ratio_global:
+                glob_out = gen / f"global_{tag}.out"
+                glob = per_dialect(generate(data, glob_path, "test", glob_out, args.beam, sentences=len(refs)))
+            own = {}
+            for d_index, d in enumerate(dialects):
+                path = prune(work, out, f"{d}_{tag}", stats, fraction, args.metric, [d], ratio=ratio)
+                subset = "test" if d_index == 0 else f"test{d_index}"
+                own_out = gen / f"{d}_{tag}.out"
+                hyps = generate(by_dialect_data, path, subset, own_out, args.beam, sentences=labels.count(d))
+                own[d] = bleu(hyps, [r for r, lab in zip(refs, labels) if lab == d])
+            rows.append(
+                {"fraction": fraction, "ratio": ratio, "split": split_of(glob_path), "dialect": own, "global": glob}
+            )
+    return rows
+
+
+def budgets_table(rows: list, full: dict, dialects: list) -> str:
+    lines = ["| keep | R | experts kept enc:dec | per-dialect BLEU (% of full) | global BLEU (% of full) |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        cells = []
+        for kind in ("dialect", "global"):
+            if row[kind] is None:
+                cells.append("not measured")
+                continue
+            mean = statistics.mean(row[kind][d] for d in dialects)
+            cells.append(f"{mean:.2f} ({mean / max(full['mean'], 1e-9):.1%})")
+        lines.append(f"| {100 * row['fraction']:g}% | {row['ratio']:g} | {row['split']} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
 
 
 def random_statistics(stats: Path, seed: int, out: Path) -> Path:
@@ -129,7 +191,7 @@ def plot(results: dict, fractions: list, dialects: list, png: Path, title: str) 
             ax.bar([x + (i - 1) * width for x in range(len(dialects))], values, width, label=label)
         ax.axhline(100, color="black", linewidth=0.8)
         ax.set_xticks(range(len(dialects)), dialects, rotation=45, fontsize=8)
-        ax.set_title(f"keep {fraction:.0%} of the experts", fontsize=10)
+        ax.set_title(f"keep {100 * fraction:g}% of the experts", fontsize=10)
         ax.set_ylabel("BLEU, % of the full model")
     axes[0][-1].legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
@@ -140,7 +202,7 @@ def plot(results: dict, fractions: list, dialects: list, png: Path, title: str) 
 def table(results: dict, fractions: list, dialects: list) -> str:
     lines = [
         "| dialect | full | "
-        + " | ".join(f"{k} {f:.0%}" for f in fractions for k in ("dialect", "global", "random"))
+        + " | ".join(f"{k} {100 * f:g}%" for f in fractions for k in ("dialect", "global", "random"))
         + " |"
     ]
     lines.append("|" + " --- |" * (2 + 3 * len(fractions)))
@@ -148,14 +210,18 @@ def table(results: dict, fractions: list, dialects: list) -> str:
         cells = [f"{results['full'][d]:.2f}"]
         for f in fractions:
             row = results["by_fraction"][str(f)][d]
-            cells += [f"{row['dialect']:.2f}", f"{row['global']:.2f}", f"{row['random']:.2f} ± {row['random_sd']:.2f}"]
+            drawn = (
+                "not measured" if row["random"] != row["random"] else f"{row['random']:.2f} ± {row['random_sd']:.2f}"
+            )
+            cells += [f"{row['dialect']:.2f}", f"{row['global']:.2f}", drawn]
         lines.append(f"| {d} | " + " | ".join(cells) + " |")
     for f in fractions:
         row = results["by_fraction"][str(f)]["mean"]
+        beats = f"per-dialect beats random on {row['dialect_beats_random']} of {len(dialects)} dialects"
+        versus = f"random {row['random_share']:.1%}; {beats}" if row["random_seeds"] else "random not measured"
         lines.append(
-            f"\nkeep {f:.0%}: per-dialect {row['dialect_share']:.1%} of the full BLEU, global "
-            f"{row['global_share']:.1%}, random {row['random_share']:.1%}; per-dialect beats random on "
-            f"{row['dialect_beats_random']} of {len(dialects)} dialects (random: {row['random_seeds']} seeds)"
+            f"\nkeep {100 * f:g}%: per-dialect {row['dialect_share']:.1%} of the full BLEU, global "
+            f"{row['global_share']:.1%}, {versus} (random: {row['random_seeds']} seeds)"
         )
     return "\n".join(lines) + "\n"
 
@@ -168,6 +234,19 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=3, help="random prunings per keep fraction")
     parser.add_argument("--metric", default="gate-mass", choices=["top1", "topk", "gate-mass"])
     parser.add_argument("--beam", type=int, default=5)
+    parser.add_argument(
+        "--ratios",
+        type=float,
+        nargs="*",
+        default=[],
+        help="encoder:decoder ratios R (prune --encoder-decoder-ratio) to measure per-dialect pruning at, for each "
+        "keep fraction: a second table (budgets.md); splits a budget does not allow are left out",
+    )
+    parser.add_argument(
+        "--ratio-global", action="store_true", help="measure global pruning at each ratio too (the whole test set)"
+    )
+    parser.add_argument("--ratio-fractions", type=float, nargs="*", default=[], help="keep fractions --ratios uses")
+    parser.add_argument("--ratio-cached-only", action="store_true", help="only the ratios' splits generated already")
     parser.add_argument(
         "--random-cached-only",
         action="store_true",
@@ -211,7 +290,7 @@ def main(argv=None):
     }
     for fraction in args.fractions:
         tag = f"keep{fraction:g}"
-        print(f"keep {fraction:.0%}: global, per dialect, {args.seeds} random", flush=True)
+        print(f"keep {100 * fraction:g}%: global, per dialect, {args.seeds} random", flush=True)
         glob_path = prune(work, out, f"global_{tag}", stats, fraction, args.metric)
         global_bleu = per_dialect(
             generate(data, glob_path, "test", gen / f"global_{tag}.out", args.beam, sentences=len(refs))
@@ -232,12 +311,12 @@ def main(argv=None):
             randoms.append(per_dialect(generate(data, path, "test", out_file, args.beam, sentences=len(refs))))
         row = {}
         for d in dialects:
-            random_scores = [r[d] for r in randoms]
+            random_scores = [r[d] for r in randoms] or [float("nan")]
             row[d] = {
                 "dialect": own_bleu[d],
                 "global": global_bleu[d],
                 "random": statistics.mean(random_scores),
-                "random_sd": statistics.pstdev(random_scores),
+                "random_sd": statistics.pstdev(random_scores) if randoms else float("nan"),
                 "random_seeds": random_scores,
             }
         mean = {kind: statistics.mean(row[d][kind] for d in dialects) for kind in ("dialect", "global", "random")}
@@ -248,6 +327,10 @@ def main(argv=None):
         mean["random_seeds"] = len(randoms)
         row["mean"] = mean
         results["by_fraction"][str(fraction)] = row
+    if args.ratios:
+        rows = per_side_budgets(args, work, out, stats, data, by_dialect_data, per_dialect, labels, refs, dialects)
+        results["per_side_budgets"] = rows
+        (out / "budgets.md").write_text(budgets_table(rows, results["full"], dialects))
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = table(results, args.fractions, dialects)
     (out / "table.md").write_text(text)
@@ -258,6 +341,8 @@ def main(argv=None):
     )
     plot(results, args.fractions, dialects, out / "pruning.png", title)
     print(text + f"plot: {out / 'pruning.png'}")
+    if args.ratios:
+        print("\nper-side budgets (--encoder-decoder-ratio):\n" + (out / "budgets.md").read_text())
 
 
 if __name__ == "__main__":

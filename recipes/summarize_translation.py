@@ -20,8 +20,9 @@ import json
 from pathlib import Path
 
 from fairseq import checkpoint_utils
-from fairseq_moe_ext import checkpoint as moe_checkpoint
+
 from fairseq_logs import json_records
+from fairseq_moe_ext import checkpoint as moe_checkpoint
 from model_cost import model_cost
 from routing_extensions import effect_lines, routing_features
 

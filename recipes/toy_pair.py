@@ -2,12 +2,13 @@
 map every token through a fixed permutation. Learnable in a few dozen updates, so "the loss falls" is a real
 check and not noise; generated from a seeded RNG, so nothing is downloaded.
 
-Shared by tests/support/fairseq_helpers.py and benchmarks/ (which import nothing from tests/).
+Shared by tests/support/launch/fairseq_helpers.py, benchmarks/ and the GPU one-shot (benchmarks/device/oneshot_runs.py),
+which import nothing from tests/.
 """
 
 import random
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterable, List
 
 VOCAB = 40
 SPLITS = {"train": 600, "valid": 40, "test": 16}
@@ -31,3 +32,19 @@ def write_parallel_corpus(raw: Path, seed: int = 0, splits: Dict[str, int] = SPL
         (raw / f"{split}.src").write_text("".join(" ".join(f"s{i}" for i in s) + "\n" for s in sources))
         (raw / f"{split}.tgt").write_text("".join(translate(s) + "\n" for s in sources))
     return raw
+
+
+def binarize(raw: Path, dest: Path, splits: Iterable[str] = SPLITS, language_model: bool = False) -> Path:
+    """fairseq-preprocess's own main (``fairseq_cli.preprocess``, the code behind the command), run in this
+    process, on ``raw/{split}.src`` and ``.tgt`` as write_parallel_corpus writes them (or ``raw/{split}.txt``
+    when ``language_model``) for every split of ``splits``; the binarised corpus goes to ``dest``. fairseq is
+    imported here only: writing the corpus needs none."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    if language_model:
+        corpus = ["--only-source", *(f"--{split}pref={raw / split}.txt" for split in splits)]
+    else:
+        corpus = ["--source-lang", "src", "--target-lang", "tgt", *(f"--{split}pref={raw / split}" for split in splits)]
+    preprocess.main(options.get_preprocessing_parser().parse_args([*corpus, f"--destdir={dest}", "--workers=1"]))
+    return dest

@@ -12,8 +12,11 @@ import sys
 
 import pytest
 
-# Helpers, oracles and probes live in tests/support: `from fairseq_helpers import ...` finds them.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+# What tests share lives in tests/support, one folder per kind (oracles/, inputs/, launch/, probes/; see
+# docs/testing.md), each on sys.path: `from fairseq_helpers import ...` finds launch/fairseq_helpers.py.
+# tests/recipes/test_house_rules.py keeps tests/support to folders and a module name to one of them.
+_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+sys.path[:0] = sorted(entry.path for entry in os.scandir(_SUPPORT) if entry.is_dir() and entry.name != "__pycache__")
 from suite_order import hands_out_by_group, longest_first_rank  # noqa: E402
 
 

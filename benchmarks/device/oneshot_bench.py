@@ -13,10 +13,13 @@ Figures only: these lines PASS when the timings are finite; what they mean is fo
 GPU has produced them yet). The CPU dry run runs the same at toy sizes in fp32.
 """
 
+import sys
+
 import torch
 
-from report import DRY_RUN, device, emit, out_of_time, run_guarded, sized
+from report import DRY_RUN, ROOT, device, emit, out_of_time, run_guarded, sized
 
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the CPU layer benchmark's modules, timed the same way here
 from contenders import Shape, build_contender  # noqa: E402
 from measure import median, peak_step_memory, synchronize, time_interleaved  # noqa: E402
 from moe_layer import ffn_flops  # noqa: E402

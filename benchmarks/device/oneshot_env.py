@@ -232,14 +232,14 @@ def model_step(model, criterion, sample, autocast_dtype=None):
 
 def plugin_and_model(on_cpu: bool):
     started = time.time()
-    import torch
-    from fairseq import utils
-
     import fairseq  # noqa: F401
-    import fairseq_moe_ext  # noqa: F401
     import fairseq_cli.generate  # noqa: F401
     import fairseq_cli.preprocess  # noqa: F401
     import fairseq_cli.train  # noqa: F401
+    import torch
+    from fairseq import utils
+
+    import fairseq_moe_ext  # noqa: F401
 
     imported = time.time() - started
     dev = torch.device("cpu") if on_cpu else device()

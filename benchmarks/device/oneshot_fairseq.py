@@ -13,7 +13,7 @@ started at once (one intra-op thread each) so that none waits for another to be 
   fully_sharded --bf16 over cuda:gloo; generation from the legacy_ddp set as soon as it is saved).
 Every run still alive when the check ends is killed (``finally``). The CPU dry run: tiny runs with
 --cpu (fp16 and amp need CUDA: SKIP), gloo for the two ranks. The corpus is
-tests/support/fairseq_helpers.py's generated translation task, larger on the GPU.
+recipes/toy_pair.py's generated translation task, larger on the GPU.
 """
 
 import signal
@@ -21,7 +21,7 @@ import sys
 import time
 
 from oneshot_ranks import KINDS, backend, judge, judge_generate, legacy_then_generate, start_two_ranks
-from oneshot_runs import RUNS, UPDATES, FALL, corpus, failed_run, kill_started, outcome, start, train_flags, wait_all
+from oneshot_runs import FALL, RUNS, UPDATES, corpus, failed_run, kill_started, outcome, start, train_flags, wait_all
 from report import DRY_RUN, LOGS, emit, run_guarded, skip_cuda, verdict
 
 BOUNDS = {"fp16": 0.03, "amp": 0.03, "bf16": 0.05}

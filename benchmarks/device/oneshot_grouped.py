@@ -14,10 +14,9 @@ import math
 
 import torch
 
-from report import device, emit, out_of_time, run_guarded, sized, verdict
-
 from fairseq_moe_ext.moe import BatchedExperts  # noqa: E402
 from fairseq_moe_ext.moe.torch_compat import has_grouped_mm  # noqa: E402
+from report import device, emit, out_of_time, run_guarded, sized, verdict
 
 
 class _NoInit(BatchedExperts):

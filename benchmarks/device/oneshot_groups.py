@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from report import DRY_RUN, device, emit, left, rel_err, run_guarded, verdict
-
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
 from fairseq_moe_ext.moe.lockstep import LockStep  # noqa: E402
+from report import DRY_RUN, device, emit, left, rel_err, run_guarded, verdict
 
 D, H, E = 64, 128, 8
 SIZES = [13, 29]  # tokens per rank: uneven

@@ -3,7 +3,7 @@
 
 * reference: for every router (top, cosine, sigmoid) and mode (dropless; capacity factor 0.5;
   padding; batch-prioritised under capacity; a shared expert with a balance bias), the layer in fp32
-  on the device against tests/support/moe_reference.py (one token at a time, from the definitions) in fp64
+  on the device against fairseq_moe_ext/moe/reference.py (one token at a time, from the definitions) in fp64
   on the CPU: output, input gradient and every parameter gradient within 2e-5 / 1e-4 (max-abs
   relative). Inputs are redrawn until no token sits within 1e-4 of a routing tie, so both sides
   route the same way;
@@ -20,10 +20,9 @@ import warnings
 
 import torch
 
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
+from fairseq_moe_ext.moe.reference import reference_logits, reference_moe
 from report import DRY_RUN, device, emit, out_of_time, rel_err, run_guarded, sized, skip_cuda, verdict
-
-from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
-from moe_reference import reference_logits, reference_moe  # noqa: E402
 
 ROUTERS = ("top", "cosine", "sigmoid")
 # fmt: off

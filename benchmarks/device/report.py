@@ -5,19 +5,20 @@ ONESHOT_SUMMARY (the summary file, one line appended per result), ONESHOT_FIGURE
 ONESHOT_DEADLINE (epoch seconds the check must finish by), ONESHOT_WORK (scratch: data, runs;
 logs under WORK/logs travel back in the tarball, without .pt files) and ONESHOT_DRY_RUN (1: the CPU
 dry run, tiny sizes, CUDA-only parts report ``SKIP (cuda)``).
+
+Importing this module changes nothing: the tree under test is first on PYTHONPATH (gpu_oneshot.sh puts it
+there), a check finds its siblings beside its script, and the two that import from elsewhere in the tree
+put that folder on ``sys.path`` themselves, in sight (oneshot_bench.py: benchmarks/; oneshot_runs.py:
+recipes/). Nothing is imported from tests/ (tests/recipes/test_house_rules.py).
 """
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for path in (ROOT, ROOT / "benchmarks", ROOT / "tests" / "support", HERE):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 DRY_RUN = os.environ.get("ONESHOT_DRY_RUN") == "1"
 WORK = Path(os.environ.get("ONESHOT_WORK", "/tmp/oneshot-work"))

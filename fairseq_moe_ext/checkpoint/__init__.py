@@ -90,7 +90,6 @@ from .names import (
 from .rank_state import moe_metadata, strip_shared_state
 from .reshard import concatenated, experts_per_key, load_full, load_set, merge_states, save_set, shard_state
 from .resolve import Resolved, complete_sets, remove_other_layouts, resolve
-from .set_id import LAUNCH_ENVIRONMENT, agreed_set_id, derive_set_id  # noqa: F401
 from .safe_load import (
     CHECKPOINT_SAFE_GLOBALS,
     PICKLE_MAGIC,
@@ -101,3 +100,4 @@ from .safe_load import (
     safe_load,
     unloadable_error,
 )
+from .set_id import LAUNCH_ENVIRONMENT, agreed_set_id, derive_set_id  # noqa: F401

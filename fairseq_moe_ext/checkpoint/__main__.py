@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from .branch.importer import import_branch_set
 from ..common.config_value import config_value
 from ..moe.expert_layout import default_expert_parallel_size
+from .branch.importer import import_branch_set
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
-from .hf.exporter import export_hf, shard_size
 from .hf.dtype import cast_dtype
+from .hf.exporter import export_hf, shard_size
 from .hf.importer import import_hf
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
@@ -161,14 +161,17 @@ def main(argv=None) -> int:
 
 
 def expert_parallel_size(full, workers: int, given) -> int:
-    """P for a set that ``workers`` workers resume: the one given, or gcd(W, E); P must divide both."""
-    experts = max(experts_per_key(full).values(), default=1)
+    """P for a set that ``workers`` workers resume: the one given, or gcd(W, E) (every layer's E, where the
+    encoder and decoder hold different numbers); P must divide both."""
+    counts = sorted(set(experts_per_key(full).values())) or [1]
     if given is None:
-        return default_expert_parallel_size(workers, experts)
-    if given < 1 or workers % given or experts % given:
+        return default_expert_parallel_size(workers, *counts)
+    if given < 1 or workers % given or any(e % given for e in counts):
+        experts = " and ".join(map(str, counts))
+        choices = [p for p in range(1, workers + 1) if workers % p == 0 and all(e % p == 0 for e in counts)]
         raise CheckpointSetError(
             f"--expert-parallel-size {given} must divide both --world-size {workers} and the {experts} experts: use "
-            f"one of {[p for p in range(1, workers + 1) if workers % p == 0 and experts % p == 0]}"
+            f"one of {choices}"
         )
     return given
 

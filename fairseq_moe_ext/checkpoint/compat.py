@@ -4,10 +4,10 @@ of size mismatches, when a run is resumed with other flags than it was trained w
 import argparse
 from typing import Dict, Tuple
 
-from ..moe.experts import is_expert
-from ..options import moe_freq
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
+from ..moe.experts import is_expert
+from ..options import moe_freq
 
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -> None:
@@ -18,10 +18,13 @@ def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -
     for key in mismatched:  # expert counts first: they also change every router's shape
         tensor, param = state["model"][key], params[key]
         if is_expert(param) and tensor.shape[1:] == param.shape[1:]:
+            side = key.split(".", 1)[0]  # a side with a count of its own (a pruned set's) is named by its flag
+            saved = config_value(state.get("cfg"), "model")
+            own = any(config_value(c, f"{side}_moe_expert_count") is not None for c in (saved, model_cfg))
+            flag = f"--{side}-moe-expert-count" if own else "--moe-expert-count"
             raise MoEOptionError(
                 f"{path} holds {tensor.shape[0] * world_size} experts in {key.rsplit('.experts', 1)[0]}, this model "
-                f"{param.shape[0] * world_size}: resume with the checkpoint's --moe-expert-count, or use a new "
-                f"--save-dir"
+                f"{param.shape[0] * world_size}: resume with the checkpoint's {flag}, or use a new --save-dir"
             )
     if mismatched:
         key = mismatched[0]

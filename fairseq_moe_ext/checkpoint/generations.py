@@ -44,11 +44,11 @@ def sets_to_protect(directory: str) -> List[str]:
     return chosen
 
 
-def link_previous_generation(manifest_file: str, rank: int, world_size: int) -> None:
+def link_previous_generation(manifest_file: str, rank: int, parallel_size: int) -> None:
     """Keep this worker's files of set ``B`` as ``B.prev`` while a new save overwrites ``B``'s files
     (the new files are renamed into place, so the links keep the old contents; where the filesystem
     has no hard links, copies do)."""
-    manifest = _same_world_manifest(manifest_file, world_size)
+    manifest = _same_world_manifest(manifest_file, parallel_size)
     if manifest is None:
         return
     directory = os.path.dirname(manifest_file)
@@ -56,7 +56,7 @@ def link_previous_generation(manifest_file: str, rank: int, world_size: int) -> 
         if entry["rank"] != rank:
             continue
         source = os.path.join(directory, entry["name"])
-        target = rank_file(base_of(manifest_file) + PREVIOUS, rank, world_size)
+        target = rank_file(base_of(manifest_file) + PREVIOUS, rank, parallel_size)
         if os.path.exists(source):
             if os.path.exists(target) and os.path.samefile(source, target):
                 continue  # already linked (rename would do nothing for two links of one file)
@@ -64,16 +64,18 @@ def link_previous_generation(manifest_file: str, rank: int, world_size: int) -> 
             keep_as(source, target)
 
 
-def write_previous_manifest(manifest_file: str, world_size: int) -> None:
+def write_previous_manifest(manifest_file: str, parallel_size: int) -> None:
     """The manifest of ``B.prev``, once every worker has linked its files."""
-    manifest = _same_world_manifest(manifest_file, world_size)
+    manifest = _same_world_manifest(manifest_file, parallel_size)
     if manifest is None:
         return
     previous_base = base_of(manifest_file) + PREVIOUS
-    files = [dict(e, name=os.path.basename(rank_file(previous_base, e["rank"], world_size))) for e in manifest["files"]]
+    files = [
+        dict(e, name=os.path.basename(rank_file(previous_base, e["rank"], parallel_size))) for e in manifest["files"]
+    ]
     write_manifest(
         previous_base,
-        world_size,
+        parallel_size,
         manifest["num_updates"],
         files,
         manifest["num_experts"],
@@ -83,12 +85,12 @@ def write_previous_manifest(manifest_file: str, world_size: int) -> None:
     )
 
 
-def _same_world_manifest(manifest_file: str, world_size: int) -> Optional[Dict]:
+def _same_world_manifest(manifest_file: str, parallel_size: int) -> Optional[Dict]:
     try:
         manifest = read_manifest(manifest_file)
     except CheckpointSetError:
         return None
-    return manifest if manifest["world_size"] == world_size else None
+    return manifest if manifest["world_size"] == parallel_size else None
 
 
 def remove_previous_generations(directory: str) -> None:

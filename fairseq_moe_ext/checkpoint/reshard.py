@@ -6,7 +6,6 @@ as a W'-file set. ``load_full`` loads either layout whole, for the checkpoint to
 import copy
 import functools
 import os
-import secrets
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -18,7 +17,7 @@ from .names import base_of, manifest_path
 from .rank_state import strip_shared_state
 from .resolve import resolve
 from .safe_load import safe_load
-from .set_writer import write_set
+from .set_writer import write_shards
 
 
 def load_set(
@@ -101,28 +100,28 @@ def _concat_slot(per_rank, states, meta, slot):
     return out
 
 
-def refuse_unsplittable(key: str, total: int, world_size: int) -> None:
-    if total % world_size:
+def refuse_unsplittable(key: str, total: int, parallel_size: int) -> None:
+    if total % parallel_size:
         raise CheckpointSetError(
-            f"{key} holds {total} experts, which cannot be split over {world_size} workers: use a "
+            f"{key} holds {total} experts, which cannot be split over {parallel_size} workers: use a "
             f"world size dividing {total}"
         )
 
 
-def shard_state(full: Dict, rank: int, world_size: int) -> Dict:
-    """Full state -> what worker ``rank`` of ``world_size`` loads (its experts, shared parts)."""
+def shard_state(full: Dict, rank: int, parallel_size: int) -> Dict:
+    """Full state -> what worker ``rank`` of ``parallel_size`` (P) loads (its experts, shared parts)."""
     rows = {}
     for key in full["moe"]["expert_keys"]:
         total = full["model"][key].shape[0]
-        refuse_unsplittable(key, total, world_size)
-        rows[key] = (total, rank * (total // world_size), total // world_size)
-    return take_expert_rows(full, rows, rank, world_size)
+        refuse_unsplittable(key, total, parallel_size)
+        rows[key] = (total, rank * (total // parallel_size), total // parallel_size)
+    return take_expert_rows(full, rows, rank, parallel_size)
 
 
-def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size: int) -> Dict:
+def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, parallel_size: int) -> Dict:
     """``state`` with each expert tensor ``key`` (and its optimizer state) cut to ``count`` experts from
     ``start``, where ``rows[key] = (experts the tensor holds now, start, count)``; described as the
-    part of worker ``rank`` of ``world_size``."""
+    part of worker ``rank`` of ``parallel_size`` (P; the file's ``world_size``)."""
     meta = state["moe"]
     out = copy.copy(state)
     out["model"] = dict(state["model"])
@@ -144,7 +143,7 @@ def take_expert_rows(state: Dict, rows: Dict[str, tuple], rank: int, world_size:
             }
         out["last_optimizer_state"] = sliced
     counts = [count for _, _, count in rows.values()]
-    out["moe"] = dict(meta, world_size=world_size, rank=rank)
+    out["moe"] = dict(meta, world_size=parallel_size, rank=rank)
     out["moe"]["experts_held"] = experts_held(rank, counts[0] if counts else 0)
     return out
 
@@ -168,16 +167,22 @@ def save_set(
         raise CheckpointSetError(f"a set needs a positive number of workers, got {parallel_size}")
     for key, total in experts_per_key(full).items():  # before the first file is written
         refuse_unsplittable(key, total, parallel_size)
-    set_id = secrets.token_hex(8)  # one writer, no workers to agree with
+    return write_shards(FullStateShards(full, parallel_size), base, workers=workers, extra=extra)
 
-    def fill(files):
-        for rank in range(parallel_size):
-            state = shard_state(full, rank, parallel_size)
+
+class FullStateShards:
+    """The reader of a full state (set_writer.py): its ``shards`` rank files, each cut when it is asked for."""
+
+    def __init__(self, full: Dict, shards: int):
+        self.full, self.shards = full, shards
+        self.num_updates, self.experts = full["moe"]["num_updates"], experts_per_key(full)
+
+    def pieces(self, set_id: str):
+        for rank in range(self.shards):
+            state = shard_state(self.full, rank, self.shards)
             state["moe"]["set_id"] = set_id
-            files.save(rank, state if rank == 0 else strip_shared_state(state))
-        return files.finish(full["moe"]["num_updates"], experts_per_key(full), set_id, workers=workers, extra=extra)
-
-    return write_set(base, parallel_size, fill)
+            yield rank, state if rank == 0 else strip_shared_state(state)
+            del state
 
 
 def experts_per_key(full: Dict) -> Dict[str, int]:

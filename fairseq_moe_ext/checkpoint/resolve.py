@@ -105,20 +105,20 @@ def _raise_no_manifest(manifest, rank_files):
     )
 
 
-def remove_other_layouts(base: str, world_size: int) -> None:
-    """After ``base`` was saved by ``world_size`` workers, drop what an earlier run with another
+def remove_other_layouts(base: str, parallel_size: int) -> None:
+    """After ``base`` was saved as ``parallel_size`` (P) rank files, drop what an earlier run with another
     world size left under the same name, so the directory never holds two layouts for one name."""
     # A 1-worker save writes the single file, never rank files: a 1-of-1 set (``reshard
     # --world-size 1``) it resumed from is another layout too. The manifest goes first, so a crash
     # in between leaves unlisted rank files, never a manifest listing a missing file.
-    stale = [manifest_path(base)] if world_size == 1 and os.path.exists(manifest_path(base)) else []
+    stale = [manifest_path(base)] if parallel_size == 1 and os.path.exists(manifest_path(base)) else []
     stale += [
         f
         for f in glob.glob(glob.escape(base) + "-rank-*-of-*.pt")
-        if world_size == 1 or split_rank_suffix(f)[2] != world_size
+        if parallel_size == 1 or split_rank_suffix(f)[2] != parallel_size
     ]
-    if world_size > 1 and os.path.isfile(base + ".pt"):
+    if parallel_size > 1 and os.path.isfile(base + ".pt"):
         stale.append(base + ".pt")
     for path in stale:
-        logger.info(f"removing {path}: superseded by the new {world_size}-worker save of {os.path.basename(base)}")
+        logger.info(f"removing {path}: superseded by the new {parallel_size}-worker save of {os.path.basename(base)}")
         os.remove(path)

@@ -110,7 +110,7 @@ def save_single_file(save_dir: str, suffix: str, write: Callable[[], Result]) ->
     before = own_files(save_dir, suffix)
     result = write()
     for name in changed_files(save_dir, suffix, before):
-        remove_other_layouts(base_of(os.path.join(save_dir, name)), world_size=1)
+        remove_other_layouts(base_of(os.path.join(save_dir, name)), parallel_size=1)
     return result
 
 

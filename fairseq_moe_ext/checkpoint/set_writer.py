@@ -1,14 +1,19 @@
 """Writing a set: the one streaming writer that ``reshard.save_set``, ``import-hf`` and
 ``import-fairseq-moe`` use (and a new checkpoint format's import should).
 
-The caller hands the rank files over one at a time (``SetFiles.save``: each state is saved as soon as it
-is made, so the caller holds one file's state at a time); ``write_set`` stages them in a directory next
-to the output, writes the manifest last and moves the whole into place (``staging.write_all_or_nothing``):
-the set appears complete or not at all. One worker's output (``single``) is the ordinary single file
-fairseq names, without a manifest.
+Each of them is a reader that yields the set's rank files one at a time, and ``write_shards`` writes what it
+yields: every state is saved as soon as it is made and let go before the next is asked for, so one file's
+state is held at a time. A reader has ``shards`` (P, the number of rank files), ``pieces(set_id)`` (a generator
+of ``(rank, state)`` in rank order, each state's ``moe`` metadata naming ``set_id``) and, once the last piece
+is out, ``num_updates`` and ``experts`` (expert key -> experts over the whole set) for the manifest.
+
+``write_set`` stages the files in a directory next to the output, writes the manifest last and moves the
+whole into place (``staging.write_all_or_nothing``): the set appears complete or not at all. One worker's
+output (``single``) is the ordinary single file fairseq names, without a manifest (nor a set id).
 """
 
 import os
+import secrets
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -53,3 +58,18 @@ def write_set(base: str, shards: int, fill: Callable[[SetFiles], List[str]], sin
         os.path.dirname(single or base), what, lambda staging: fill(SetFiles(staging, base, shards, single))
     )
     return single if single else manifest_path(base)
+
+
+def write_shards(reader, base: str, single: Optional[str] = None, **manifest) -> str:
+    """Write what ``reader`` yields (the module docstring says what a reader is) as the set of ``base`` (or as
+    the one file ``single``); ``manifest``: write_manifest's optional fields (``workers``, ``extra``). Returns
+    what a user loads."""
+    set_id = secrets.token_hex(8)  # one writer, no workers to agree with
+
+    def fill(files: SetFiles) -> List[str]:
+        for rank, state in reader.pieces(None if single else set_id):
+            files.save(rank, state)
+            del state  # let go before the reader makes the next one
+        return files.finish(reader.num_updates, reader.experts, set_id, **manifest)
+
+    return write_set(base, reader.shards, fill, single)

@@ -18,23 +18,23 @@ from .manifest import differing_replicas, read_manifest
 from .reshard import merge_states, refuse_unsplittable, take_expert_rows
 
 
-def files_holding(shards: int, rank: int, world_size: int) -> range:
-    """The files of an S-file set that hold the experts of worker ``rank`` of ``world_size``."""
-    first = rank * shards // world_size
-    last = -(-(rank + 1) * shards // world_size) - 1
+def files_holding(shards: int, rank: int, parallel_size: int) -> range:
+    """The files of an S-file set that hold the experts of worker ``rank`` of ``parallel_size`` (P)."""
+    first = rank * shards // parallel_size
+    last = -(-(rank + 1) * shards // parallel_size) - 1
     return range(first, last + 1)
 
 
 def load_share(
     manifest_file: str,
     rank: int,
-    world_size: int,
+    parallel_size: int,
     load_fn: Callable[[str], Dict],
     into: Optional[torch.dtype] = None,
     after_each: Optional[Callable[[], object]] = None,
 ) -> Dict:
-    """What worker ``rank`` of ``world_size`` loads from the set: shard_state(load_set(...), rank,
-    world_size), reading only the files it needs (``into``, ``after_each``: as merge_states)."""
+    """What worker ``rank`` of ``parallel_size`` (P) loads from the set: shard_state(load_set(...), rank,
+    parallel_size), reading only the files it needs (``into``, ``after_each``: as merge_states)."""
     manifest = read_manifest(manifest_file)
     differing = differing_replicas(manifest)
     if differing:
@@ -46,11 +46,11 @@ def load_share(
         )
     shards, directory = manifest["world_size"], os.path.dirname(manifest_file)
     entries = {entry["rank"]: entry for entry in manifest["files"]}
-    span = files_holding(shards, rank, world_size)
+    span = files_holding(shards, rank, parallel_size)
     rows = {}
     for key, total in manifest["num_experts"].items():  # refused before any file is read
-        refuse_unsplittable(key, total, world_size)
-        per_file, per_worker = total // shards, total // world_size
+        refuse_unsplittable(key, total, parallel_size)
+        per_file, per_worker = total // shards, total // parallel_size
         rows[key] = (len(span) * per_file, rank * per_worker - span.start * per_file, per_worker)
     needed = sorted({0, *span})
     loaded = {f: load_fn(os.path.join(directory, entries[f]["name"])) for f in needed}
@@ -63,4 +63,4 @@ def load_share(
             f"{manifest_file}: its num_experts {manifest['num_experts']} do not match the experts its files hold: the "
             f"manifest was edited or damaged; restore it from a backup, or move the set out of the directory"
         )
-    return take_expert_rows(held, rows, rank, world_size)
+    return take_expert_rows(held, rows, rank, parallel_size)

@@ -27,10 +27,10 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.dataclass import FairseqDataclass
 
+from ..common.refusal import MoEOptionError, MoESetupError
 from ..models.moe_config import dataclass_of
 from ..option_ranges import CRITERION_RANGES, check_options
 from ..options import CRITERION_OPTIONS
-from ..common.refusal import MoEOptionError, MoESetupError
 
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
 LAYER_STATS = ("num_tokens", "num_slots", "dropped_slots", "router_entropy_sum")

@@ -18,9 +18,9 @@ calls is one object, process_state.STATE. Beside the table, ``install()`` sets t
 Hooks:
 """
 
+import hashlib
 import importlib
 import inspect
-import hashlib
 import sys
 import textwrap
 from dataclasses import dataclass

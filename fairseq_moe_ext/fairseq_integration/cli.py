@@ -13,13 +13,12 @@ import sys
 import time
 
 import torch
-
 from fairseq.models import ARCH_MODEL_REGISTRY
 
+from ..common.refusal import MoERefusal
 from ..criterions.moe_criterions import MoELossConfig
 from ..models.moe_config import MoEConfig, MoEEncoderDecoderConfig
 from ..models.moe_transformer import MoETransformerLanguageModel, MoETransformerModel
-from ..common.refusal import MoERefusal
 
 
 def wrap_argparse_error(original):

@@ -27,12 +27,12 @@ from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from .. import fully_sharded
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
 from ..options import INFERENCE_OPTIONS, option_value
 from ..options.inference import EXPERT_PLACEMENTS
 from ..process_state import STATE, LoadTarget
-from ..common.refusal import MoEOptionError
 from . import routing_stats
 
 logger = logging.getLogger(__name__)
@@ -147,10 +147,11 @@ def load_sharded(original, filenames, *args, **kwargs):
     refuse_capacity_drops(moe_layers(model))
     STATE.inference_lockstep = attach_lockstep(model)
     STATE.inference_lockstep.active = True
-    local = moe_layers(model)[0].num_local_experts
+    held = sorted({layer.num_local_experts for layer in moe_layers(model)})  # one per side's expert count
+    spans = " or ".join(f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1}" for local in held)
     logger.info(
-        f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts "
-        f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1} of each MoE layer, in lock-step"
+        f"expert-sharded inference: worker {sharded.rank} of {sharded.world_size} holds experts {spans} of each "
+        f"MoE layer, in lock-step"
     )
     return models, cfg, task
 

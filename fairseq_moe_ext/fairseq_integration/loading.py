@@ -11,14 +11,15 @@ from omegaconf import open_dict
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
-from ..common.config_value import config_value
-from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..checkpoint.mapped_pages import private_mappings, release_ranges
 from ..checkpoint.share import load_share
+from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..io_waits import broadcast_from_rank_0, io_wait_group
 from ..process_state import STATE, LoadTarget
 from ..training.frozen_resume import carry_optimizer_state_over_freeze
 from ..training.restore_choice import resolve_restore
+from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
 from . import routing_stats
@@ -26,7 +27,6 @@ from .inference import load_sharded
 from .run_dtype import built_for_load, cast_for_inference, check_loaded, dtype_for_load
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 

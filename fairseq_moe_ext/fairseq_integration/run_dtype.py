@@ -104,7 +104,7 @@ def cast_for_inference(models, dtype: Optional[torch.dtype]) -> None:
 def describe(model, layers, dtype: torch.dtype) -> str:
     name = NAMES.get(dtype, str(dtype))
     routing = "float32" if all(layer.router.fp32 for layer in layers) else f"{name} (--moe-gating-no-fp32)"
-    biases = [layer.router.balance_bias for layer in layers if layer.router.balance_bias is not None]
+    biases = [layer.balance_bias for layer in layers if layer.balance_bias is not None]
     bias = f", balance bias {NAMES.get(biases[0].bias.dtype)}" if biases else ""
     held = {p.dtype for p in model.parameters()}
     weights = ", ".join(sorted(NAMES.get(d, str(d)) for d in held))

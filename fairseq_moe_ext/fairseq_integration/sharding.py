@@ -17,8 +17,8 @@ import torch
 from .. import distributed as moe_dist
 from .. import fully_sharded
 from ..common.config_value import config_value
-from ..common.torch_compat import foreach_mul_
 from ..common.refusal import MoEOptionError
+from ..common.torch_compat import foreach_mul_
 
 
 def is_fully_sharded_backend(cfg) -> bool:

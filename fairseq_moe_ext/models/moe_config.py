@@ -13,13 +13,22 @@ from typing import Dict, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..moe.freeze import parse_frozen_parts
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
 from ..moe.placement import places_moe_layer
 from ..option_ranges import MODEL_RANGES, check_option, check_options
-from ..options import ARCH_OPTIONS, FLAG_OF_FIELD, MODEL_OPTIONS, TRANSLATION_OPTIONS, default, option_value
+from ..options import (
+    ARCH_OPTIONS,
+    FLAG_OF_FIELD,
+    MODEL_OPTIONS,
+    TRANSLATION_OPTIONS,
+    default,
+    expert_count,
+    expert_count_flag,
+    option_value,
+)
 from ..options import moe_freq as options_moe_freq
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +105,13 @@ def check_moe_args(args) -> None:
     check_option(MODEL_RANGES["moe_expert_count"], experts)
     check_options(MODEL_RANGES, lambda name: moe_option(args, name), experts=experts)
     check_routing_extensions(args)
+    top_k = moe_option(args, "moe_top_k")
+    for side in ("encoder", "decoder"):
+        own = moe_option(args, f"{side}_moe_expert_count")
+        if own is not None and isinstance(top_k, int) and top_k > own:
+            raise MoEOptionError(
+                f"--moe-top-k {top_k} exceeds --{side}-moe-expert-count {own}: use --moe-top-k <= {own}"
+            )
     fields = layer_fields(args)
     layer_config(dict(fields, hidden_dim=fields["hidden_dim"] or 1), model_dim=1)
     frozen = parse_frozen_parts(moe_option(args, "moe_freeze"), "--moe-freeze")
@@ -104,6 +120,21 @@ def check_moe_args(args) -> None:
             "--moe-balance-scope global-batch shapes the balance loss, which --moe-freeze router leaves out of the "
             "loss (the router cannot learn from it): drop --moe-balance-scope, or let the router train"
         )
+
+
+def side_expert_counts(args, sides) -> Dict[str, int]:
+    """The expert count of each of ``sides`` that has MoE layers (--{side}-moe-expert-count, else
+    --moe-expert-count), for the expert-parallel size P, which must divide every one."""
+    counts = {}
+    for side in sides:
+        if places_moe_layer(int(config_value(args, f"{side}_layers") or 0), moe_freq(args, side)):
+            counts[side] = expert_count(args, side)
+    return counts or {side: expert_count(args, side) for side in sides}
+
+
+def side_expert_flags(args, sides) -> Dict[str, str]:
+    """{side: the flag and value that set its expert count}, for messages."""
+    return {side: expert_count_flag(args, side) for side in sides}
 
 
 def check_routing_extensions(args) -> None:

@@ -16,12 +16,13 @@ from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..moe import MoELayer, MoELayerConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
+from ..options import expert_count
 from ..process_state import STATE
 from .moe_config import layer_config, layer_fields, moe_freq, moe_option
-from ..common.refusal import MoEOptionError
 
 
 class MoEFeedForward(MoELayer):
@@ -61,12 +62,15 @@ class MoEFeedForward(MoELayer):
         return super().forward(x, mask)
 
 
-def moe_layer_config(args, model_dim: int, ffn_dim: int) -> MoELayerConfig:
+def moe_layer_config(args, model_dim: int, ffn_dim: int, side: Optional[str] = None) -> MoELayerConfig:
     """The one place fairseq args become an MoE layer's config (``moe/layer_config.py``): the fields the
     ``--moe-*`` flags set (``moe_config.layer_fields``, from each option's record) and the dense layer's
-    own flags; ``ffn_dim``: its ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim."""
+    own flags; ``ffn_dim``: its ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim;
+    ``side``: the experts are that side's count (--encoder/--decoder-moe-expert-count)."""
     activation_dropout = config_value(args, "activation_dropout") or config_value(args, "relu_dropout") or 0.0
     fields = layer_fields(args)
+    if side is not None:
+        fields["num_experts"] = expert_count(args, side)
     return layer_config(
         dict(fields, hidden_dim=fields["hidden_dim"] or ffn_dim),
         model_dim=model_dim,
@@ -148,7 +152,7 @@ def install_moe_layers(
     freq = moe_freq(args, side)
     ffn_dim = cfg.encoder.ffn_embed_dim if side == "encoder" else cfg.decoder.ffn_embed_dim
     model_dim = cfg.encoder.embed_dim if side == "encoder" else cfg.decoder.embed_dim
-    config = moe_layer_config(args, model_dim, ffn_dim)  # every MoE layer of a side computes the same function
+    config = moe_layer_config(args, model_dim, ffn_dim, side)  # every MoE layer of a side computes the same function
     replaced = 0
     for i in moe_layer_indices(len(stack.layers), freq):
         ffn = MoEFeedForward(

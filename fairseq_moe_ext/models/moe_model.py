@@ -18,8 +18,8 @@ from ..distributed import expert_layout, expert_parallel_group, moe_statistics_g
 from ..moe import MoEAuxCache, MoELayer
 from ..moe.freeze import freeze_parts, parse_frozen_parts
 from .moe_config import check_moe_args, check_moe_layers_placed, moe_option
-from .moe_runtime import apply_runtime_options
 from .moe_layers import install_moe_layers
+from .moe_runtime import apply_runtime_options
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class MoEModelMixin:
         check_moe_layers_placed(args, sides)
         # First: it sets the timeout and the expert-parallel size P (checked against the workers)
         # that the groups are created with, just below.
-        apply_runtime_options(args)
+        apply_runtime_options(args, sides)
         # The layout (with P) is read from process state once, here, recorded on the model for everything
         # that later has the model (moe_dist.model_layout), and its groups handed to the layers built
         # below: experts are sharded over the P-worker group, routing statistics are the whole world's.

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..distributed import (
     SUPPORTED_DDP_BACKENDS,
     default_expert_parallel_size,
@@ -17,32 +18,37 @@ from ..distributed import (
     unsupported_backend_error,
 )
 from ..fully_sharded import refused_options, zero_sharding_error
-from .moe_config import moe_option
-from ..common.refusal import MoEOptionError
+from .moe_config import moe_option, side_expert_counts, side_expert_flags
 
 logger = logging.getLogger(__name__)
 
 
-def expert_parallel_size(args, world: int) -> int:
+def expert_parallel_size(args, world: int, sides=("encoder", "decoder")) -> int:
     """P for ``world`` workers: --moe-expert-parallel-size, checked, or by default the largest P
-    dividing both the workers and the experts (P = W wherever E is a multiple of W)."""
-    experts = moe_option(args, "moe_expert_count")
+    dividing the workers and the experts of each of ``sides`` (P = W wherever each E is a multiple of W)."""
+    counts = side_expert_counts(args, sides)
     size = moe_option(args, "moe_expert_parallel_size")
     if size is None:
-        return default_expert_parallel_size(world, experts)
-    check_expert_parallel_size(size, world, experts)
+        return default_expert_parallel_size(world, *counts.values())
+    flags = side_expert_flags(args, counts)
+    check_expert_parallel_size(size, world, {flags[side]: count for side, count in counts.items()})
     return size
 
 
-def check_expert_parallel_size(size: int, world: int, experts: int) -> None:
-    """P must divide the ``world`` workers (W/P replica groups) and the experts (E/P per worker)."""
-    choices = [str(d) for d in range(1, world + 1) if world % d == 0 and experts % d == 0]
+def check_expert_parallel_size(size: int, world: int, experts) -> None:
+    """P must divide the ``world`` workers (W/P replica groups) and the experts (E/P per worker);
+    ``experts``: a count, or {the flag and value that set it: count} for each side."""
+    if isinstance(experts, int):
+        experts = {f"--moe-expert-count {experts}": experts}
+    choices = [str(d) for d in range(1, world + 1) if world % d == 0 and all(e % d == 0 for e in experts.values())]
     listed = choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
-    fix = f"use a P dividing both {world} and --moe-expert-count {experts} ({listed})"
+    named = " and ".join(dict.fromkeys(experts))
+    fix = f"use a P dividing both {world} and {named} ({listed})"
     if world % size:
         raise MoEOptionError(f"--moe-expert-parallel-size {size} does not divide the {world} workers: {fix}")
-    if experts % size:
-        raise MoEOptionError(f"--moe-expert-parallel-size {size} does not divide --moe-expert-count {experts}: {fix}")
+    for flag, count in experts.items():
+        if count % size:
+            raise MoEOptionError(f"--moe-expert-parallel-size {size} does not divide {flag}: {fix}")
 
 
 def check_ddp_backend(args) -> None:
@@ -58,13 +64,13 @@ def check_ddp_backend(args) -> None:
         raise MoEOptionError(refused[0])
 
 
-def apply_runtime_options(args) -> None:
-    """Process-wide settings the MoE flags ask for; called when a model is built, before any
-    expert-parallel group exists."""
+def apply_runtime_options(args, sides=("encoder", "decoder")) -> None:
+    """Process-wide settings the MoE flags ask for; called when a model is built (with MoE layers in
+    ``sides``), before any expert-parallel group exists."""
     set_comm_timeout(float(moe_option(args, "moe_comm_timeout")))
     world = expert_world_size()
     if world > 1:  # one process (or every expert local): P is 1 whatever the flag says
-        set_expert_parallel_size(expert_parallel_size(args, world))
+        set_expert_parallel_size(expert_parallel_size(args, world, sides))
     if moe_option(args, "moe_deterministic"):
         # cuBLAS picks reduction orders per workspace unless told otherwise; the variable must be
         # set before its first use, which is after model construction.

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer import TransformerModel
+from fairseq.models.transformer import TransformerModel, transformer_iwslt_de_en, transformer_wmt_en_de
 from fairseq.models.transformer import base_architecture as transformer_base_architecture
-from fairseq.models.transformer import transformer_iwslt_de_en, transformer_wmt_en_de
 from fairseq.models.transformer_lm import (
     TransformerLanguageModel,
     TransformerLanguageModelConfig,
@@ -21,9 +20,9 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..options import MODEL_OPTIONS
 from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_moe_args, moe_option
-from .moe_runtime import check_ddp_backend
 
 # Re-exported: tests and user code import these from this module, where they used to live.
 from .moe_model import (  # noqa: F401
@@ -34,7 +33,7 @@ from .moe_model import (  # noqa: F401
     base_seed,
     moe_layer_names,
 )
-from ..common.refusal import MoEOptionError
+from .moe_runtime import check_ddp_backend
 
 # Read from the command line when a run starts (absent means no fallback): they shape no model, and
 # the architectures have never written them into a model's args (their records' launch_only).

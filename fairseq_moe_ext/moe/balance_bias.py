@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..common.refusal import MoEOptionError
 from . import comm
 from .collective_device import on_group_device
-from ..common.refusal import MoEOptionError
 
 # The rate DeepSeek-V3 used for most of its training.
 DEFAULT_BIAS_UPDATE_RATE = 0.001
@@ -91,8 +91,8 @@ def balance_biases(model: nn.Module):
     """Every ``(BalanceBias, statistics group)`` of ``model``'s MoE layers, in module order."""
     found = []
     for module in model.modules():
-        router = getattr(module, "router", None)
-        bias = getattr(router, "balance_bias", None)
+        # The layer's own handle (its router holds the module only for its state key, and has no router).
+        bias = getattr(module, "balance_bias", None) if hasattr(module, "router") else None
         if isinstance(bias, BalanceBias):
             found.append((bias, getattr(module, "statistics_group", None)))
     return found

@@ -25,8 +25,8 @@ from typing import Dict, List
 
 import torch
 
-from .torch_compat import current_graph_task_id
 from ..common.refusal import MoERefusal
+from .torch_compat import current_graph_task_id
 
 
 @dataclass

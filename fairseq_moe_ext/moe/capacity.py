@@ -25,9 +25,9 @@ from typing import Optional, Union
 
 import torch
 
+from ..common.refusal import MoEOptionError
 from . import comm
 from .dispatch import bucket_counts
-from ..common.refusal import MoEOptionError
 
 MAX_SLOTS = 2**40  # per expert and choice: beyond any batch's token count, far within int64 (times k)
 

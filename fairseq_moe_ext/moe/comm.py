@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..common.refusal import MoEOptionError, MoERefusal
 from .collective_device import (
     MoECollectiveDeviceError,
     check_served,
@@ -23,7 +24,6 @@ from .collective_device import (
     on_group_device,
 )
 from .stop_notice import announced_stop
-from ..common.refusal import MoEOptionError, MoERefusal
 
 
 class MoECommunicationError(RuntimeError):

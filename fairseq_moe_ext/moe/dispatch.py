@@ -123,3 +123,29 @@ def combine_slots(
 ) -> torch.Tensor:
     """``y[t] = sum_j gates[t, j] * expert_out[slot_row[t * k + j]]`` for ``[N, k]`` gates."""
     return _CombineSlots.apply(expert_out, gates.to(expert_out.dtype), sorted_slots, slot_row)
+
+
+def through_experts(tokens, order, slot_expert, gates, served: int, num_experts: int, experts):
+    """The MoE output ``[N, d]`` of ``tokens [N, d]``: their ``N * k`` slots (token-major: slot ``t * k + j`` is
+    token ``t``'s ``j``-th choice; ``slot_expert`` its expert, ``num_experts`` for one that is not served, a pad's
+    or a dropped one) are gathered in expert ``order`` (``argsort(slot_expert)``, the ``served`` ones first),
+    ``experts`` maps those rows to their outputs, and each token sums its slots' outputs weighted by ``gates``
+    ``[N, k]``."""
+    n, k = gates.shape
+    if served == n * k:
+        # Dropless: sorting is a permutation of all slots, so both directions are gathers.
+        slot_row = inverse_permutation(order)
+        expert_out = experts(dispatch_slots(tokens, order, slot_row, k))
+        return combine_slots(expert_out, gates, order, slot_row)
+    sorted_slots = order[:served]  # unserved slots sort last and are cut off
+    slot_row = served_slot_rows(sorted_slots, n * k)  # unserved slots: row `served`, past the end
+    expert_out = experts(dispatch_slots(tokens, sorted_slots, slot_row, k))
+    if served == 0:  # nothing routed here (only padding: fairseq's dummy batch)
+        # Zeros that still depend on expert_out: its backward is this rank's share of the
+        # all-to-all backward, which every rank must issue.
+        return expert_out.new_zeros(n, tokens.shape[-1]) + expert_out.sum()
+    # Combine as in the dropless path, with unserved slots (dropped, pads) reading any
+    # served row (row 0) at gate exactly 0: their term adds exactly zero.
+    served_mask = slot_expert < num_experts
+    slot_row = torch.where(served_mask, slot_row, 0)
+    return combine_slots(expert_out, gates * served_mask.view(n, k), sorted_slots, slot_row)

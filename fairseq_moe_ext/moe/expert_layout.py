@@ -7,6 +7,7 @@ checkpoint code places experts by it), so it can be reasoned about and tested wi
 import math
 from dataclasses import dataclass
 from typing import List, Tuple
+
 from ..common.refusal import MoEOptionError
 
 
@@ -84,7 +85,8 @@ class ExpertLayout:
         return range(self.ep_rank * local, (self.ep_rank + 1) * local)
 
 
-def default_expert_parallel_size(world_size: int, num_experts: int) -> int:
-    """The largest P dividing both W and E: P = W (each worker one shard, no replicas) whenever E is
-    a multiple of W, which is the only layout there was before P could be chosen."""
-    return math.gcd(world_size, num_experts)
+def default_expert_parallel_size(world_size: int, *num_experts: int) -> int:
+    """The largest P dividing both W and E (every E given: each side's, where the encoder and decoder hold
+    different numbers of experts): P = W (each worker one shard, no replicas) whenever E is a multiple of
+    W, which is the only layout there was before P could be chosen."""
+    return math.gcd(world_size, *num_experts)

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..common.refusal import MoEOptionError
 from .expert_ffn import expert_ffn
 from .grouped_mm import check_expert_matmul, default_expert_matmul, expert_groups, grouped_linear, select_expert_matmul
-from ..common.refusal import MoEOptionError
 
 
 def is_expert(p) -> bool:

@@ -19,7 +19,6 @@ from typing import Dict, FrozenSet, Iterable, Optional
 import torch.nn as nn
 
 from ..common.refusal import MoEOptionError
-
 from .balance_bias import balance_biases
 from .experts import is_expert
 from .router import TopKRouter

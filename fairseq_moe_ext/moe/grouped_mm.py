@@ -37,9 +37,9 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..common.refusal import MoEOptionError
 from .expert_ffn import bias_grad
 from .torch_compat import check_grouped_mm, has_grouped_mm
-from ..common.refusal import MoEOptionError
 
 EXPERT_MATMULS = ("auto", "loop", "grouped_mm")
 ENV_VAR = "FAIRSEQ_MOE_EXPERT_MATMUL"

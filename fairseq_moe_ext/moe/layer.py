@@ -12,6 +12,12 @@ the losses and the capacity decision are totalled over ``statistics_group`` (by 
 group; fairseq models pass the whole world, of which the expert-parallel group is one of several
 holding the same experts), which makes a W-worker forward equal to one process holding all
 experts and the concatenated batch.
+
+``route_tokens`` reads as its steps, each in its own file: the router chooses (``router.py``, given the
+layer's balance bias), the batch's counts and sums are totalled in one all-reduce (``batch_totals.py``), the
+router losses (``losses.py``) and the capacity (``capacity.py``) follow from them, the bias counts the load
+(``balance_bias.py``), slots are dispatched to the experts and combined (``dispatch.through_experts``), and
+the statistics for the logs are kept (``routing_log.py``).
 """
 
 from typing import List, Optional, Tuple
@@ -19,27 +25,22 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..common.refusal import MoEOptionError
 from . import comm
-from .cache import MoEAux, MoEAuxCache, inside_backward
-from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
-from .dispatch import (
-    bucket_counts,
-    combine_slots,
-    dispatch_slots,
-    inverse_permutation,
-    permute_rows,
-    served_slot_rows,
-)
 from .balance_bias import BalanceBias
 from .balance_scope import UpdateLoad
+from .batch_totals import BatchTotals, batch_totals
+from .cache import MoEAux, MoEAuxCache, inside_backward
+from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
+from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
 from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
 from .router import TopKRouter
+from .routing_log import routing_log
 from .second_expert import gates_renormalised_over_served
 from .shared_experts import SharedExperts
-from ..common.refusal import MoEOptionError
 
 
 class MoELayer(nn.Module):
@@ -92,10 +93,13 @@ class MoELayer(nn.Module):
         # already sent to the id num_experts (routing_stats.py's counts; None: nothing is counted).
         self.routing_tally = None
         routing = config.routing
-        # Loss-free balancing (balance_bias.py): the layer makes the bias, the router reads it when
-        # choosing (its state key stays router.balance_bias.bias); None keeps the routing as it was.
+        # Loss-free balancing (balance_bias.py; None keeps the routing as it was): the layer's own, counted
+        # and passed to the router by the layer. The module sits in the router's place of the module tree
+        # (held, never read, by it) so that its state key stays router.balance_bias.bias, which sets, the
+        # HF and branch mappings, pruning and --moe-freeze name; the layer's handle is not registered.
         bias = None if routing.balance_bias_rate is None else BalanceBias(num_experts, routing.balance_bias_rate)
         self.router = TopKRouter(config.model_dim, num_experts, routing, balance_bias=bias)
+        object.__setattr__(self, "balance_bias", bias)
         # --moe-balance-scope global-batch (balance_scope.py): the update's counts so far; not a buffer, so
         # never saved, broadcast or cast.
         self.update_load = UpdateLoad() if config.balance_scope == "global-batch" else None
@@ -176,25 +180,9 @@ class MoELayer(nn.Module):
         One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
         the all-to-all need as sizes; everything else stays on the tokens' device (see docs/performance.md,
         "Host syncs: one per layer forward, none in backward")."""
-        n, k, num_experts, statistics_group = tokens.shape[0], self.k, self.num_experts, self.statistics_group
-        if statistics_group is not None and not self._group_checked:
-            # Workers built with different flags would exchange rows of different shapes (at best a
-            # transport error, at worst a hang): compare once, before the first exchange.
-            comm.check_same_on_every_rank(
-                [
-                    num_experts,
-                    self.num_local_experts,
-                    self.parallel_size,
-                    comm.group_size(statistics_group),
-                    self.model_dim,
-                    k,
-                ],
-                ["experts", "local experts", "expert-parallel size", "world size", "model dim", "top-k"],
-                f"MoE layer {self.name}",
-                statistics_group,
-            )
-            self._group_checked = True
-        routing = self.router(tokens)
+        k, num_experts = self.k, self.num_experts
+        self._check_group_once()
+        routing = self.router(tokens, None if self.balance_bias is None else self.balance_bias.bias)
         expert_index = routing.expert_index
         if real is not None:
             # Pad tokens choose the id num_experts, which no expert holds: sorted after every real
@@ -202,94 +190,79 @@ class MoELayer(nn.Module):
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
         if self.routing_tally is not None and not self.training:
             self.routing_tally(self, expert_index, routing.gates)
-
-        # Losses from world-wide sums (see comm.all_reduce_sum for why its backward also sums).
-        # Counts stay exact integers and sums fp32 (or wider) whatever the router's dtype: with
-        # --moe-gating-no-fp32 an fp16 count overflows at 65,504 tokens and bf16 counts 1001 as 1000.
-        top1_count = bucket_counts(expert_index[:, 0], num_experts + 1)[:num_experts]
-        num_real = top1_count.sum().view(1)
-        lse_square = torch.logsumexp(routing.logits.float(), dim=-1).pow(2)
-        probs = routing.probs
-        if real is not None:
-            lse_square = torch.where(real, lse_square, 0.0)
-            probs = torch.where(real.unsqueeze(1), probs, 0.0)
-        prob_sum = probs.sum(0, dtype=torch.float32)
-        # One all-reduce for counts and sums (each collective is a point where the faster worker
-        # waits): fp64 holds the int64 counts exactly (below 2^53) and every fp32 sum; with one
-        # process the round trip fp32 -> fp64 -> fp32 changes no bit.
         by_fraction = not self.training and self.eval_capacity_token_fraction > 0
-        parts = [top1_count.double(), num_real.double(), prob_sum.double(), lse_square.sum().double().view(1)]
-        if by_fraction:  # every token position, pads included: the S of the branch's ceil(f * S)
-            parts.append(torch.full((1,), float(n), dtype=torch.float64, device=tokens.device))
-        totals = comm.all_reduce_sum(torch.cat(parts), statistics_group)
-        counts = totals[: num_experts + 1].round().long()
-        sums = totals[num_experts + 1 :].float()
-        total_tokens = counts[-1]
-        load, load_tokens = counts[:num_experts], None
-        if self.update_load is not None and self.training:
-            load, load_tokens = self.update_load.counted(load, total_tokens, add=not inside_backward())
-        aux_balance = balance_loss(sums[:num_experts], load, total_tokens, load_tokens)
-        aux_z = z_loss(sums[num_experts], total_tokens)
+        totals = batch_totals(routing, expert_index, real, self.statistics_group, count_positions=by_fraction)
+        aux_balance, aux_z = self._router_losses(totals)
+        capacity = self._capacity(totals)
+        # The real tokens' choices before capacity (token-major slots: token t's choice j is slot t * k + j):
+        # logged, and the load behind the balance bias.
+        routed_load = bucket_counts(expert_index.reshape(-1), num_experts + 1)[:num_experts]
+        if self.balance_bias is not None:
+            self.balance_bias.observe(routed_load)
+        slot_expert, gates = self._serve_within(capacity, routing, expert_index)
+        order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
+        expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
+        loads, exchange = self._read_counts(expert_load)
+        served = sum(loads)
+        self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
 
+        def experts(rows):
+            return self._mask_expert_outputs(self._run_experts(rows, loads, expert_load, exchange))
+
+        y = through_experts(tokens, order, slot_expert, gates, served, num_experts, experts)
+        stats = routing_log(totals.local_tokens, k, expert_load, routed_load, totals.local_probs)
+        return y, MoEAux(aux_balance, aux_z, stats)
+
+    def _check_group_once(self) -> None:
+        """Workers built with different flags would exchange rows of different shapes (at best a transport
+        error, at worst a hang): compared once, before the first exchange."""
+        if self.statistics_group is None or self._group_checked:
+            return
+        comm.check_same_on_every_rank(
+            [
+                self.num_experts,
+                self.num_local_experts,
+                self.parallel_size,
+                comm.group_size(self.statistics_group),
+                self.model_dim,
+                self.k,
+            ],
+            ["experts", "local experts", "expert-parallel size", "world size", "model dim", "top-k"],
+            f"MoE layer {self.name}",
+            self.statistics_group,
+        )
+        self._group_checked = True
+
+    def _router_losses(self, totals: BatchTotals) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(balance loss, z-loss) of the statistics group's batch; with the global-batch scope the balance
+        loss's load counts every micro-batch of the update so far (balance_scope.py)."""
+        load, load_tokens = totals.first_choices, None
+        if self.update_load is not None and self.training:
+            load, load_tokens = self.update_load.counted(load, totals.tokens, add=not inside_backward())
+        return balance_loss(totals.prob_sum, load, totals.tokens, load_tokens), z_loss(
+            totals.lse_square_sum, totals.tokens
+        )
+
+    def _capacity(self, totals: BatchTotals) -> Optional[torch.Tensor]:
+        """Slots per expert (None: every slot is served), from the statistics group's batch (capacity.py)."""
+        if totals.positions is not None:  # the nllb branch's evaluation capacity ceil(f * S)
+            return token_fraction_capacity(totals.positions, self.eval_capacity_token_fraction)
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        capacity = expert_capacity_tensor(total_tokens, num_experts, k, capacity_factor)
-        if by_fraction:
-            capacity = token_fraction_capacity(totals[-1].round().long(), self.eval_capacity_token_fraction)
-        slot_expert = expert_index.reshape(-1)  # token-major slots (token t, choice j) -> t * k + j
-        # The real tokens' choices before capacity: logged, and the load behind the balance bias.
-        routed_load = bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        if self.router.balance_bias is not None:
-            self.router.balance_bias.observe(routed_load)
+        return expert_capacity_tensor(totals.tokens, self.num_experts, self.k, capacity_factor)
+
+    def _serve_within(self, capacity: Optional[torch.Tensor], routing, expert_index: torch.Tensor):
+        """(each slot's expert, the id ``num_experts`` for a slot over ``capacity`` or a pad's; the gates):
+        renormalised over the slots kept when the layer does so after dropping (second_expert.py)."""
+        n, k, num_experts = expert_index.shape[0], self.k, self.num_experts
+        slot_expert = expert_index.reshape(-1)
         if capacity is not None:
             keep = self._slots_within_capacity(routing, capacity, expert_index)
             slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
         gates = routing.gates
         if self.normalize_gates_after_dropping:
-            gates = gates_renormalised_over_served(
-                routing.probs, routing.expert_index, (slot_expert < num_experts).view(n, k)
-            )
-
-        # Dispatch: slots sorted by expert; unserved ones (pads, dropped) sort last and are cut off.
-        order = torch.argsort(slot_expert, stable=True)
-        expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        loads, exchange = self._read_counts(expert_load)
-        served = sum(loads)
-        self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
-        if served == n * k:
-            # Dropless: sorting is a permutation of all slots, so both directions are gathers.
-            slot_row = inverse_permutation(order)
-            dispatched = dispatch_slots(tokens, order, slot_row, k)
-            expert_out = self._mask_expert_outputs(self._run_experts(dispatched, loads, expert_load, exchange))
-            y = combine_slots(expert_out, gates, order, slot_row)
-        else:
-            sorted_slots = order[:served]
-            slot_row = served_slot_rows(sorted_slots, n * k)  # unserved slots: row `served`, past the end
-            dispatched = dispatch_slots(tokens, sorted_slots, slot_row, k)
-            expert_out = self._mask_expert_outputs(self._run_experts(dispatched, loads, expert_load, exchange))
-            if served == 0:  # nothing routed here (only padding: fairseq's dummy batch)
-                # Zeros that still depend on expert_out: its backward is this rank's share of the
-                # all-to-all backward, which every rank must issue.
-                y = expert_out.new_zeros(n, self.model_dim) + expert_out.sum()
-            else:
-                # Combine as in the dropless path, with unserved slots (dropped, pads) reading any
-                # served row (row 0) at gate exactly 0: their term adds exactly zero.
-                served_mask = slot_expert < num_experts
-                slot_row = torch.where(served_mask, slot_row, 0)
-                gates = gates * served_mask.view(n, k)
-                y = combine_slots(expert_out, gates, sorted_slots, slot_row)
-        # Statistics for the logs stay on the device; the criterion reads all layers' at once.
-        probs = probs.detach()
-        num_slots = num_real.squeeze(0) * k
-        stats = {
-            "num_tokens": num_real.squeeze(0).float(),
-            "num_slots": num_slots.float(),
-            "dropped_slots": (num_slots - expert_load.sum()).float(),
-            "expert_slots": routed_load.float(),
-            # In fp32 whatever the router's dtype: pads' (and underflowed) probabilities are 0, and
-            # 0 * log(0) must count 0 (xlogy), not NaN as with fp16's clamp_min(1e-20) == 0.
-            "router_entropy_sum": -torch.special.xlogy(probs.float(), probs.float()).sum(),
-        }
-        return y, MoEAux(aux_balance, aux_z, stats)
+            served = (slot_expert < num_experts).view(n, k)
+            gates = gates_renormalised_over_served(routing.probs, routing.expert_index, served)
+        return slot_expert, gates
 
     def _mask_expert_outputs(self, expert_out: torch.Tensor) -> torch.Tensor:
         return mask_expert_outputs(expert_out, self.expert_output_masking, self.training)

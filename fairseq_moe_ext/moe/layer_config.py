@@ -17,13 +17,13 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Callable, Dict, Optional, Union
 
+from ..common.refusal import MoEOptionError
 from .balance_bias import check_bias_update_rate
 from .capacity import check_capacity_factor
 from .experts import resolve_activation
 from .scorers import SCORERS
 from .second_expert import check_second_expert_policy
 from .shared_experts import check_shared_experts
-from ..common.refusal import MoEOptionError
 
 ROUTER_TYPES = tuple(SCORERS)  # the registry's names; scorers.py says what each one computes
 # Whose first choices the balance loss's load fractions count (layer.py, balance_scope.py).

@@ -4,8 +4,8 @@ What a router type computes (its parameters, logits, scores, probabilities, and 
 renormalised over the chosen experts) is its scorer in ``scorers.py``; ``TopKRouter`` does the rest the
 same for every type.
 
-With a ``balance_bias`` (balance_bias.py) the experts are chosen by ``score + bias`` while the gates
-stay functions of the scores alone.
+Given a balance bias (``forward``'s ``selection_bias``, the owning layer's: balance_bias.py) the experts are
+chosen by ``score + bias`` while the gates stay functions of the scores alone.
 
 The router runs in fp32 when ``fp32=True`` whatever the activation dtype: autocast is switched off
 inside, because softmax over a handful of bf16 logits decides which expert a token sees and small
@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from .balance_bias import BalanceBias
 from .layer_config import ROUTER_TYPES, RoutingConfig
 from .scorers import SCORERS
 from .second_expert import randomly_kept_second, sampled_second_expert
@@ -62,15 +61,17 @@ def take_chosen(probs: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor
 
 
 class TopKRouter(nn.Module):
-    """Routes with the options of ``routing`` (checked when it was built); ``balance_bias`` is the
-    owning layer's (``MoELayer`` makes it from ``routing.balance_bias_rate``): the router only reads it."""
+    """Routes with the options of ``routing`` (checked when it was built). ``balance_bias``: the owning
+    layer's ``BalanceBias`` module (``MoELayer`` makes it from ``routing.balance_bias_rate``), held here only
+    so that its state key stays ``router.balance_bias.bias``: the router never reads it; the layer passes
+    its values to ``forward``."""
 
     def __init__(
         self,
         model_dim: int,
         num_experts: int,
         routing: RoutingConfig = RoutingConfig(),
-        balance_bias: Optional[BalanceBias] = None,
+        balance_bias: Optional[nn.Module] = None,
         cosine_proj_dim: int = 256,
         cosine_init_temperature: float = 0.5,
     ):
@@ -83,7 +84,7 @@ class TopKRouter(nn.Module):
         # Renormalised here (before capacity) unless the layer renormalises over the slots it kept.
         self.normalize_gates = routing.normalize_gates and not routing.normalize_gates_after_dropping
         self.batch_prioritized = routing.batch_prioritized
-        self.balance_bias = balance_bias
+        self.balance_bias = balance_bias  # the layer's, here for its state key only (never read here)
         # The nllb branch's --moe-second-expert-policy (second_expert.py); "all" is plain top-2.
         self.second_expert_policy = routing.second_expert_policy
         self.scorer = SCORERS[self.router_type]  # a plain object: its parameters are the router's own
@@ -96,8 +97,9 @@ class TopKRouter(nn.Module):
         """Per-expert affinities (the scorer's: softmax over experts, or an independent sigmoid each)."""
         return self.scorer.scores(self, logits)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route ``x`` of shape ``[N, model_dim]``."""
+    def forward(self, x: torch.Tensor, selection_bias: Optional[torch.Tensor] = None) -> Routing:
+        """Route ``x`` of shape ``[N, model_dim]``; ``selection_bias`` (``[E]``, the layer's balance bias) is
+        added to the scores that choose the experts (never to the gates)."""
         if x.dim() != 2:
             raise ValueError(f"router expects [tokens, model_dim], got shape {tuple(x.shape)}")
         device_type = x.device.type
@@ -113,9 +115,9 @@ class TopKRouter(nn.Module):
                 # but not the gate values, so the output stays a smooth function of the logits.
                 noise = torch.randn_like(logits) * (self.gate_noise / self.num_experts)
                 selection_scores = logits.detach() + noise
-            if self.balance_bias is not None:
+            if selection_bias is not None:
                 # The bias shifts scores (not logits), for choosing only.
-                selection_scores = self.scores(selection_scores.detach()) + self.balance_bias.bias
+                selection_scores = self.scores(selection_scores.detach()) + selection_bias
             expert_index = torch.topk(selection_scores, self.k, dim=-1, sorted=True).indices
             if self.second_expert_policy == "sampling":
                 second = sampled_second_expert(logits, expert_index[:, 0])

@@ -16,6 +16,7 @@ per layer forward.
 """
 
 import torch
+
 from ..common.refusal import MoEOptionError
 
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")

@@ -13,8 +13,8 @@ from typing import Callable, Union
 import torch
 import torch.nn as nn
 
-from .experts import BatchedExperts
 from ..common.refusal import MoEOptionError
+from .experts import BatchedExperts
 
 
 def check_shared_experts(count, hidden_dim) -> None:

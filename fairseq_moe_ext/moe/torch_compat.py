@@ -23,8 +23,8 @@ probe; the GPU one-shot prints which ones the machine's torch has.
 from typing import Callable, Dict, List
 
 import torch
-from ..common.refusal import MoEOptionError, MoESetupError
 
+from ..common.refusal import MoEOptionError, MoESetupError
 from ..common.torch_compat import has_scaler_states, has_set_ddp_ignore, lookup
 
 

@@ -25,7 +25,8 @@ from ..common.config_value import config_value
 from ..moe.placement import side_moe_freq
 from .criterion import CRITERION_OPTIONS
 from .inference import INFERENCE_OPTIONS  # noqa: F401  (re-exported)
-from .model import MODEL_OPTIONS as _MODEL, TRANSLATION_OPTIONS
+from .model import MODEL_OPTIONS as _MODEL
+from .model import TRANSLATION_OPTIONS
 from .record import CRITERION, EVERY_ARCH, INFERENCE, TRANSLATION, Option, Range  # noqa: F401  (re-exported)
 from .run import RUN_OPTIONS
 
@@ -57,6 +58,19 @@ def moe_freq(cfg, side: str) -> int:
     """The MoE layer frequency of ``side`` ("encoder" or "decoder"): --{side}-moe-freq, else --moe-freq,
     their defaults where ``cfg`` lacks them. Models, upcycling and the resume check all read it here."""
     return side_moe_freq(option_value(cfg, "moe_freq"), option_value(cfg, f"{side}_moe_freq"))
+
+
+def expert_count(cfg, side: str) -> int:
+    """Experts in each MoE layer of ``side`` ("encoder" or "decoder"): --{side}-moe-expert-count, else
+    --moe-expert-count, their defaults where ``cfg`` lacks them. Models, prune, reshard and export read it here."""
+    own = option_value(cfg, f"{side}_moe_expert_count")
+    return int(option_value(cfg, "moe_expert_count") if own is None else own)
+
+
+def expert_count_flag(cfg, side: str) -> str:
+    """The flag that sets ``side``'s expert count in ``cfg``, as a message names it: ``--moe-expert-count 8``."""
+    own = option_value(cfg, f"{side}_moe_expert_count")
+    return f"--{side}-moe-expert-count {own}" if own is not None else f"--moe-expert-count {expert_count(cfg, side)}"
 
 
 def record_problems():

@@ -33,6 +33,7 @@ FREQ_FIX = "use N for an MoE layer every N layers, or 0 for none"
 CAPACITY_FIX = "use 0 for dropless routing, > 0 for a fixed capacity, < 0 for a bounded dropless one"
 ROUTING_CAPACITY = "validation and inference routing capacity, a choice of each run"
 DROPPED_SLOTS = "which slots are dropped when a capacity is reached"
+SIDE_EXPERTS_FIX = "use 1 or more experts, or drop it for --moe-expert-count"
 
 
 def bias_rate(value, read):
@@ -69,8 +70,9 @@ MODEL_OPTIONS = (
            "expert-parallel size P: each group of P consecutive workers holds every expert once "
            "(E/P per worker, tokens reach them by all-to-all within the group) and the W/P groups are "
            "replicas whose expert gradients are summed; must divide both the number of workers and "
-           "--moe-expert-count. Larger P: less expert memory per worker, all-to-alls over more workers "
-           "(keep a group within a node) (default: the largest such P, gcd(workers, experts))",
+           "--moe-expert-count (each side's, with --encoder/--decoder-moe-expert-count). Larger P: less "
+           "expert memory per worker, all-to-alls over more workers (keep a group within a node) "
+           "(default: the largest such P, gcd(workers, experts of each side))",
            MAY_CHANGE, "experts are resharded at load",
            range=within(True, "a positive integer", "use a P dividing both the number of workers and "
                         "--moe-expert-count, or drop it for the default (the largest such P)", low=1,
@@ -89,6 +91,12 @@ MODEL_OPTIONS = (
     Option("decoder_moe_freq", Optional[int], None, "--moe-freq for decoder layers (default: --moe-freq)",
            CHANGES_PARAMETERS, "other decoder layers are MoE",
            range=within(True, "an integer >= 0", FREQ_FIX, low=0, optional=True)),
+    Option("decoder_moe_expert_count", Optional[int], None,
+           "--moe-expert-count for decoder MoE layers (default: --moe-expert-count); a set pruned with "
+           "prune --encoder-decoder-ratio keeps another number of experts on each side",
+           CHANGES_PARAMETERS, "another number of decoder experts and router rows",
+           range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=INT64_MAX, holder=SIZE,
+                        optional=True)),
     Option("moe_top_k", int, 2, "experts per token (default 2)",
            CHANGES_FUNCTION, "a token is sent to another number of experts",
            range=within(True, "an integer >= 1", "use 1 <= --moe-top-k <= {experts}", low=1, high=INT64_MAX,
@@ -219,5 +227,10 @@ TRANSLATION_OPTIONS = (
     Option("encoder_moe_freq", Optional[int], None, "--moe-freq for encoder layers (default: --moe-freq)",
            CHANGES_PARAMETERS, "other encoder layers are MoE", where=TRANSLATION,
            range=within(True, "an integer >= 0", FREQ_FIX, low=0, optional=True)),
+    Option("encoder_moe_expert_count", Optional[int], None,
+           "--moe-expert-count for encoder MoE layers (default: --moe-expert-count)",
+           CHANGES_PARAMETERS, "another number of encoder experts and router rows", where=TRANSLATION,
+           range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=INT64_MAX, holder=SIZE,
+                        optional=True)),
 )
 # fmt: on

@@ -11,7 +11,6 @@ import os
 
 from ..checkpoint import CheckpointSetError, resolve
 
-
 FAIRSEQ_DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's CheckpointConfig.restore_file default
 
 

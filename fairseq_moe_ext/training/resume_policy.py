@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..options import CRITERION_OPTIONS, MODEL_OPTIONS
 
 # Re-exported: the kinds are written in the option records (options/record.py).
 from ..options.record import CHANGES_FUNCTION, CHANGES_PARAMETERS, MAY_CHANGE, TRAINING_ONLY  # noqa: F401
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ import socket
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
+
 from ..common.refusal import MoERefusal
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ and world size, the seed and save dir (the same cfg everywhere), and the launch'
 
 import os
 
-from ..common.config_value import config_value
 from ..checkpoint.set_id import LAUNCH_ENVIRONMENT, derive_set_id
+from ..common.config_value import config_value
 
 
 def save_set_id(trainer, world_size: int) -> str:

@@ -11,6 +11,7 @@ import os
 import uuid
 
 import torch.distributed as dist
+
 from ..common.refusal import MoERefusal
 
 PROBE_NAME = "fairseq-moe-ext.shared-check"

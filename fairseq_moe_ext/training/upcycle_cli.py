@@ -58,10 +58,9 @@ def add_upcycle_parser(sub) -> None:
 
 def upcycle(args):
     """The whole upcycled checkpoint the parsed ``args`` ask for."""
+    from ..checkpoint.errors import CheckpointSetError
     from ..option_ranges import UPCYCLE_TOOL_RANGES, check_options
     from .upcycling import upcycled_checkpoint
-
-    from ..checkpoint.errors import CheckpointSetError
 
     try:
         check_options(UPCYCLE_TOOL_RANGES, lambda name: getattr(args, name))

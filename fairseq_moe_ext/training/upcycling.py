@@ -21,12 +21,12 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
-from ..common.config_value import config_value
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
+from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_option
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
-from ..common.refusal import MoEOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,14 @@ def load_upcycled(trainer, path: str) -> None:
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
             "upcycled model does not start as the dense one; add --moe-normalize-gate"
         )
+    for side in ("encoder", "decoder"):
+        own = moe_option(model_cfg, f"{side}_moe_expert_count")
+        if own is not None and own != model_cfg.moe_expert_count:
+            raise MoEOptionError(
+                f"--moe-upcycle-from copies each dense FFN into --moe-expert-count {model_cfg.moe_expert_count} "
+                f"experts in every MoE layer, and this run has --{side}-moe-expert-count {own}: drop it, or upcycle "
+                f"with --moe-expert-count {own}"
+            )
     options = UpcycleOptions(
         model_cfg.moe_expert_count,
         float(moe_option(model_cfg, "moe_upcycle_noise")),

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from fake_checkpoints import full_state
 from fairseq_moe_ext import checkpoint as moe_ckpt
+from fake_checkpoints import full_state
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
+from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
 
 
 def run_tool(capsys, *argv):

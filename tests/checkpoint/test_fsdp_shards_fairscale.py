@@ -1,17 +1,16 @@
 """The FSDP shard reader (``checkpoint/branch/fsdp_shards.py``) on shard files fairscale 0.4.13 itself wrote
-(tests/requirements-fairscale.txt, test-only; tests/support/fairscale_shards.py: 2 gloo CPU workers, the branch's
+(tests/requirements-fairscale.txt, test-only; tests/support/oracles/fairscale_shards.py: 2 gloo CPU workers, the branch's
 wrapping and file split), not only on the files the tests write in its format."""
 
 import pytest
 import torch
 
 from dist_utils import run_on_workers
+from fairscale_oracle import ORACLE_DIR
 from fairscale_shards import write_both
 from fairseq_moe_ext.checkpoint.branch.consolidated import sharded_files
 from fairseq_moe_ext.checkpoint.branch.fsdp_shards import FsdpShards
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
-
-from fairscale_oracle import ORACLE_DIR
 
 if not (ORACLE_DIR / "fairscale").is_dir():
     pytest.skip(

@@ -9,9 +9,9 @@ import pytest
 from bad_input_runner import Inputs, Started, fingerprint, train_checkpoints
 from fairseq_helpers import torchrun
 from multiworker_cli_runs import generate, moe_args
-from paths import SUPPORT
+from paths import PROBES
 
-TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
+TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
 
 
 @pytest.fixture(scope="session")

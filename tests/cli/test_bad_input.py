@@ -61,7 +61,7 @@ pytestmark = pytest.mark.slow
 
 
 # ---------------------------------------------------------------- the catalogue: one row per case (the
-# runner: tests/support/bad_input_runner.py; what each case runs on: bad_input_makers.py; the fixtures
+# runner: tests/support/launch/bad_input_runner.py; what each case runs on: bad_input_makers.py; the fixtures
 # that start the runs two at a time: tests/cli/conftest.py)
 
 # The same size as the set's own file (same shapes, other values): the manifest's sha256 tells them apart.

@@ -12,7 +12,6 @@ imports: tests/checkpoint/test_untrusted_pickles.py).
 import re
 
 import pytest
-from untrusted_pickles import MARKER
 
 from bad_input_entry_points import (
     a_set_missing_rank_1,
@@ -35,6 +34,7 @@ from bad_input_runner import (
     fairseq_train,
     two_workers,
 )
+from untrusted_pickles import MARKER
 
 pytestmark = pytest.mark.slow
 MISSING = "checkpoint_last-rank-1-of-2.pt is missing"

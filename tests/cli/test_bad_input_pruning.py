@@ -1,7 +1,8 @@
 """Bad input, expert pruning: the checkpoint tool's prune refuses what would write a wrong or unusable
 set (fewer experts than k, more than E, statistics of another model or checkpoint, an unknown group,
-an output that holds a set, a world size not dividing the experts kept), and --moe-routing-stats
-refuses what it cannot count. The same table-driven runner as tests/cli/test_bad_input.py (each case
+an output that holds a set, a world size not dividing the experts kept, an encoder:decoder ratio that
+is not > 0 or leaves a side outside k..E), a set whose sides differ is refused where it cannot go
+(export-hf; top-k or P not fitting a side), and --moe-routing-stats refuses what it cannot count. The same table-driven runner as tests/cli/test_bad_input.py (each case
 through the real command line: a non-zero exit, one last line naming the problem and the fix, no file
 changed or added).
 """
@@ -11,9 +12,10 @@ import json
 import pytest
 import torch
 
-from bad_input_makers import checkpoint_tool_on, generate_args
+from bad_input_makers import checkpoint_tool_on, fresh_training, generate_args
 from bad_input_runner import (
     GENERATE,
+    LAUNCHED_TRAIN,
     TRAIN,
     Case,
     check_case,
@@ -22,9 +24,12 @@ from bad_input_runner import (
     fairseq_generate,
     fairseq_train,
     train_args,
+    two_workers,
 )
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.prune import moe_layers
+from fairseq_moe_ext.checkpoint.prune import prune as prune_state_of
+from fairseq_moe_ext.checkpoint.reshard import save_set
 from fairseq_moe_ext.moe.routing_stats import RoutingTally, statistics_document
 
 pytestmark = pytest.mark.slow
@@ -63,6 +68,17 @@ def other_layers(set_dir):
     )
 
 
+def export_unequal_sides(inputs, work):
+    """export-hf of a set pruned to 2 encoder and 4 decoder experts (prune --keep 3 --encoder-decoder-ratio 0.5)."""
+    source = copy_of(inputs.set, work, "in")
+    full = moe_ckpt.load_full(str(source / "checkpoint_last.pt"))
+    pruned = prune_state_of(full, str(statistics_of(source)), keep=3, fraction=None, ratio=0.5)
+    (work / "pruned").mkdir()
+    save_set(pruned, str(work / "pruned" / "ck"), 1)
+    (work / "hf").mkdir()
+    return ["export-hf", work / "pruned" / "ck.pt", work / "hf"], [work / "pruned", work / "hf"]
+
+
 def generate_with_short_groups(inputs, work):
     directory = copy_of(inputs.single, work)
     (work / "groups.txt").write_text("a\nb\n")
@@ -95,6 +111,26 @@ CASES = [
     Case("prune-to-a-world-size-not-dividing-the-experts-kept", checkpoint_tool,
          prune("--keep", "3", "--world-size", "2"), "error",
          "--world-size 2 does not divide the 3 experts kept", "use one of [1, 3]"),
+    # -- per-side budgets (prune --encoder-decoder-ratio) and the per-side expert counts they write
+    Case("prune-with-an-encoder-decoder-ratio-of-zero", checkpoint_tool,
+         prune("--keep", "2", "--encoder-decoder-ratio", "0"), "error",
+         "--encoder-decoder-ratio 0 must be a number > 0", "e.g. 3 (Koishekenov et al.'s best on NLLB-200) or 0.5"),
+    Case("prune-with-a-ratio-leaving-the-decoder-fewer-experts-than-k", checkpoint_tool,
+         prune("--keep", "2", "--encoder-decoder-ratio", "3"), "error",
+         "keeps 1 per decoder MoE layer, fewer than the 2 each token is routed to (--moe-top-k)",
+         "the splits encoder:decoder this budget allows are 2:2 (R 1); use a ratio near one of them"),
+    Case("prune-with-a-ratio-leaving-the-encoder-more-experts-than-it-has", checkpoint_tool,
+         prune("--keep", "4", "--encoder-decoder-ratio", "3"), "error",
+         "keeps 6 per encoder MoE layer, more than its 4", "the splits encoder:decoder this budget allows are 4:4"),
+    Case("export-hf-of-a-set-with-unequal-sides", checkpoint_tool, export_unequal_sides, "error",
+         "has --encoder-moe-expert-count 2 and --decoder-moe-expert-count 4: NllbMoe has one num_experts",
+         "export a set with the same number of experts on both sides (prune without --encoder-decoder-ratio)"),
+    Case("top-k-above-a-side-s-expert-count", fairseq_train, fresh_training("--decoder-moe-expert-count", "1"), TRAIN,
+         "--moe-top-k 2 exceeds --decoder-moe-expert-count 1", "use --moe-top-k <= 1"),
+    Case("expert-parallel-size-not-dividing-a-side-s-experts", two_workers,
+         fresh_training("--encoder-moe-expert-count", "3", "--moe-expert-parallel-size", "2"), LAUNCHED_TRAIN,
+         "--moe-expert-parallel-size 2 does not divide --encoder-moe-expert-count 3",
+         "use a P dividing both 2 and --encoder-moe-expert-count 3 and --moe-expert-count 4 (1)"),
     Case("routing-statistics-with-fewer-group-lines-than-sentences", fairseq_generate, generate_with_short_groups,
          GENERATE, "--moe-routing-stats-groups has 2 lines, but the subset has sentence id",
          "give one key per line of the subset"),

@@ -11,8 +11,8 @@ import torch
 
 from fairseq_helpers import json_logs, run_checkpoint_tool, run_fairseq, torchrun
 from full_precision_logs import carries_every_digit
-from paths import SUPPORT
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def replicated_run(data, tmp_path_factory):
     """``UPDATES`` updates on 4 workers with 2 experts (P = 2 by default): its save dir (read only) and
     its output, whose logs carry every digit of the losses."""
     save_dir = tmp_path_factory.mktemp("replicated") / "ck"
-    output = torchrun(4, SUPPORT / "fairseq_train_every_digit.py", moe_args(data, save_dir, UPDATES, *TWO_EXPERTS))
+    output = torchrun(4, PROBES / "fairseq_train_every_digit.py", moe_args(data, save_dir, UPDATES, *TWO_EXPERTS))
     return save_dir, output
 
 
@@ -46,7 +46,7 @@ def test_four_workers_sharing_two_expert_shards_train_exactly_as_plain_data_para
     save_dir, output = replicated_run
     plain = torchrun(
         4,
-        SUPPORT / "fairseq_train_every_digit.py",
+        PROBES / "fairseq_train_every_digit.py",
         moe_args(data, tmp_path / "plain", UPDATES, *TWO_EXPERTS, "--moe-expert-parallel-size", "1"),
     )
     got, want = json_logs(output), json_logs(plain)

@@ -27,10 +27,10 @@ from dist_utils import free_port
 from fairseq_helpers import fairseq_env, tail, torchrun_command
 from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
-PROBE = SUPPORT / "fairseq_crash_probe.py"
+PROBE = PROBES / "fairseq_crash_probe.py"
 SEED = 2026
 SAVE_EVERY = 2
 ALL_TO_ALLS_PER_STEP = 8  # tiny model: 2 MoE layers, each 2 exchanges forward and 2 backward

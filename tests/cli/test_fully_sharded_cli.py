@@ -12,10 +12,10 @@ import torch
 from fairseq_helpers import json_logs, run_checkpoint_tool, torchrun
 from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import generate, moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
-TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
+TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"
 
 
 def train_args(data, save_dir, max_update, backend):

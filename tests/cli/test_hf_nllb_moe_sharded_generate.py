@@ -1,15 +1,14 @@
 """Generation from an NLLB-MoE set imported for 2 workers, with each worker holding half of the experts: greedy
 and beam search (4 beams, length penalty 1) on 2 torchrun workers over gloo give the tokens, and for beam search
 the scores, of Hugging Face's ``NllbMoeForConditionalGeneration.generate`` (transformers 4.57.1, the oracle) on
-the HF model the set was written from, set up as the same search (``tests/support/hf_generation.py``).
+the HF model the set was written from, set up as the same search (``tests/support/oracles/hf_generation.py``).
 
 One torchrun launch serves both searches: each worker runs fairseq-generate's own entry point twice
-(``tests/support/fairseq_generate_probe.py``), which also records the experts each worker's model held.
+(``tests/support/probes/fairseq_generate_probe.py``), which also records the experts each worker's model held.
 """
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,14 +26,15 @@ from hf_generation import (
     preprocessed,
     search_args,
 )
-from hf_nllb_moe import NEEDS_TRANSFORMERS, EXPERTS
+from hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS
+from paths import PROBES
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,
     pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore"),
 ]
-PROBE = Path(__file__).resolve().parents[1] / "support" / "fairseq_generate_probe.py"
+PROBE = PROBES / "fairseq_generate_probe.py"
 RUNS = {"greedy": search_args(1), "beam": search_args(BEAM, 1.0)}
 
 

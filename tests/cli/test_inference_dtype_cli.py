@@ -1,6 +1,6 @@
 """--fp16 and --bf16 at inference run the MoE model in that dtype, in every entry point that loads one (generate,
 interactive, validate, eval-lm, the hub interface), in one process and with experts sharded over 2 torchrun
-workers: what the model computed in is read by forward hooks while it runs (tests/support/fairseq_dtype_probe.py),
+workers: what the model computed in is read by forward hooks while it runs (tests/support/probes/fairseq_dtype_probe.py),
 not from the flag. Routing and the balance bias stay float32. Stock fairseq casts only for --fp16 in its CLIs, and
 not at all in the hub.
 
@@ -15,10 +15,10 @@ import pytest
 
 from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, torchrun
 from multiworker_cli_runs import moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
-PROBE = SUPPORT / "fairseq_dtype_probe.py"
+PROBE = PROBES / "fairseq_dtype_probe.py"
 BIAS = ["--moe-balance", "bias", "--moe-bias-update-rate", "0.05"]
 FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}

@@ -1,4 +1,4 @@
-"""The suite's start-up shortcut (tests/support/lean_imports/sitecustomize.py): the fairseq processes that
+"""The suite's start-up shortcut (recipes/lib/lean_imports/sitecustomize.py): the fairseq processes that
 tests start import scikit-learn and scipy.stats only when something calls into them, and such a
 call gets the real function."""
 

@@ -13,17 +13,17 @@ import shutil
 import pytest
 import torch
 
-from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     json_logs,
     run_checkpoint_tool,
     torchrun,
 )
+from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args, rewrite_rank_file
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("two_worker_run")]  # its fixtures: tests/cli/conftest.py
-TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
+TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
 
 
 def losses_by_update(output):

@@ -19,7 +19,7 @@ from fairseq_helpers import (
     torchrun,
 )
 from multiworker_cli_runs import BIN, moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("two_worker_run")]  # its fixtures: tests/cli/conftest.py
 
@@ -73,7 +73,7 @@ def test_without_hard_links_a_two_worker_run_resumes_and_every_save_keeps_a_comp
     shutil.copytree(two_worker_run["at4"], save_dir)
     # Saves at updates 5 and 6: each first keeps the existing sets as .prev, by copying.
     output = torchrun(
-        2, SUPPORT / "fairseq_no_hardlinks_probe.py", moe_args(data, save_dir, 6, "--save-interval-updates", "1")
+        2, PROBES / "fairseq_no_hardlinks_probe.py", moe_args(data, save_dir, 6, "--save-interval-updates", "1")
     )
     assert "loading set" in output and "(epoch 1 @ 4 updates)" in output
     assert (

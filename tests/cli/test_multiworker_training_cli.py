@@ -23,7 +23,7 @@ from fairseq_helpers import (
     torchrun,
 )
 from multiworker_cli_runs import BIN, moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_two_worker_training_keeps_shared_weights_identical_and_experts_distinct
     probe = tmp_path / "probe"
     output = torchrun(
         2,
-        SUPPORT / "fairseq_rank_probe.py",
+        PROBES / "fairseq_rank_probe.py",
         [probe, *moe_args(data, tmp_path / "ck", 12, "--ddp-backend", backend, "--no-save")],
     )
     ranks = load_rank_probes(probe, 2)
@@ -48,7 +48,7 @@ def test_four_workers_two_experts_keep_replicas_identical_experts_apart_shared_e
     probe = tmp_path / "probe"
     output = torchrun(
         4,
-        SUPPORT / "fairseq_rank_probe.py",
+        PROBES / "fairseq_rank_probe.py",
         [
             probe,
             *moe_args(

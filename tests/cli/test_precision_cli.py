@@ -16,8 +16,8 @@ from fairseq_helpers import (
     run_fairseq,
     torchrun,
 )
-from paths import SUPPORT
 from multiworker_cli_runs import moe_args
+from paths import PROBES
 
 
 def parsed(*flags):
@@ -75,7 +75,7 @@ MULTI_WORKER = {
 def test_two_worker_mixed_precision_fairseq_train_learns_and_keeps_shared_weights_equal(data, tmp_path, flag):
     probe = tmp_path / "probe"
     args = moe_args(data, tmp_path / "ck", 12, "--ddp-backend", "legacy_ddp", "--no-save", flag)
-    output = torchrun(2, SUPPORT / "fairseq_rank_probe.py", [probe, *args], timeout=300)
+    output = torchrun(2, PROBES / "fairseq_rank_probe.py", [probe, *args], timeout=300)
     assert_loss_falls(output)
     ranks = load_rank_probes(probe, 2)
     assert_shared_identical_experts_distinct_norms_equal(ranks, updates=12)

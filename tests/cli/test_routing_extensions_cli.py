@@ -5,7 +5,6 @@ command-line tools: fairseq-train on 2 torchrun workers, resumed bit-exactly, th
 import pytest
 import torch
 
-from full_precision_logs import carries_every_digit
 from fairseq_helpers import (
     USER_DIR,
     json_logs,
@@ -15,11 +14,12 @@ from fairseq_helpers import (
     torchrun,
     write_parallel_corpus,
 )
+from full_precision_logs import carries_every_digit
 from multiworker_cli_runs import moe_args
-from paths import SUPPORT
+from paths import PROBES
 
 pytestmark = pytest.mark.slow
-TRAIN_EVERY_DIGIT = SUPPORT / "fairseq_train_every_digit.py"
+TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"
 # fmt: off
 FLAGS = ["--moe-shared-expert-count", "2", "--moe-router", "sigmoid", "--moe-balance", "bias",
          "--moe-bias-update-rate", "0.01", "--moe-gate-loss-wt", "0"]

@@ -7,7 +7,7 @@ import pytest
 
 from fairseq_helpers import USER_DIR, run_fairseq, torchrun
 from multiworker_cli_runs import BIN
-from pruning_runs import stats_args, statistics, train_tiny_set
+from pruning_runs import statistics, stats_args, train_tiny_set
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The suite's fairseq runs, single-process and under torchrun, are forks of a process that has imported
-fairseq (tests/support/warm_fairseq.py). A forked run must be what ``python -m fairseq_cli.<tool>`` in a fresh
+fairseq (tests/support/launch/warm_fairseq.py). A forked run must be what ``python -m fairseq_cli.<tool>`` in a fresh
 interpreter, or a real torchrun launch, is: the same exit status, the same last line, the same training numbers,
 with the interpreter's exit rules, stdin, working directory and timeout."""
 

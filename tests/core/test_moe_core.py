@@ -17,7 +17,7 @@ from fairseq_moe_ext.moe import (
     expert_capacity,
     z_loss,
 )
-from moe_reference import assert_layer_matches_reference, reference_moe
+from fairseq_moe_ext.moe.reference import assert_layer_matches_reference, reference_moe
 
 D, H, E = 12, 20, 4
 

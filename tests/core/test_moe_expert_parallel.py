@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from dist_utils import run_on_workers
-from moe_reference import reference_bias_update, reference_moe
+from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
+from fairseq_moe_ext.moe.reference import reference_bias_update, reference_moe
 
 D, H, E = 8, 16, 4
 pytestmark = pytest.mark.slow

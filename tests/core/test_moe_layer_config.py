@@ -79,10 +79,16 @@ def test_a_built_layer_reads_its_options_from_its_frozen_config():
         layer.config.routing.k = 2
 
 
-def test_the_layer_owns_the_balance_bias_the_router_reads_under_its_old_state_key():
-    layer = MoELayer(MoELayerConfig.of(D, H, E, balance_bias_rate=0.01))
-    assert "router.balance_bias.bias" in layer.state_dict()
-    assert MoELayer(MoELayerConfig(D, H, E)).router.balance_bias is None
+def test_the_layer_owns_the_balance_bias_and_passes_it_to_the_router_under_its_old_state_key():
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=1, balance_bias_rate=0.01))
+    assert [key for key in layer.state_dict() if "balance_bias" in key] == ["router.balance_bias.bias"]
+    assert layer.balance_bias is layer.router.balance_bias  # one module, in the router's place of the tree
+    x = torch.randn(7, D)
+    layer.balance_bias.bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))  # sends every token to expert 2
+    layer(x)
+    assert torch.equal(layer.balance_bias.pending_load, torch.tensor([0, 0, 7, 0]))
+    assert torch.equal(layer.router(x, layer.balance_bias.bias).expert_index, torch.full((7, 1), 2))
+    assert MoELayer(MoELayerConfig(D, H, E)).balance_bias is None
 
 
 def test_capacity_factors_are_checked_when_configured_and_never_again_on_a_forward(monkeypatch):

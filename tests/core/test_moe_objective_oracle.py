@@ -1,4 +1,4 @@
-"""The router losses against the papers' definitions (tests/support/router_loss_definitions.py, no
+"""The router losses against the papers' definitions (tests/support/oracles/router_loss_definitions.py, no
 project loss code).
 
 * Balance loss (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): ``E * sum_e f_e * P_e``,

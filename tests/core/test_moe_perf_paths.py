@@ -10,7 +10,7 @@ from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.dispatch import combine_slots, dispatch_slots, inverse_permutation, permute_rows
 from fairseq_moe_ext.moe.expert_ffn import expert_ffn
 from fairseq_moe_ext.moe.experts import resolve_activation
-from moe_reference import reference_moe
+from fairseq_moe_ext.moe.reference import reference_moe
 
 COUNTS = [3, 0, 5, 1]  # includes an expert without rows
 

@@ -7,7 +7,7 @@ import torch
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig, TopKRouter
 from fairseq_moe_ext.moe.balance_bias import BalanceBias, update_balance_biases
 from fairseq_moe_ext.moe.experts import is_expert
-from moe_reference import assert_layer_matches_reference, reference_bias_update, reference_moe
+from fairseq_moe_ext.moe.reference import assert_layer_matches_reference, reference_bias_update, reference_moe
 
 D, H, E = 12, 20, 4
 
@@ -62,11 +62,11 @@ def test_layer_with_shared_experts_bias_and_sigmoid_router_equals_a_per_token_re
 
 
 def test_the_balance_bias_changes_which_experts_are_chosen_but_not_the_gate_values():
-    router = TopKRouter(D, E, RoutingConfig(k=2, router_type="sigmoid"), balance_bias=BalanceBias(E))
+    router, bias = TopKRouter(D, E, RoutingConfig(k=2, router_type="sigmoid")), BalanceBias(E)
     x = torch.randn(50, D)
-    before = router(x)
-    router.balance_bias.bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # forces experts 0 and 1
-    after = router(x)
+    before = router(x, bias.bias)
+    bias.bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # forces experts 0 and 1
+    after = router(x, bias.bias)
     assert torch.equal(after.expert_index.sort(-1).values, torch.tensor([[0, 1]] * 50))
     assert not torch.equal(before.expert_index.sort(-1).values, after.expert_index.sort(-1).values)
     scores = torch.sigmoid(router.compute_logits(x)).gather(1, after.expert_index)

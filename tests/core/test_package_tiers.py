@@ -102,6 +102,30 @@ def test_every_module_of_the_package_imports_only_its_own_tier_and_those_below()
     assert not tier_violations(), "\n".join(tier_violations())
 
 
+REFERENCE = f"{PACKAGE}.moe.reference"  # the naive MoE the layer is checked against (tests, GPU one-shot)
+
+
+def reference_importers(root: Path = ROOT):
+    """Every module of the package that imports the reference MoE: an oracle the code used would check itself."""
+    return sorted(
+        f"{path.relative_to(root.parent)}:{line}"
+        for path in root.rglob("*.py")
+        for line, imported, _ in imports_of(path, root)
+        if imported == REFERENCE or imported.startswith(REFERENCE + ".")
+    )
+
+
+def test_no_module_of_the_package_imports_the_reference_moe_it_is_checked_against(tmp_path):
+    assert (ROOT / "moe" / "reference.py").is_file()
+    assert reference_importers() == []
+    fake = tmp_path / PACKAGE / "moe"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "reference.py").write_text("")
+    (fake / "layer.py").write_text("import torch\n\nfrom .reference import reference_moe\n")
+    assert reference_importers(fake.parent) == ["fairseq_moe_ext/moe/layer.py:3"]
+
+
 def test_every_part_of_the_package_has_a_tier_in_the_table():
     parts = {
         p.stem if p.is_file() else p.name

@@ -9,7 +9,7 @@ from fairseq_helpers import VOCAB
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """A data directory of dictionaries only (dict.src.txt, dict.tgt.txt, dict.txt), enough to build
-    the models of tests/support/tiny_fairseq_models.py."""
+    the models of tests/support/inputs/tiny_fairseq_models.py."""
     root = tmp_path_factory.mktemp("dictionaries")
     for name, prefix in (("dict.src.txt", "s"), ("dict.tgt.txt", "t"), ("dict.txt", "w")):
         dictionary = Dictionary()

@@ -160,8 +160,8 @@ def test_eval_bleu_counters_stored_as_numpy_arrays_load_with_weights_only(tmp_pa
 
 
 def test_amp_applies_each_gradient_unscaled_once_as_torch_gradscaler_intends():
-    from omegaconf import OmegaConf
     from fairseq.optim.amp_optimizer import AMPOptimizer
+    from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(
         {

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from branch_sets import branch_model_options, write_branch_set
-from hf_sets import EXPERTS, HF_FLAGS, build, joined_data, write_set
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from hf_sets import EXPERTS, HF_FLAGS, build, joined_data, write_set
 
 # slow, like tests/cli/test_bad_input.py: each case builds a model and writes a set for the tool to refuse,
 # about 10 s of CPU for its 41 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
@@ -276,7 +276,8 @@ def test_a_disk_filling_up_mid_write_leaves_nothing_behind_and_says_so_in_one_li
     """The second file written fails with ENOSPC (export: a shard; import: an output rank file)."""
     import errno
 
-    from fairseq_moe_ext.checkpoint.hf import exporter as hf_export, importer as hf_import
+    from fairseq_moe_ext.checkpoint.hf import exporter as hf_export
+    from fairseq_moe_ext.checkpoint.hf import importer as hf_import
 
     args, model, hf_dir = good
     module, name = (hf_export, "write_safetensors") if command == "export-hf" else (hf_import.torch, "save")

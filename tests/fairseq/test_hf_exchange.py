@@ -10,10 +10,10 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from hf_nllb_moe import NEEDS_TRANSFORMERS
-from hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from hf_nllb_moe import NEEDS_TRANSFORMERS
+from hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 10 s of CPU for its

@@ -1,7 +1,7 @@
 """Generation through the Hugging Face exchange: ``export-hf`` and ``import-hf`` keep what the two searches find.
 
 fairseq-generate (``fairseq_cli.generate``'s own main, in this process) and HF's
-``NllbMoeForConditionalGeneration.generate`` run as the same search (``tests/support/hf_generation.py`` lists
+``NllbMoeForConditionalGeneration.generate`` run as the same search (``tests/support/oracles/hf_generation.py`` lists
 the settings: decoder_start_token_id eos, pad suppressed, min_new_tokens 1, early_stopping True,
 length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy and with 4 beams:
 
@@ -13,7 +13,6 @@ length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy
 
 import pytest
 
-from hf_nllb_moe import NEEDS_TRANSFORMERS
 from hf_generation import (
     BEAM,
     MAX_NEW,
@@ -23,6 +22,7 @@ from hf_generation import (
     import_from_hf,
     preprocessed,
 )
+from hf_nllb_moe import NEEDS_TRANSFORMERS
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 7 s of CPU for its
 # 3 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.

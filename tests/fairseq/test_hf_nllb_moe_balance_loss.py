@@ -6,13 +6,12 @@ expert e, ``ce``: fraction of tokens whose first choice is e, before capacity dr
 under conditions this test meets: NllbMoe hands it each sparse layer's combine weights (the normalised,
 post-capacity top-2 gates, not the softmax probabilities) concatenated over layers along the expert axis,
 so it equals the branch's ``l_aux`` when there are 2 experts (both chosen: the combine weights are the
-probabilities), one sparse layer per side (tests/support/hf_nllb_moe.py: layer 1 of 3) and nothing is
+probabilities), one sparse layer per side (tests/support/oracles/hf_nllb_moe.py: layer 1 of 3) and nothing is
 dropped. HF computes no router z-loss (``router_z_loss_coef`` is unused there), so there is none to compare.
 """
 
 import pytest
 import torch
-
 
 from hf_nllb_moe import NEEDS_TRANSFORMERS, PAD, batch, hf_model, import_hf, oracle_task
 

@@ -1,12 +1,11 @@
 """Generation from an imported set: ``fairseq-generate``'s own main (``fairseq_cli.generate``, run in this
 process, one process) with this plugin, and Hugging Face's ``NllbMoeForConditionalGeneration.generate`` on the HF
-model the set was written from, set up as the same search (``tests/support/hf_generation.py`` lists the
+model the set was written from, set up as the same search (``tests/support/oracles/hf_generation.py`` lists the
 settings: decoder_start_token_id eos, pad suppressed, min_new_tokens 1 for fairseq's --min-len 1,
 early_stopping True, length_penalty = --lenpen, fairseq's forced eos at the maximum length), produce the same
 tokens: greedy, and beam search (4 beams) with length penalties 0 and 1, whose scores agree too."""
 
 import pytest
-
 
 from hf_generation import (
     BEAM,

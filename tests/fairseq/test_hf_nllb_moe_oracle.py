@@ -1,6 +1,6 @@
 """Hugging Face's ``NllbMoeForConditionalGeneration`` (transformers 4.57.1, tests/requirements-oracle.txt) as the
 oracle for ``import-fairseq-moe``: a tiny random HF model is written in the fairseq ``nllb`` branch's file layout
-(tests/support/hf_nllb_moe.py), imported, loaded with fairseq's ``checkpoint_utils`` into this plugin's
+(tests/support/oracles/hf_nllb_moe.py), imported, loaded with fairseq's ``checkpoint_utils`` into this plugin's
 ``moe_transformer``, and must compute HF's encoder outputs and decoder logits within 1e-5 (fp32, eval)."""
 
 import re
@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from hf_nllb_moe import NEEDS_TRANSFORMERS, EXPERTS, assert_same_as_hf, batch, hf_model, import_hf, oracle_task
+from hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS, assert_same_as_hf, batch, hf_model, import_hf, oracle_task
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,

@@ -9,7 +9,8 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-
+from fairseq_moe_ext.models.moe_layers import MoEFeedForward
+from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig
 from hf_nllb_moe import (
     NEEDS_TRANSFORMERS,
     PAD,
@@ -21,8 +22,6 @@ from hf_nllb_moe import (
     import_hf,
     oracle_task,
 )
-from fairseq_moe_ext.models.moe_layers import MoEFeedForward
-from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,
@@ -188,6 +187,7 @@ def test_import_hf_maps_the_routing_options_and_drops_as_hf(tmp_path, task):
     # NllbMoe's own checkpoint (save_pretrained) with a fraction below 1, gates normalised after dropping and the
     # random policy: import-hf maps each to its option here, and the imported set computes HF's logits.
     from fairseq import checkpoint_utils
+
     from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
     hf = hf_model(moe_eval_capacity_token_fraction=FRACTION, normalize_router_prob_before_dropping=False)
@@ -208,6 +208,7 @@ def test_export_hf_of_an_imported_branch_set_carries_its_routing_options_to_hf(t
     # nllb layout (fraction 0.25, gates normalised after dropping) -> import-fairseq-moe -> export-hf -> HF loads
     # it and drops what the original drops
     from transformers import NllbMoeForConditionalGeneration
+
     from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
     model, hf, _ = both(tmp_path, task)

@@ -12,11 +12,11 @@ import torch
 from fairseq import checkpoint_utils
 
 import hf_nllb_moe
-from hf_nllb_moe import NEEDS_TRANSFORMERS
-from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
+from hf_nllb_moe import NEEDS_TRANSFORMERS
+from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # slow: each case exports and imports a set through Hugging Face NllbMoe, about 5 s of CPU for its 11
@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
-    """(args, task, fp32 model): the tiny moe_transformer NllbMoe can express (tests/support/hf_sets.py)."""
+    """(args, task, fp32 model): the tiny moe_transformer NllbMoe can express (tests/support/inputs/hf_sets.py)."""
     return build(joined_data(tmp_path_factory.mktemp("joined")), *HF_FLAGS)
 
 

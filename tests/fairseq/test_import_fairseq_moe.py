@@ -1,5 +1,5 @@
 """``python -m fairseq_moe_ext.checkpoint import-fairseq-moe``: a moe/nllb-branch set (written here in
-that branch's layout, tests/support/branch_sets.py) becomes a checkpoint this project's fairseq models load
+that branch's layout, tests/support/inputs/branch_sets.py) becomes a checkpoint this project's fairseq models load
 and compute the same function with; what it cannot represent is refused in one line, writing nothing."""
 
 import argparse
@@ -9,11 +9,11 @@ import torch
 from fairseq import checkpoint_utils
 
 from branch_sets import branch_options, consolidate_in_place, write_branch_set
-from fake_checkpoints import fingerprint
-from tiny_fairseq_models import translation, translation_batch
 from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.branch.options import branch_flags
+from fake_checkpoints import fingerprint
+from tiny_fairseq_models import translation, translation_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EXPERTS = 4

@@ -1,5 +1,5 @@
 """``import-fairseq-moe`` on the raw files of a moe/nllb-branch FSDP run (``-shared-shard<r>.pt``,
-``-rank-<r>-shard<r>.pt``; written here in that layout by tests/support/branch_fsdp.py with fairscale 0.4's
+``-rank-<r>-shard<r>.pt``; written here in that layout by tests/support/inputs/branch_fsdp.py with fairscale 0.4's
 metadata): the import equals the plain set's, bitwise, and fairscale's own ``consolidate_shard_weights``
 (tests/requirements-fairscale.txt) gives the same tensors; bad shard files are refused in one line."""
 
@@ -14,10 +14,10 @@ from branch_fsdp import shard_in_place
 from branch_sets import branch_model_options, write_branch_set
 from fairscale_oracle import fairscale_fsdp
 from fairseq_helpers import fairseq_env
-from fake_checkpoints import fingerprint
-from tiny_fairseq_models import translation
 from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from fake_checkpoints import fingerprint
+from tiny_fairseq_models import translation
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EXPERTS = 4
@@ -32,6 +32,7 @@ def model(data):  # noqa: F811
 @pytest.fixture(scope="module")
 def options(data):  # noqa: F811
     from fairseq import options as fairseq_options
+
     from fairseq_helpers import USER_DIR
 
     flags = ["--user-dir", USER_DIR, "--task", "translation", "--arch", "moe_transformer_tiny", "--cpu"]

@@ -1,6 +1,6 @@
 """``import-fairseq-moe`` on a moe-branch language model (moe_lm: ``transformer_lm``, decoder-only): a
 ``moe_transformer_lm`` trained and saved here is written out in the branch's file layout and options
-(tests/support/branch_sets.py), imported, and scored by fairseq-eval-lm exactly as the original."""
+(tests/support/inputs/branch_sets.py), imported, and scored by fairseq-eval-lm exactly as the original."""
 
 import re
 
@@ -10,8 +10,8 @@ from fairseq import checkpoint_utils
 
 from branch_sets import branch_lm_options, write_branch_set
 from fairseq_helpers import USER_DIR, run_fairseq, torchrun, train_args
-from tiny_fairseq_models import language_model, lm_batch
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from tiny_fairseq_models import language_model, lm_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EVAL = ["--tokens-per-sample", "32", "--max-tokens", "64", "--num-workers", "0"]  # 3 batches: 2 workers split them

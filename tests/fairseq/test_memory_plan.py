@@ -1,6 +1,6 @@
 """``python -m fairseq_moe_ext plan`` predicts exactly the parameter, gradient, master-copy and
 optimizer bytes a worker holds: two gloo workers each run one real ``Trainer.train_step`` and count
-their tensors (tests/support/memory_counts.py), for every backend and precision this build trains;
+their tensors (tests/support/oracles/memory_counts.py), for every backend and precision this build trains;
 plan's prediction for the same arguments (the model built on the meta device) must equal the count
 on each worker, shared and expert parts apart, and legacy_ddp's all-reduce buffer too.
 

@@ -9,8 +9,8 @@ from fairseq import options, tasks
 
 from branch_sets import branch_options, write_branch_set
 from fairseq_helpers import USER_DIR
-from tiny_fairseq_models import translation
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from tiny_fairseq_models import translation
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 LANGS = ["eng_Latn", "fra_Latn", "deu_Latn"]

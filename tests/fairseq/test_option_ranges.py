@@ -52,6 +52,10 @@ MODEL = {
     "moe_freq": row("--moe-freq", "an integer >= 0", "placed type type type type placed placed type"),
     "encoder_moe_freq": row("--encoder-moe-freq", "an integer >= 0", "ok type type type type ok ok type"),
     "decoder_moe_freq": row("--decoder-moe-freq", "an integer >= 0", "ok type type type type ok ok type"),
+    "encoder_moe_expert_count": row("--encoder-moe-expert-count", "a positive integer",
+                                    "type type type type type high high type"),
+    "decoder_moe_expert_count": row("--decoder-moe-expert-count", "a positive integer",
+                                    "type type type type type high high type"),
     "moe_top_k": row("--moe-top-k", "an integer >= 1", "type type type type type high high type"),
     "moe_capacity_factor": row("--moe-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
     "moe_eval_capacity_factor": row("--moe-eval-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
@@ -178,7 +182,7 @@ def numeric_fields(config):
 
 def test_every_numeric_option_of_the_architectures_and_criterions_has_a_range_and_a_row_here():
     model, criterion = numeric_fields(MoEEncoderDecoderConfig), numeric_fields(MoELossConfig)
-    model = {name for name in model if name.startswith("moe_") or name.endswith("_moe_freq")}
+    model = {name for name in model if name.startswith("moe_") or "_moe_" in name}
     assert model == set(option_ranges.MODEL_RANGES) == set(MODEL)
     assert {n for n in criterion if n.startswith("moe_")} == set(option_ranges.CRITERION_RANGES) == set(CRITERION)
     assert set(option_ranges.UPCYCLE_TOOL_RANGES) == set(UPCYCLE_TOOL)

@@ -14,8 +14,9 @@ import pytest
 from fairseq import tasks
 
 from fairseq_helpers import translation_flags
-from tiny_fairseq_models import train_config
 from fairseq_moe_ext.checkpoint.compat import check_resumable
+from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
+from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
 from fairseq_moe_ext.training.resume_policy import (
     CHANGES_FUNCTION,
     CHANGES_PARAMETERS,
@@ -23,8 +24,7 @@ from fairseq_moe_ext.training.resume_policy import (
     POLICY,
     check_resume_policy,
 )
-from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
-from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
+from tiny_fairseq_models import train_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 PATH = "ck/checkpoint_last.pt"
@@ -157,6 +157,10 @@ def build(data, *flags):
 OTHER_PARAMETERS = {
     "moe_expert_count": ([], ["--moe-expert-count", "8"], "holds 4 experts in encoder.layers.1.fc1, this model 8: "
                          "resume with the checkpoint's --moe-expert-count"),
+    "encoder_moe_expert_count": ([], ["--encoder-moe-expert-count", "8"], "holds 4 experts in encoder.layers.1.fc1, "
+                                 "this model 8: resume with the checkpoint's --encoder-moe-expert-count"),
+    "decoder_moe_expert_count": ([], ["--decoder-moe-expert-count", "2"], "holds 4 experts in decoder.layers.1.fc1, "
+                                 "this model 2: resume with the checkpoint's --decoder-moe-expert-count"),
     "moe_freq": ([], ["--moe-freq", "1"], "was trained with --moe-freq 2 and this run has --moe-freq 1, which gives "
                  "the model other parameters: resume with --moe-freq 2"),
     "encoder_moe_freq": ([], ["--encoder-moe-freq", "1"], "was trained with --moe-freq 2 and this run has "

@@ -3,6 +3,7 @@
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,3 +68,97 @@ def test_no_module_of_the_tree_imports_a_test_module_whose_helpers_belong_in_sup
         if (found := imported_modules(ast.parse(f.read_text())) & test_modules)
     ]
     assert not offenders, "move what these share to tests/support/ (docs/testing.md):\n" + "\n".join(offenders)
+
+
+SHARED_TREES = ("benchmarks", "recipes")  # what users run: they may share modules with tests, never import them
+IMPORT_PATH = re.compile(r"sys\.path|PYTHONPATH|addsitedir")
+
+
+def names_the_tests_tree(text: str) -> bool:
+    return "tests" in re.split(r"[/\\]", text)
+
+
+def reaches_into_tests(path: Path, test_names: set) -> list:
+    """How ``path`` (a Python or shell file of benchmarks/ or recipes/) reaches into tests/: a module it imports
+    that only tests/ has, or a tests/ folder it puts on the import path (sys.path, PYTHONPATH)."""
+    text = path.read_text()
+    if path.suffix == ".sh":
+        lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+        return [
+            f"puts tests/ on PYTHONPATH: {line.strip()}" for line in lines if "PYTHONPATH" in line and "tests/" in line
+        ]
+    tree = ast.parse(text)
+    imported = {
+        alias.name.split(".")[0] if isinstance(node, ast.Import) else (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and not node.level)
+        for alias in node.names
+    }
+    found = [f"imports {name} from tests/" for name in sorted(imported & test_names)]
+    if IMPORT_PATH.search(text):  # then no string of its code may name tests/ (docstrings aside)
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None
+        }
+        found += [
+            f"line {node.lineno} names tests/ ({node.value!r}) in a file that sets the import path"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            if names_the_tests_tree(node.value)
+        ]
+    return found
+
+
+def test_no_benchmark_or_recipe_imports_from_tests_or_puts_a_tests_folder_on_the_import_path(tmp_path):
+    test_names = {"tests", *(f.stem for f in (ROOT / "tests").rglob("*.py"))}
+    files = [f for f in tracked_python_and_shell_files() if f.relative_to(ROOT).parts[0] in SHARED_TREES]
+    assert len(files) > 40 and {"fairseq_helpers", "paths", "conftest"} <= test_names, "the check would see nothing"
+    offenders = [f"{f.relative_to(ROOT)} {why}" for f in files for why in reaches_into_tests(f, test_names)]
+    assert not offenders, "move what both need to recipes/ or the package (docs/testing.md):\n" + "\n".join(offenders)
+    # Each way in is seen: an import, a folder put on sys.path (through a loop), a shell PYTHONPATH.
+    (tmp_path / "a.py").write_text(
+        '"""Not tests/ here."""\nimport sys\nfor p in (ROOT / "tests" / "support",):\n    sys.path.insert(0, str(p))\n'
+    )
+    (tmp_path / "b.py").write_text("def f():\n    from fairseq_helpers import torchrun\n")
+    (tmp_path / "c.sh").write_text('# tests/ in a comment\nexport PYTHONPATH="$ROOT/tests/support:$ROOT"\n')
+    (tmp_path / "d.py").write_text('import toy_pair\nSKIP = {"tests"}  # a folder name, with no import path set\n')
+    assert [reaches_into_tests(tmp_path / name, test_names) for name in ("a.py", "b.py", "c.sh", "d.py")] == [
+        ["line 3 names tests/ ('tests') in a file that sets the import path"],
+        ["imports fairseq_helpers from tests/"],
+        ['puts tests/ on PYTHONPATH: export PYTHONPATH="$ROOT/tests/support:$ROOT"'],
+        [],
+    ]
+
+
+def support_layout_problems(support: Path, import_path: list) -> list:
+    """What breaks tests/support's rule: a folder per kind (oracles/, inputs/, launch/, probes/), each on
+    sys.path (tests/conftest.py), no file loose beside them, and no module name in two of them (the
+    first on sys.path would win silently)."""
+    kinds = sorted(p for p in support.iterdir() if p.is_dir() and p.name != "__pycache__")
+    problems = [
+        f"{p.name}: loose in tests/support; move it to the folder of its kind" for p in support.iterdir() if p.is_file()
+    ]
+    problems += [f"{k.name}/: not on sys.path (tests/conftest.py)" for k in kinds if str(k) not in import_path]
+    where: dict = {}
+    for kind in kinds:
+        for module in sorted(kind.glob("*.py")):
+            if module.stem in where:
+                problems.append(f"{module.stem}: in {where[module.stem]}/ and {kind.name}/; one module per name")
+            where.setdefault(module.stem, kind.name)
+    return problems
+
+
+def test_tests_support_holds_one_folder_per_kind_on_sys_path_and_each_name_once(tmp_path):
+    support = ROOT / "tests" / "support"
+    assert len([p for p in support.iterdir() if p.is_dir()]) >= 4 and len(list(support.rglob("*.py"))) > 30
+    assert support_layout_problems(support, sys.path) == []
+    for kind, module in (("oracles", "moe_math"), ("launch", "runner"), ("launch", "moe_math")):
+        (tmp_path / kind).mkdir(exist_ok=True)
+        (tmp_path / kind / f"{module}.py").write_text("")
+    (tmp_path / "helper.py").write_text("")
+    assert sorted(support_layout_problems(tmp_path, [str(tmp_path / "launch")])) == [
+        "helper.py: loose in tests/support; move it to the folder of its kind",
+        "moe_math: in launch/ and oracles/; one module per name",
+        "oracles/: not on sys.path (tests/conftest.py)",
+    ]

@@ -214,7 +214,9 @@ def test_real_data_recipes_document_themselves_and_refuse_unknown_arguments(scri
 @pytest.mark.slow
 def test_expert_pruning_tiny_mode_prunes_per_dialect_globally_and_at_random_and_tables_bleu(tmp_path):
     work = tmp_path / "main"
-    output = run_recipe("expert_pruning.sh", work, TINY="1", DIALECTS="2", FRACTIONS="0.5", SEEDS="1", timeout=600)
+    output = run_recipe(
+        "expert_pruning.sh", work, TINY="1", DIALECTS="2", FRACTIONS="0.5", SEEDS="1", RATIOS="3 9", timeout=600
+    )
     results = json.loads((work / "pruning" / "results.json").read_text())
     dialects = set((work / "data" / "raw" / "test.domain").read_text().split())
     row = results["by_fraction"]["0.5"]
@@ -225,3 +227,9 @@ def test_expert_pruning_tiny_mode_prunes_per_dialect_globally_and_at_random_and_
         assert manifest["pruned"]["groups"] == [dialect] and set(manifest["num_experts"].values()) == {4}
     assert "| mean |" in (work / "pruning" / "table.md").read_text() and "per-dialect" in output
     assert_png(work / "pruning" / "pruning.png")
+    # RATIOS: R = 3 splits 4 + 4 of 8 experts as 6:2; R = 9 (7:1, the decoder below k) is refused and left out
+    budgets = results["per_side_budgets"]
+    assert [(row["ratio"], row["split"]) for row in budgets] == [(3.0, "6:2")]
+    assert (
+        set(budgets[0]["dialect"]) == dialects and "| 50% | 3 | 6:2 |" in (work / "pruning" / "budgets.md").read_text()
+    )

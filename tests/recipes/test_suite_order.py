@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from suite_order import LONGEST_FIRST, longest_first_rank
 
 TESTS = Path(__file__).resolve().parents[1]

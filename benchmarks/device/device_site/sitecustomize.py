@@ -7,7 +7,7 @@ The CPU dry run of the one-shot runs under it, so a dependency the device lacks 
 ``DEVICE_SITE_MISSING=a,b`` refuses more distributions (the brief says pytest is absent there, though
 the machine's list names it); ``DEVICE_SITE_LOG=file`` appends each refused import, one line each
 (guarded optional imports are refused too: the log tells them apart from failures). A
-``sitecustomize`` further along the path (tests/support/lean_imports) still runs after this one.
+``sitecustomize`` further along the path (recipes/lib/lean_imports) still runs after this one.
 """
 
 import importlib.abc

@@ -4,10 +4,11 @@ The branch's layout and how it is read: ``reader.py``.
 
 Here each MoE layer's experts are stacked tensors (``<side>.layers.<i>.fc1.experts.batched_fc1_w``
 ``[E, hidden, d]`` etc., ``moe/experts.py``) beside the router ``fc1.router.wg.weight``. The import
-streams: the shared file stays loaded until output rank 0 is written, then one source rank file at a
-time is read and its experts go into the output file they belong to, which is written as soon as
-all its experts are in. Each file is read once (``one_read.py``: no CRC pass before the load; every
-tensor's CRC-32 is checked as it is read) and its ``last_optimizer_state`` never: peak memory is the
+streams, the reader ``BranchShards`` into the set writer (set_writer.py): the shared file stays loaded
+until output rank 0 is written, then one source rank file at a time is read and its experts go into the
+output file they belong to, which is yielded and written as soon as all its experts are in. Each file is
+read once (``one_read.py``: no CRC pass before the load; every tensor's CRC-32 is checked as it is read)
+and its ``last_optimizer_state`` never: peak memory is the
 shared file's model, one source rank file's model and one output file, not the model and not the
 optimizer state (benchmarks/import_memory.py measures it). Replicas are compared by sha256. On a
 terminal a progress bar shows the bytes done, the rate and the time left.
@@ -19,13 +20,10 @@ continued training starts a fresh optimizer, as after upcycling.
 import argparse
 import copy
 import os
-import secrets
 from typing import Callable, Dict, List, Optional, TextIO, Tuple
 
 import torch
 
-from .reader import BRANCH_ROUTER, BranchSet, digest_of
-from .vocab import check_vocabulary, read_languages
 from ...common.config_value import config_value
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
@@ -33,7 +31,9 @@ from ..names import base_of
 from ..one_read import load_skipping
 from ..progress import Progress
 from ..rank_state import moe_metadata
-from ..set_writer import write_set
+from ..set_writer import write_shards
+from .reader import BRANCH_ROUTER, BranchSet, digest_of
+from .vocab import check_vocabulary, read_languages
 
 # fmt: off
 OUR_EXPERT_TENSOR = {"fc1.weight": "fc1.experts.batched_fc1_w", "fc1.bias": "fc1.experts.batched_fc1_b",
@@ -198,12 +198,29 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
         f"{branch.experts} experts ({held}), "
         f"MoE layers {', '.join(sorted(branch.routers))}, update {branch.num_updates}"
     )
-    set_id = secrets.token_hex(8)
-    base = base_of(output)
+    for line in branch.notes:
+        report(f"NOTE {line}")
+    report("flags: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(branch.flags.items())))
     single = workers == 1
+    reader = BranchShards(branch, shards, single, report)
+    written = write_shards(reader, base_of(output), single=output if single else None, workers=workers)
+    report(f"wrote {written}")
+    return written
 
-    def fill(files):
-        out = _Shards(branch, shards)
+
+class BranchShards:
+    """The reader of a branch set (set_writer.py): one source rank file at a time is read (``BranchSet``) and
+    its experts go into the output rank files they belong to, each yielded as soon as all its experts are in
+    (rank 0 with the shared state, which is let go then). ``report`` gets the parameter count at the end."""
+
+    def __init__(self, branch: BranchSet, shards: int, single: bool, report):
+        self.branch, self.shards, self.single, self.report = branch, shards, single, report
+        self.num_updates = branch.num_updates
+        self.experts: Dict[str, int] = {}  # known once the last rank file is read
+
+    def pieces(self, set_id: Optional[str]):
+        branch = self.branch
+        out = _Shards(branch, self.shards)
         parameters, head = 0, None
         for rank, path, experts in branch.rank_experts():
             complete = out.add(path, experts)
@@ -221,19 +238,11 @@ def _import(branch: BranchSet, output: str, workers: int, report, dictionary, la
                     head = imported_cfg(branch, flags)
                     branch.shared = None  # rank 0 is written: the shared state is not needed any more
                 parameters += sum(t.numel() for t in model.values())
-                state = _state(branch, head, model, shard, shards, set_id, single)
-                files.save(shard, state)
+                state = _state(branch, head, model, shard, self.shards, set_id, self.single)
+                yield shard, state
                 del state, model
-        report(f"parameters: {parameters}")
-        experts = {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys}
-        return files.finish(branch.num_updates, experts, set_id, workers=workers)
-
-    for line in branch.notes:
-        report(f"NOTE {line}")
-    report("flags: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(branch.flags.items())))
-    written = write_set(base, shards, fill, single=output if single else None)
-    report(f"wrote {written}")
-    return written
+        self.report(f"parameters: {parameters}")
+        self.experts = {f"{layer}.{OUR_EXPERT_TENSOR[name]}": branch.experts for layer, name in out.keys}
 
 
 def shared_model(branch: BranchSet) -> Dict[str, torch.Tensor]:

@@ -20,8 +20,8 @@ import argparse
 import math
 from typing import Dict, List, Tuple
 
-from ...options import BRANCH_NAMES, OPTIONS
 from ...common.config_value import config_value
+from ...options import BRANCH_NAMES, OPTIONS
 from ..errors import CheckpointSetError
 
 # Options whose non-default value changes what the model computes in a way this project cannot.

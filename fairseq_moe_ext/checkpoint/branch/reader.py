@@ -19,13 +19,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ...common.config_value import config_value
+from ..errors import CheckpointSetError
+from ..one_read import load_skipping
 from .consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
 from .fsdp_shards import FsdpShards
 from .options import branch_flags, is_language_model, model_options
-from ...common.config_value import config_value
 from .same_run import SameRun
-from ..errors import CheckpointSetError
-from ..one_read import load_skipping
 
 BRANCH_EXPERT = re.compile(
     r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<local>\d+)\."

@@ -7,7 +7,8 @@ Modules:
     keys.py             tensor names: ours <-> NllbMoe's, experts included
     dtype.py            the precision of what is written (--dtype), and its checks
     exporter.py         export-hf: a set out as safetensors shards, one output file in memory at a time
-    importer.py         import-hf: an NllbMoe directory in as this project's set
+    importer.py         import-hf: an NllbMoe directory in as this project's set (checked, then its reader
+                        HfShards into the set writer, set_writer.write_shards)
     safetensors_file.py the safetensors format, written and read with torch alone
     torch_bin_file.py   HF ``pytorch_model*.bin`` shards, read one shard at a time
 """

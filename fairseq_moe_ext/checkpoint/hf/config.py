@@ -14,7 +14,7 @@ import argparse
 from typing import Dict, List, Tuple
 
 from ...moe.placement import side_moe_freq
-from ...options import HF_NAMES, OPTIONS
+from ...options import HF_NAMES, OPTIONS, expert_count
 from ..errors import CheckpointSetError
 from .fields import check_numeric_fields
 from .routing import exported_routing, imported_routing
@@ -115,6 +115,15 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             f"{path} is a {arch!r} language model: export-hf writes translation models "
             f"(NllbMoeForConditionalGeneration), which have an encoder (nothing was written)"
         )
+    experts = {side: expert_count(options, side) for side in SIDES}
+    if experts["encoder"] != experts["decoder"]:
+        _refuse(
+            path,
+            "--encoder-moe-expert-count",
+            f"{experts['encoder']} and --decoder-moe-expert-count {experts['decoder']}",
+            "NllbMoe has one num_experts for every sparse layer",
+            "export a set with the same number of experts on both sides (prune without --encoder-decoder-ratio)",
+        )
     notes = []
     for name, default, refused, why, fix in NOT_EXPRESSIBLE:
         value = _get(options, name, default)
@@ -188,6 +197,7 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
         **{hf: OPTIONS[name].type(_get(options, name, OPTIONS[name].default)) for name, hf in HF_NAMES.items()},
+        "num_experts": experts["encoder"],  # --moe-expert-count, or both sides' own (equal) counts
         "expert_capacity": None,
         "router_bias": False,
         "router_dtype": "float32",

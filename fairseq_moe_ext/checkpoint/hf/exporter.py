@@ -21,15 +21,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointSetError
-from .config import hf_config
-from .dtype import check_expert_dtype, export_dtype, name_of
-from .keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
 from ..manifest import validate_set
 from ..names import base_of, manifest_path
 from ..resolve import resolve
 from ..safe_load import safe_load
-from .safetensors_file import tensor_bytes, write_safetensors
 from ..staging import write_all_or_nothing
+from .config import hf_config
+from .dtype import check_expert_dtype, export_dtype, name_of
+from .keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
+from .safetensors_file import tensor_bytes, write_safetensors
 
 INDEX = "model.safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

@@ -6,28 +6,27 @@ listed by ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or
 older format, ``torch_bin_file.py``: read through the restricted unpickler, one shard at a time).
 Every shard's header (a .bin shard's pickle) is read and checked first (present, complete, every
 tensor the config implies there with its shape), so bad input is refused before a file is written.
-Then output file r of the set is assembled and written in turn: its tensors are read grouped by the
-shard that holds them (a safetensors tensor by seeking, a .bin shard whole, once per output file that
-needs it; rank 0 also takes every non-expert parameter; each file takes the stacked experts ``r*E/W
-...`` of every MoE layer). Peak memory is one output file (plus one .bin shard), not the model.
-Written staged and atomically, as the other tools.
+Then the reader ``HfShards`` yields output file r of the set in turn and the set writer (set_writer.py)
+saves it: its tensors are read grouped by the shard that holds them (a safetensors tensor by seeking, a
+.bin shard whole, once per output file that needs it; rank 0 also takes every non-expert parameter; each
+file takes the stacked experts ``r*E/P ...`` of every MoE layer). Peak memory is one output file (plus
+one .bin shard), not the model. Written staged and atomically, as the other tools.
 """
 
 import json
 import os
-import secrets
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
+from ..names import base_of
+from ..rank_state import moe_metadata
+from ..set_writer import write_shards
 from .config import SIDES, imported_options
 from .dtype import import_dtypes
 from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
-from ..names import base_of
-from ..rank_state import moe_metadata
-from ..set_writer import write_set
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
 
@@ -219,7 +218,6 @@ def import_hf(
     precision = import_dtypes({name: shard.entries[name][0] for name, shard in where.items()}, hf_dir, dtype)
     experts = options.moe_expert_count
     shards, single, base = default_expert_parallel_size(workers, experts), workers == 1, base_of(output)
-    per = experts // shards
     report(
         f"found {hf_dir}: NllbMoe, {experts} experts, {len(set(where.values()))} weight file(s), sparse steps "
         f"{options.encoder_moe_freq}/{options.decoder_moe_freq}, vocabulary {vocab}"
@@ -227,24 +225,40 @@ def import_hf(
     report(precision)
     for line in notes:
         report(f"NOTE {line}")
-    set_id = secrets.token_hex(8)
+    reader = HfShards(hf_dir, options, where, names, expert_layers, dtype, shards, single)
+    written = write_shards(reader, base, single=output if single else None, workers=workers)
+    report(f"wrote {written}")
+    return written
 
-    def read(name):
-        tensor = where[name].read(name)
-        return tensor if dtype is None else tensor.to(dtype)
 
-    order = {shard: i for i, shard in enumerate(dict.fromkeys(where.values()))}
+class HfShards:
+    """The reader of a checked NllbMoe directory (set_writer.py): output rank file s of ``shards`` takes the
+    stacked experts ``s*E/P ...`` of every MoE layer (and rank 0 every non-expert tensor), its tensors read
+    grouped by the file that holds them (a safetensors tensor by seeking, a .bin shard whole, once per output
+    file that needs it), in ``dtype`` (None: as stored). ``names``, ``expert_layers``: ``plan``'s."""
 
-    def read_grouped(wanted):
+    def __init__(self, hf_dir: str, options, where, names, expert_layers, dtype, shards: int, single: bool):
+        self.hf_dir, self.options, self.where, self.names = hf_dir, options, where, names
+        self.expert_layers, self.dtype, self.shards, self.single = expert_layers, dtype, shards, single
+        self.expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
+        self.num_updates = 0
+        self.experts = dict.fromkeys(self.expert_keys, options.moe_expert_count)
+        self.order = {shard: i for i, shard in enumerate(dict.fromkeys(where.values()))}
+
+    def read_grouped(self, wanted) -> Dict[str, torch.Tensor]:
         """{HF name: tensor}, read file by file (a .bin shard is held one at a time)."""
-        return {name: read(name) for name in sorted(wanted, key=lambda n: order[where[n]])}
+        got = {}
+        for name in sorted(wanted, key=lambda n: self.order[self.where[n]]):
+            tensor = self.where[name].read(name)
+            got[name] = tensor if self.dtype is None else tensor.to(self.dtype)
+        return got
 
-    def fill(out):
-        expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
-        for shard in range(shards):
+    def pieces(self, set_id: Optional[str]):
+        names, expert_layers, per = self.names, self.expert_layers, self.options.moe_expert_count // self.shards
+        for shard in range(self.shards):
             model = {}
             ids = range(shard * per, (shard + 1) * per)
-            got = read_grouped(
+            got = self.read_grouped(
                 [*(names.values() if shard == 0 else ()), *(hf_expert_key(*lt, j) for lt in expert_layers for j in ids)]
             )
             if shard == 0:
@@ -253,7 +267,7 @@ def import_hf(
                     model[key] = model[EMBEDDING]
                 for side in SIDES:
                     model[f"{side}.version"] = torch.tensor([VERSION])
-            for (layer, tensor), key in zip(expert_layers, expert_keys):
+            for (layer, tensor), key in zip(expert_layers, self.expert_keys):
                 first = got[hf_expert_key(layer, tensor, ids[0])]
                 stacked = first.new_empty((per, *first.shape))
                 for j in ids:
@@ -262,16 +276,16 @@ def import_hf(
             TorchBinFile.release()
             meta = moe_metadata(
                 [],
-                expert_keys,
-                world_size=1 if single else shards,
+                self.expert_keys,
+                world_size=1 if self.single else self.shards,
                 rank=shard,
                 num_updates=0,
-                set_id=None if single else set_id,
+                set_id=set_id,
                 experts_per_worker=per,
             )
-            meta["imported_from"] = hf_dir
+            meta["imported_from"] = self.hf_dir
             state = {
-                "args": options,
+                "args": self.options,
                 "cfg": None,
                 "model": model,
                 "criterion": {},
@@ -282,10 +296,5 @@ def import_hf(
                     {"optimizer_name": "none", "lr_scheduler_state": {"best": None}, "num_updates": 0}
                 ],
             }
-            out.save(shard, state)
-            del state, model
-        return out.finish(0, dict.fromkeys(expert_keys, experts), set_id, workers=workers)
-
-    written = write_set(base, shards, fill, single=output if single else None)
-    report(f"wrote {written}")
-    return written
+            yield shard, state
+            del state, model, got

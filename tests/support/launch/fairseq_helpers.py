@@ -53,29 +53,21 @@ def preprocess_lm(raw: Path, dest: Path) -> Path:
 
 
 def preprocess_in_process(raw: Path, dest: Path, language_model: bool = False) -> Path:
-    """fairseq-preprocess's own main (``fairseq_cli.preprocess``, the code behind the command) on
+    """fairseq-preprocess's own main (recipes/toy_pair.binarize) on
     a corpus of write_parallel_corpus or write_lm_corpus, run in this process: pytest has imported
     fairseq already, a fresh interpreter would spend seconds importing it again. Tests that only
     read the result use the session fixtures ``parallel_data`` / ``lm_data`` of conftest.py."""
-    from fairseq import options
-    from fairseq_cli import preprocess
-
-    if language_model:
-        corpus = ["--only-source", *(f"--{split}pref={raw / split}.txt" for split in SPLITS)]
-    else:
-        corpus = ["--source-lang", "src", "--target-lang", "tgt", *(f"--{split}pref={raw / split}" for split in SPLITS)]
-    preprocess.main(options.get_preprocessing_parser().parse_args([*corpus, f"--destdir={dest}", "--workers=1"]))
-    return dest
+    return toy_pair.binarize(raw, dest, SPLITS, language_model)
 
 
-LEAN_IMPORTS = os.path.join(os.path.dirname(__file__), "lean_imports")
+LEAN_IMPORTS = str(REPO_ROOT / "recipes" / "lib" / "lean_imports")  # shared with the GPU one-shot's dry run
 
 
 def fairseq_env() -> Dict[str, str]:
     env = dict(os.environ)
     # Two cores: one intra-op thread per run keeps runs from fighting each other and pytest.
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # scikit-learn and scipy.stats imported on first use only (see lean_imports/sitecustomize.py); the package
+    # scikit-learn and scipy.stats imported on first use only (see recipes/lib/lean_imports/sitecustomize.py); the package
     # from this checkout, whichever checkout a shared venv's editable install points at.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_IMPORTS, str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -257,7 +249,7 @@ def assert_loss_falls(output: str, by: float = 0.85) -> None:
 
 
 def load_rank_probes(probe_dir: Path, workers: int) -> List[dict]:
-    """What tests/support/fairseq_rank_probe.py recorded in each worker after training."""
+    """What tests/support/probes/fairseq_rank_probe.py recorded in each worker after training."""
     import torch
 
     return [torch.load(Path(probe_dir) / f"rank{r}.pt") for r in range(workers)]

@@ -3,5 +3,5 @@ scripts, recipes and benchmarks run as a user runs them)."""
 
 from pathlib import Path
 
-SUPPORT = Path(__file__).resolve().parent  # helpers, oracles and the probe entry points
-REPO_ROOT = SUPPORT.parents[1]
+PROBES = Path(__file__).resolve().parents[1] / "probes"  # the scripts tests start by path (tests/support/probes)
+REPO_ROOT = PROBES.parents[2]

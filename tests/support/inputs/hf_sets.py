@@ -12,8 +12,8 @@ import torch
 from fairseq import options, tasks, utils
 from fairseq.data import Dictionary
 
-from tiny_fairseq_models import converted, tiny_model_flags
 from fairseq_moe_ext import checkpoint as moe_ckpt
+from tiny_fairseq_models import converted, tiny_model_flags
 
 EXPERTS = 4
 # What NllbMoe can express: top-2, gates renormalised, dropless evaluation (fraction 1.0), NllbMoe's

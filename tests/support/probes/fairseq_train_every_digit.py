@@ -1,6 +1,6 @@
 """fairseq-train whose json log records carry every digit of the losses (see full_precision_logs).
 
-Usage (under torchrun, or plain): python tests/support/fairseq_train_every_digit.py <fairseq-train arguments>
+Usage (under torchrun, or plain): python tests/support/probes/fairseq_train_every_digit.py <fairseq-train arguments>
 """
 
 import sys

@@ -1,5 +1,6 @@
-"""Test subprocesses only (fairseq_helpers.fairseq_env puts this folder on PYTHONPATH): scikit-learn
-and scipy.stats are imported when first used, not at start-up.
+"""The suite's subprocesses (tests/support's fairseq_helpers.fairseq_env puts this folder on PYTHONPATH)
+and the GPU one-shot's CPU dry run (benchmarks/gpu_oneshot.sh): scikit-learn and scipy.stats are imported
+when first used, not at start-up. Nothing else runs with it.
 
 fairseq 0.12 imports every criterion and task when it is imported; two of them that this plugin
 never uses (sentence_prediction's metrics, audio_classification) import scikit-learn, which

@@ -1,6 +1,6 @@
 """fairseq-train whose worker RANK=1 runs out of device memory in the experts of its first MoE call.
 
-Usage (under torchrun): python tests/support/fairseq_out_of_memory_probe.py <fairseq-train arguments>
+Usage (under torchrun): python tests/support/probes/fairseq_out_of_memory_probe.py <fairseq-train arguments>
 The experts raise torch.OutOfMemoryError with CUDA's message once, as a GPU that receives too many
 rows does: after the MoE layer's first all-to-all, while the other worker waits for the second.
 """

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
-from paths import REPO_ROOT, SUPPORT
 from fairseq_moe_ext import checkpoint as moe_ckpt
+from paths import PROBES, REPO_ROOT
 
 BIN = Path(sys.executable).parent
 SET = moe_ckpt.CheckpointSetError.__module__ + ".CheckpointSetError"
@@ -155,7 +155,7 @@ def two_workers(args):
 def two_workers_one_running_out_of_memory(args):
     """Rank 1's own output: its experts run out of device memory in the first step (the probe); rank
     0 stops with the same line, relayed (tests/fairseq/test_out_of_memory.py checks both)."""
-    probe = SUPPORT / "fairseq_out_of_memory_probe.py"
+    probe = PROBES / "fairseq_out_of_memory_probe.py"
     with tempfile.TemporaryDirectory() as logs:
         torchrun(2, probe, ["--ddp-backend", "legacy_ddp", *args], expect_failure=True, log_dir=logs, redirects=3)
         found = {Path(p).name: Path(p).read_text() for p in glob.glob(f"{logs}/**/1/std*.log", recursive=True)}

@@ -1,6 +1,6 @@
 """fairseq-train in which one worker is SIGKILLed at a chosen point (no cleanup, like a lost node).
 
-Usage (under torchrun): CRASH_PLAN=RANK:UPDATE:PHASE[:N] python tests/support/fairseq_crash_probe.py <fairseq-train args>
+Usage (under torchrun): CRASH_PLAN=RANK:UPDATE:PHASE[:N] python tests/support/probes/fairseq_crash_probe.py <fairseq-train args>
 
 The kill happens on worker RANK while it produces update UPDATE (or saves it), at PHASE:
   all_to_all:N  at the N-th MoE all-to-all of the step (0-based; forward and backward both count),

@@ -206,6 +206,7 @@ def oracle_task(directory: Path):
     """fairseq's translation task on this file's dictionary (``task.data_dir`` is where it lies)."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
     from fairseq_helpers import translation_flags
 
     data = write_dictionary(directory)
@@ -238,6 +239,7 @@ def import_hf(tmp_path, task, hf, ranks=2, world=1, **branch_moe):
         tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(task.data_dir, **branch_moe), ranks
     )
     from fairseq import checkpoint_utils
+
     from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 
     lines = []

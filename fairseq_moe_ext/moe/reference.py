@@ -1,7 +1,10 @@
 """A deliberately naive MoE: one token and one choice at a time, written from the definitions.
 
 Tests compare the real layer against it; nothing here is shared with the implementation except
-the parameters it reads.
+the parameters it reads. It lives in the package, beside what it checks, so that the tests
+(tests/core) and the GPU one-shot (benchmarks/device/oneshot_layer.py, which imports nothing from
+tests/) share one oracle; no module of the package imports it
+(tests/core/test_package_tiers.py).
 """
 
 import math
@@ -28,7 +31,7 @@ def reference_moe(layer, x, padding_mask=None, activation=F.relu, training=None,
     n, num_experts, k = len(real), layer.num_experts, layer.k
 
     sigmoid = router.router_type == "sigmoid"
-    bias = None if router.balance_bias is None else router.balance_bias.bias
+    bias = None if layer.balance_bias is None else layer.balance_bias.bias  # the layer's own (layer.py)
     probs, choices, top1 = {}, {}, {}
     for t in real:
         logits = reference_logits(router, flat[t])

@@ -1,6 +1,6 @@
 """Run fairseq-train and, on every worker, record what tests need to see per rank.
 
-Usage (under torchrun): python tests/support/fairseq_rank_probe.py OUT_DIR <fairseq-train arguments>
+Usage (under torchrun): python tests/support/probes/fairseq_rank_probe.py OUT_DIR <fairseq-train arguments>
 Writes OUT_DIR/rank{R}.pt with the worker's final model state and the gradient norm that worker
 computed at every update (fairseq itself logs from rank 0 only).
 """

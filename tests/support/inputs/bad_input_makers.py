@@ -14,7 +14,6 @@ import torch
 from bad_input_runner import Inputs, Make, copy_of, train_args
 from fairseq_helpers import USER_DIR
 
-
 # ---------------------------------------------------------------- damage done to a copy
 
 

@@ -1,7 +1,7 @@
 """Run fairseq-generate's own entry point (``fairseq_cli.generate.cli_main``, the command line parsed as the
 command parses it) several times in one process, and record the experts each run's model held.
 
-Usage (under torchrun): python tests/support/fairseq_generate_probe.py OUT_DIR RUNS_JSON <common arguments>
+Usage (under torchrun): python tests/support/probes/fairseq_generate_probe.py OUT_DIR RUNS_JSON <common arguments>
 RUNS_JSON maps a run's name to the arguments it adds ({"greedy": ["--beam", "1"], ...}). Run NAME writes
 OUT_DIR/NAME/rank{R}/generate-<subset>.txt (--results-path) and OUT_DIR/NAME/rank{R}.pt: every expert tensor
 of the model generate built ({state key: tensor}), so a test can tell which experts the worker held.

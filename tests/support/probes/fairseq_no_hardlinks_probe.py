@@ -1,6 +1,6 @@
 """fairseq-train on a filesystem without hard links (gcsfuse, blobfuse, some SMB/NFS mounts).
 
-Usage (under torchrun): python tests/support/fairseq_no_hardlinks_probe.py <fairseq-train arguments>
+Usage (under torchrun): python tests/support/probes/fairseq_no_hardlinks_probe.py <fairseq-train arguments>
 ``os.link`` fails with EPERM, as link(2) does there; each refused link prints "refused hard link
 <target>", so a test sees that the save really went without one.
 """

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # Rendezvous ports come from below Linux's ephemeral range (32768-60999), so that no outgoing
 # connection (gloo's own, pip's, another test's) can take one between our check and torchrun's
 # bind, and above fairseq's own pick (random 10000-20000 when no port is given). Each pytest-xdist

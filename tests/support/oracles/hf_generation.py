@@ -25,9 +25,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from branch_sets import write_branch_parts
 from fairseq_helpers import USER_DIR
 from hf_nllb_moe import EOS, PAD, branch_options, branch_state, hf_model, write_dictionary
-from branch_sets import write_branch_parts
 
 SOURCES = [
     "w5 w9 w17 w40 w22 w8",

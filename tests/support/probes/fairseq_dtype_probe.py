@@ -1,7 +1,7 @@
 """Run fairseq's inference entry points in one process (several runs one after another) and record, while each
 runs, the dtypes the MoE model actually computed in: what forward hooks saw, not what a flag said.
 
-Usage (under torchrun, one worker or several): python tests/support/fairseq_dtype_probe.py OUT_DIR RUNS_JSON [ARGS]
+Usage (under torchrun, one worker or several): python tests/support/probes/fairseq_dtype_probe.py OUT_DIR RUNS_JSON [ARGS]
 RUNS_JSON maps a run's name to {"tool": "generate" | "interactive" | "validate" | "eval_lm", "args": [...]}, whose
 command line gets ARGS appended (torchrun's --distributed-world-size), or to {"tool": "hub", "dir", "checkpoint_file",
 "data", "overrides": {...}, "sentence"}: MoETransformerModel.from_pretrained(dir, ..., **overrides).translate(sentence).
@@ -18,8 +18,9 @@ from collections import defaultdict
 
 def main():
     out_dir, runs, common = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
-    import fairseq_moe_ext  # noqa: F401  (its hooks first: the recorder below wraps the plugin's load)
     from fairseq import checkpoint_utils
+
+    import fairseq_moe_ext  # noqa: F401  (its hooks first: the recorder below wraps the plugin's load)
 
     rank = int(os.environ.get("RANK", "0"))
     record = {}
