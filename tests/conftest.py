@@ -11,23 +11,30 @@ import os
 import sys
 
 import pytest
-import torch
 
 # What tests share lives in tests/support, one folder per kind (oracles/, inputs/, launch/, probes/; see
 # docs/testing.md), each on sys.path: `from fairseq_helpers import ...` finds launch/fairseq_helpers.py.
 # tests/recipes/test_house_rules.py keeps tests/support to folders and a module name to one of them.
 _SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 sys.path[:0] = sorted(entry.path for entry in os.scandir(_SUPPORT) if entry.is_dir() and entry.name != "__pycache__")
-from suite_order import longest_first_rank  # noqa: E402
+from suite_order import hands_out_by_group, longest_first_rank  # noqa: E402
 
-# One intra-op thread for in-process tests, in one process (MOE_TEST_WORKERS=0) as on each of the two
-# xdist workers: their tensors are tiny, and a second thread on a loaded machine burns CPU spinning, so
-# a test timed alone would read dearer than in the suite. MOE_TEST_TORCH_THREADS=N for another count.
-torch.set_num_threads(int(os.environ.get("MOE_TEST_TORCH_THREADS") or 1))
+
+def pytest_configure(config):
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        return  # pytest-xdist's controller, which runs no test: it need not import torch (2 s of CPU)
+    import torch
+
+    # One intra-op thread for in-process tests, in one process (MOE_TEST_WORKERS=0) as on each of the two
+    # xdist workers: their tensors are tiny, and a second thread on a loaded machine burns CPU spinning, so
+    # a test timed alone would read dearer than in the suite. MOE_TEST_TORCH_THREADS=N for another count.
+    torch.set_num_threads(int(os.environ.get("MOE_TEST_TORCH_THREADS") or 1))
 
 
 @pytest.fixture(autouse=True)
 def _seeded():
+    import torch
+
     torch.manual_seed(1234)
     yield
 
@@ -67,8 +74,9 @@ def pytest_itemcollected(item):
 
 def pytest_collection_modifyitems(config, items):
     # xdist 3.8's loadgroup tells groups by a "@group" suffix that it writes into item._nodeid,
-    # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead.
-    if config.getoption("dist", default="no") == "loadgroup":
+    # which pytest 9.2 no longer reads (the node id lives in item._id): write it there instead. On the
+    # workers, where the suffix counts, --dist reads "no" (until 7 Dec 2026 no group reached the scheduler).
+    if hands_out_by_group(config):
         from _pytest.nodeid import coerce_node_id
 
         for item in items:

@@ -13,15 +13,9 @@ import re
 import pytest
 import torch
 
-pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not installed: "
-    "bash tests/run.sh installs it into the test venv",
-)
-
-from branch_sets import BRANCH_NAME, OUR_EXPERT  # noqa: E402
-from fairseq_helpers import torchrun  # noqa: E402
-from hf_generation import (  # noqa: E402
+from branch_sets import BRANCH_NAME, OUR_EXPERT
+from fairseq_helpers import torchrun
+from hf_generation import (
     BEAM,
     SOURCES,
     eos_leaning_model,
@@ -32,10 +26,14 @@ from hf_generation import (  # noqa: E402
     preprocessed,
     search_args,
 )
-from hf_nllb_moe import EXPERTS  # noqa: E402
-from paths import PROBES  # noqa: E402
+from hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS
+from paths import PROBES
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore")]
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore"),
+]
 PROBE = PROBES / "fairseq_generate_probe.py"
 RUNS = {"greedy": search_args(1), "beam": search_args(BEAM, 1.0)}
 

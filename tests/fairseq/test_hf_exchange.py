@@ -12,13 +12,17 @@ from fairseq import checkpoint_utils
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from hf_nllb_moe import NEEDS_TRANSFORMERS
 from hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
 
-transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 10 s of CPU for its
 # 11 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
 TOLERANCE = 1e-5
 
 
@@ -41,7 +45,9 @@ def our_outputs(model, tokens):
 
 
 def hf_outputs(hf_dir, tokens):
-    model = transformers.NllbMoeForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    from transformers import NllbMoeForConditionalGeneration
+
+    model = NllbMoeForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
     src, _, prev = tokens
     with torch.no_grad():
         out = model(input_ids=src, decoder_input_ids=prev)
@@ -61,7 +67,9 @@ def export(name, out, *flags):
 def test_the_oracle_itself_changes_its_logits_when_an_expert_tokens_reach_is_zeroed(ours, tmp_path):
     args, _, model = ours
     hf_dir = export(write_set(args, model, tmp_path / "set" / "ck.pt"), tmp_path / "hf")
-    hf = transformers.NllbMoeForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    from transformers import NllbMoeForConditionalGeneration
+
+    hf = NllbMoeForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
     src, _, prev = batch()
     routed = []
     sparse = hf.model.encoder.layers[1].ffn
@@ -145,6 +153,8 @@ def test_import_hf_of_an_exported_set_gives_back_every_tensor_of_the_original(ou
 
 def hf_model(seed=0, **changes):
     """A random NllbMoe of the tiny set's shape, as transformers itself initialises it."""
+    from transformers import NllbMoeConfig, NllbMoeForConditionalGeneration
+
     config = dict(
         vocab_size=24,
         d_model=32,
@@ -169,7 +179,7 @@ def hf_model(seed=0, **changes):
         init_std=0.2,
     )
     torch.manual_seed(seed)
-    model = transformers.NllbMoeForConditionalGeneration(transformers.NllbMoeConfig(**{**config, **changes}))
+    model = NllbMoeForConditionalGeneration(NllbMoeConfig(**{**config, **changes}))
     with torch.no_grad():  # layer norms and biases start at 1 and 0 there: move them too
         for name, p in model.named_parameters():
             if "layer_norm" in name or name.endswith("bias"):

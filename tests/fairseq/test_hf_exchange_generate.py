@@ -13,13 +13,7 @@ length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy
 
 import pytest
 
-transformers = pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not installed: "
-    "bash tests/run.sh installs it into the test venv",
-)
-
-from hf_generation import (  # noqa: E402
+from hf_generation import (
     BEAM,
     MAX_NEW,
     eos_leaning_model,
@@ -28,10 +22,12 @@ from hf_generation import (  # noqa: E402
     import_from_hf,
     preprocessed,
 )
+from hf_nllb_moe import NEEDS_TRANSFORMERS
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 7 s of CPU for its
 # 3 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
 pytestmark = [
+    *NEEDS_TRANSFORMERS,
     pytest.mark.slow,
     pytest.mark.filterwarnings(
         "ignore:\\s*'config' is validated against ConfigStore schema",
@@ -80,7 +76,9 @@ def test_hf_generate_on_an_exported_set_gives_fairseq_generates_tokens_and_score
     data, data_bin, hf, dictionary = setup
     original = import_from_hf(tmp_path, hf, data)
     checkpoint_tool("export-hf", original, tmp_path / "hf", "--max-shard-size", "40KB")
-    exported = transformers.NllbMoeForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
+    from transformers import NllbMoeForConditionalGeneration
+
+    exported = NllbMoeForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
     assert_same_searches(data_bin, original, exported, tmp_path / "results", dictionary)
 
 

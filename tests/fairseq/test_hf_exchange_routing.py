@@ -9,18 +9,16 @@ import json
 import pytest
 import torch
 
-pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not installed: "
-    "bash tests/run.sh installs it into the test venv",
-)
-
-from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool  # noqa: E402
-from hf_nllb_moe import TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task  # noqa: E402
+from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from hf_nllb_moe import NEEDS_TRANSFORMERS, TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 4 s of CPU for its
 # 4 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
 FRACTION = 0.25
 ONE_SENTENCE, SEVERAL = ([13], [9]), ([7, 7, 7, 7], [6, 6, 6, 6])
 ROUTING = ("second_expert_policy", "normalize_router_prob_before_dropping", "moe_eval_capacity_token_fraction")

@@ -5,15 +5,14 @@ a time, give the set the safetensors files of the same model give."""
 
 import datetime
 
-import pytest
 import torch
 
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.torch_bin_file import TorchBinFile, _Current
 from fake_checkpoints import fingerprint
-from hf_nllb_moe import hf_model
+from hf_nllb_moe import NEEDS_TRANSFORMERS, hf_model
 
-pytest.importorskip("transformers")
+pytestmark = NEEDS_TRANSFORMERS
 
 
 def imported(hf_dir, out):

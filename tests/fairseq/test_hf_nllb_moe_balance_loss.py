@@ -13,18 +13,19 @@ dropped. HF computes no router z-loss (``router_z_loss_coef`` is unused there), 
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers (tests/requirements-oracle.txt) is not installed")
+from hf_nllb_moe import NEEDS_TRANSFORMERS, PAD, batch, hf_model, import_hf, oracle_task
 
-from transformers.models.nllb_moe.modeling_nllb_moe import load_balancing_loss_func  # noqa: E402
-
-from hf_nllb_moe import PAD, batch, hf_model, import_hf, oracle_task  # noqa: E402
-
-pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema"),
+]
 SIDES = ("encoder", "decoder")
 
 
 def balance_losses(model, hf, src, tgt):
     """{side: (this plugin's balance loss of the side's MoE layer, HF's aux loss of that side)}."""
+    from transformers.models.nllb_moe.modeling_nllb_moe import load_balancing_loss_func
+
     lengths = src.ne(PAD).sum(1)
     model(src, lengths, tgt)
     records = model.moe_cache.collect()

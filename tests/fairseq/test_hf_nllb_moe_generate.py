@@ -7,13 +7,7 @@ tokens: greedy, and beam search (4 beams) with length penalties 0 and 1, whose s
 
 import pytest
 
-pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not installed: "
-    "bash tests/run.sh installs it into the test venv",
-)
-
-from hf_generation import (  # noqa: E402
+from hf_generation import (
     BEAM,
     MAX_NEW,
     eos_leaning_model,
@@ -22,9 +16,12 @@ from hf_generation import (  # noqa: E402
     import_from_hf,
     preprocessed,
 )
-from hf_nllb_moe import hf_model  # noqa: E402
+from hf_nllb_moe import NEEDS_TRANSFORMERS, hf_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema"),
+]
 
 
 def generated(data, data_bin, path, results, beam, lenpen=1.0):

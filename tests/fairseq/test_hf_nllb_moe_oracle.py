@@ -9,15 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not "
-    "installed: bash tests/run.sh installs it into the test venv",
-)
+from hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS, assert_same_as_hf, batch, hf_model, import_hf, oracle_task
 
-from hf_nllb_moe import EXPERTS, assert_same_as_hf, batch, hf_model, import_hf, oracle_task  # noqa: E402
-
-pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema"),
+]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +24,8 @@ def task(tmp_path_factory):
 
 
 def test_the_installed_transformers_is_the_pinned_one_and_users_never_install_it():
+    import transformers
+
     pinned = re.search(r"^transformers==(\S+)$", (REPO / "tests" / "requirements-oracle.txt").read_text(), re.M)
     assert pinned and transformers.__version__ == pinned.group(1) == "4.57.1"
     assert "transformers" not in (REPO / "setup.py").read_text() + (REPO / "requirements.txt").read_text()

@@ -9,26 +9,24 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-pytest.importorskip(
-    "transformers",
-    reason="transformers (tests/requirements-oracle.txt) is not installed: "
-    "bash tests/run.sh installs it into the test venv",
-)
-
-from fairseq_moe_ext.models.moe_layers import MoEFeedForward  # noqa: E402
-from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig  # noqa: E402
+from fairseq_moe_ext.models.moe_layers import MoEFeedForward
+from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig
 from hf_nllb_moe import (
+    NEEDS_TRANSFORMERS,
     PAD,
     TOLERANCE,
     TorchWithoutLayerdropDraws,
     assert_same_as_hf,
-    batch,  # noqa: E402
+    batch,
     hf_model,
     import_hf,
     oracle_task,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema"),
+]
 FRACTION = 0.25  # the branch's default: ceil(S/4) slots per expert for 2S slots over 4 experts, most dropped
 ONE_SENTENCE, SEVERAL = ([13], [9]), ([7, 7, 7, 7], [6, 6, 6, 6])
 

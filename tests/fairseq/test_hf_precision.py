@@ -15,13 +15,17 @@ import hf_nllb_moe
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
+from hf_nllb_moe import NEEDS_TRANSFORMERS
 from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
 
-transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # slow: each case exports and imports a set through Hugging Face NllbMoe, about 5 s of CPU for its 11
 # cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
+pytestmark = [
+    *NEEDS_TRANSFORMERS,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
 TOLERANCE = 1e-5
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,7 +74,9 @@ def assert_bitwise(files, expected, dtype):
 
 
 def hf_logits(hf_dir, src, prev):
-    hf = transformers.NllbMoeForConditionalGeneration.from_pretrained(str(hf_dir), torch_dtype=torch.float32).eval()
+    from transformers import NllbMoeForConditionalGeneration
+
+    hf = NllbMoeForConditionalGeneration.from_pretrained(str(hf_dir), torch_dtype=torch.float32).eval()
     assert hf.dtype == torch.float32
     with torch.no_grad():
         return hf(input_ids=src, decoder_input_ids=prev).logits

@@ -68,14 +68,15 @@ def eval_lm_in_process(data, path, *extra):
 def model_cfg(data, *flags):
     """cfg["model"] of a ``moe_transformer_lm_tiny`` with ``flags``, as fairseq-train would save it."""
     from fairseq import options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from omegaconf import OmegaConf
+
+    from tiny_fairseq_models import converted
 
     args = options.parse_args_and_arch(
         options.get_training_parser(),
         [str(data), "--user-dir", USER_DIR, "--task", "language_modeling", "--arch", "moe_transformer_lm_tiny", *flags],
     )
-    return OmegaConf.to_container(convert_namespace_to_omegaconf(args).model, resolve=True)
+    return OmegaConf.to_container(converted(args).model, resolve=True)
 
 
 def as_branch_set(checkpoint, prefix, ranks, **changes):

@@ -24,3 +24,19 @@ def test_the_longest_tests_rank_in_the_listed_order_and_the_rest_after_them():
     ids = ["tests/recipes/test_recipes.py::test_main_job_tiny_mode_trains", "tests/core/test_moe_core.py::test_x"]
     assert longest_first_rank(ids[0]) == LONGEST_FIRST.index("test_recipes.py::test_main_job_tiny_mode")
     assert longest_first_rank(ids[1]) == len(LONGEST_FIRST)
+
+
+@pytest.fixture(scope="module")
+def shared_by_the_module():
+    return object()
+
+
+def test_a_test_sharing_a_module_fixture_carries_its_xdist_group_where_groups_are_handed_out(
+    shared_by_the_module, request
+):
+    """On an xdist worker of ``--dist loadgroup`` (tests/run.sh) the node id the scheduler reads ends in
+    "@<group>": without it, a module-scoped fixture is computed on both workers."""
+    worker = getattr(request.config, "workerinput", None)
+    if worker is None or "loadgroup" not in " ".join(worker["mainargv"]):
+        pytest.skip("not on a worker of a --dist loadgroup run (one process hands out nothing)")
+    assert request.node.nodeid.endswith(f"@{request.module.__name__}"), request.node.nodeid

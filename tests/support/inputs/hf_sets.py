@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 from fairseq import options, tasks, utils
 from fairseq.data import Dictionary
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
-from tiny_fairseq_models import tiny_model_flags
+from tiny_fairseq_models import converted, tiny_model_flags
 
 EXPERTS = 4
 # What NllbMoe can express: top-2, gates renormalised, dropless evaluation (fraction 1.0), NllbMoe's
@@ -48,7 +47,7 @@ def parse(data: Path, *flags, arch="moe_transformer_tiny", task="translation"):
 def build(data: Path, *flags, arch="moe_transformer_tiny", task="translation", seed=1):
     """(args, task, model in eval) with every parameter moved by a seeded random step."""
     args = parse(data, *flags, arch=arch, task=task)
-    cfg = convert_namespace_to_omegaconf(args)
+    cfg = converted(args)
     utils.set_torch_seed(seed)
     built_task = tasks.setup_task(cfg.task)
     model = built_task.build_model(cfg.model).eval()

@@ -14,10 +14,12 @@ fairseq's special ids (bos 0, pad 1, eos 2, unk 3) are HF NLLB's too, so token i
 """
 
 import argparse
+import importlib.util
 import re
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+import pytest
 import torch
 
 from branch_sets import BRANCH_MOE_OPTIONS, write_branch_parts
@@ -32,6 +34,15 @@ MAX_POSITIONS = 64
 EOM = 0.2
 
 PAD, EOS = 1, 2
+# The marks of a module of in-process oracle tests: skipped where transformers is absent (found without
+# importing it at collection), and kept on one pytest-xdist worker, so that one worker alone imports it.
+# fmt: off
+NEEDS_TRANSFORMERS = [
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                       reason="transformers (tests/requirements-oracle.txt) is not installed: bash tests/run.sh installs it"),
+    pytest.mark.xdist_group("transformers"),
+]
+# fmt: on
 TOLERANCE = dict(atol=1e-5, rtol=0)  # fp32, eval: measured differences are below 1e-6
 EXPERT = re.compile(r"^(?P<layer>.*)\.ffn\.experts\.expert_(?P<id>\d+)\.(?P<name>fc[12]\.(weight|bias))$")
 # fmt: off
