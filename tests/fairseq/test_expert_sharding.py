@@ -1,0 +1,104 @@
+"""``--ddp-backend fully_sharded --moe-fully-sharded-experts sharded``: each MoE layer's experts are
+sharded over their replica group (the W/P workers holding the same experts), and a training step
+through fairseq's Trainer is still the step of one process holding every expert, and legacy_ddp's.
+
+On W = 4 workers with P = 2 (replica groups {0, 2} and {1, 3}) and on W = 2 with P = 1 (one replica
+group, the world), each gloo worker takes one fp32 step of two micro-batches (NAG: a wrong scale of
+the summed expert gradients shows in the update, a wrong norm in the clipping) and one step in
+emulated bf16 under fully_sharded (experts sharded) and under legacy_ddp (experts whole); one
+process holding everything takes the same steps on the whole batch. The same workers count what
+each holds: 1/(W/P) of its experts' parameters, gradients and momentum.
+"""
+
+import pytest
+
+from dist_utils import run_on_workers
+from in_process_trainer import (
+    assert_step_equals_one_process,
+    build_trainer,
+    micro_batches,
+    one_step,
+    replicated_case_flags,
+    training_args,
+    write_dictionaries,
+)
+from mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case
+
+pytestmark = pytest.mark.slow
+
+SHARDED = ["--ddp-backend", "fully_sharded", "--moe-fully-sharded-experts", "sharded"]
+# world: (experts, P, token shares per worker)
+CASES = {4: (4, 2, [2, 5, 3, 4]), 2: (4, 1, [5, 7])}
+# The fp32 step accumulates two micro-batches (--update-freq 2): the first without a reduce-scatter.
+MICRO_BATCHES = 2
+
+
+def whole_params(result):
+    """Every parameter whole (gathered: a collective each, in the same order on every worker)."""
+    result["params"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in result["params"].items()}
+    return result
+
+
+def expert_sharding_worker(rank, world, data_dir):
+    from fairseq_moe_ext import fully_sharded
+
+    cpu_shims()
+    experts, parallel, shares = CASES[world]
+    flags = replicated_case_flags(experts, parallel, NAG)
+    task, trainer = build_trainer(training_args(data_dir, world, [*SHARDED, *flags]))
+    model = trainer.get_model()
+    start = sum(shares[:rank])
+    fp32 = one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, MICRO_BATCHES)])
+    fp32["held"] = fully_sharded.held_bytes(model, trainer.optimizer.optimizer)
+    fp32["experts_sharded"] = [fully_sharded.is_sharded(p) for p in model.parameters() if getattr(p, "expert", False)]
+    bf16 = {
+        backend: run_precision_case(data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS["bf16"][0]])
+        for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
+    }
+    return whole_params(fp32), bf16
+
+
+def expert_bytes_held(whole_experts, replicas, replica_index):
+    """fp32 bytes of this worker's dim-0 slice (torch.chunk's split) of its E/P experts of each tensor."""
+    total = 0
+    for local in whole_experts:
+        chunk = -(-local.shape[0] // replicas)
+        total += max(0, min(chunk, local.shape[0] - replica_index * chunk)) * local[0].numel() * 4
+    return total
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_experts_sharded_over_replicas_step_like_one_process_and_hold_1_over_w_by_p(tmp_path, monkeypatch, world):
+    data_dir = str(tmp_path / "data")
+    write_dictionaries(data_dir)
+    by_rank = run_on_workers(expert_sharding_worker, world, data_dir)
+    experts, parallel, shares = CASES[world]
+    replicas = world // parallel
+    flags = replicated_case_flags(experts, parallel, NAG)
+    fp32 = [r[0] for r in by_rank]
+    assert all(all(r["experts_sharded"]) and r["experts_sharded"] for r in fp32), "experts were not sharded"
+    # fp32: one process holding every expert, to the oracle's tolerance (loss, norm, every weight).
+    assert_step_equals_one_process(fp32, data_dir, shares, flags, MICRO_BATCHES, parallel)
+    names = fp32[0]["expert_names"]
+    for rank, r in enumerate(fp32):
+        want = expert_bytes_held([r["params"][n] for n in names], replicas, rank // parallel)
+        held = r["held"]
+        assert held["expert_params"] == held["expert_grads"] == held["expert_optimizer"] == want, (rank, held)
+    whole = sum(fp32[0]["params"][n].numel() * 4 for n in names)
+    for ep_rank in range(parallel):
+        group = [r["held"]["expert_params"] for r in fp32[ep_rank::parallel]]
+        assert sum(group) == whole and max(group) * replicas == whole, f"replica group {ep_rank}: {group}"
+    # bf16 (torch's own bf16 arithmetic on the CPU): one process and legacy_ddp in the same precision.
+    monkeypatch.setattr("torch.Tensor.cuda", lambda self, *args, **kwargs: self)  # cpu_shims, undone after
+    tolerance = PRECISIONS["bf16"][1]
+    reference = run_precision_case(data_dir, 1, 0, [sum(shares)], [*flags, *PRECISIONS["bf16"][0]])
+    for rank, (_, bf16) in enumerate(by_rank):
+        sharded, legacy = bf16["sharded"], bf16["legacy_ddp"]
+        what = f"bf16 rank {rank} of {world}"
+        assert_same_step(sharded, reference, tolerance, f"{what}, against one process", rank % parallel)
+        assert_same_step(sharded, legacy, tolerance, f"{what}, against legacy_ddp")
+        assert sharded["loss"] == legacy["loss"], (
+            f"{what}: the same bf16 forward, {sharded['loss']} vs {legacy['loss']}"
+        )
+        assert sharded["dtypes"] == ["torch.float32"], f"{what}: the stepped weights are {sharded['dtypes']}"
+        assert sharded["held"]["expert_params"] == fp32[rank]["held"]["expert_params"], what
