@@ -11,6 +11,7 @@ each holds: 1/(W/P) of its experts' parameters, gradients and momentum.
 """
 
 import pytest
+import torch
 
 from dist_utils import run_on_workers
 from in_process_trainer import (
@@ -51,11 +52,23 @@ def expert_sharding_worker(rank, world, data_dir):
     fp32 = one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, MICRO_BATCHES)])
     fp32["held"] = fully_sharded.held_bytes(model, trainer.optimizer.optimizer)
     fp32["experts_sharded"] = [fully_sharded.is_sharded(p) for p in model.parameters() if getattr(p, "expert", False)]
+    fp32["saved"] = saved_experts(trainer)
     bf16 = {
         backend: run_precision_case(data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS["bf16"][0]])
         for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
     }
     return whole_params(fp32), bf16
+
+
+def saved_experts(trainer):
+    """What this worker's ``Trainer.state_dict`` (as a save calls it) holds of its experts and of their
+    NAG momentum: gathered whole on the worker that writes the rank file, nothing elsewhere."""
+    trainer.consolidate_optimizer()
+    state = trainer.state_dict()
+    names = [n for n, p in trainer.get_model().named_parameters() if getattr(p, "expert", False)]
+    slots = state["moe"]["optimizer_expert_slots"]
+    momentum = [state["last_optimizer_state"]["state"].get(i, {}).get("momentum_buffer") for i in slots]
+    return {"model": {n: state["model"].get(n) for n in names}, "momentum": momentum}
 
 
 def expert_bytes_held(whole_experts, replicas, replica_index):
@@ -88,6 +101,17 @@ def test_experts_sharded_over_replicas_step_like_one_process_and_hold_1_over_w_b
     for ep_rank in range(parallel):
         group = [r["held"]["expert_params"] for r in fp32[ep_rank::parallel]]
         assert sum(group) == whole and max(group) * replicas == whole, f"replica group {ep_rank}: {group}"
+    # A save: the worker of the first replica (it writes its rank file) holds its E/P experts whole.
+    for rank, r in enumerate(fp32):
+        for name in names:
+            saved = r["saved"]["model"][name]
+            if rank < parallel:
+                assert type(saved) is torch.Tensor and torch.equal(saved, r["params"][name]), (rank, name)
+            else:
+                assert saved is None, f"rank {rank} holds a gathered {name} it does not write"
+        shapes = [None if m is None else tuple(m.shape) for m in r["saved"]["momentum"]]
+        whole_shapes = [tuple(r["params"][n].shape) for n in names]
+        assert shapes == (whole_shapes if rank < parallel else [None] * len(names)), (rank, shapes)
     # bf16 (torch's own bf16 arithmetic on the CPU): one process and legacy_ddp in the same precision.
     monkeypatch.setattr("torch.Tensor.cuda", lambda self, *args, **kwargs: self)  # cpu_shims, undone after
     tolerance = PRECISIONS["bf16"][1]
