@@ -5,8 +5,9 @@ through fairseq's Trainer is still the step of one process holding every expert,
 On W = 4 workers with P = 2 (replica groups {0, 2} and {1, 3}) and on W = 2 with P = 1 (one replica
 group, the world), each gloo worker takes one fp32 step of two micro-batches (NAG: a wrong scale of
 the summed expert gradients shows in the update, a wrong norm in the clipping) and one step in
-emulated bf16 under fully_sharded (experts sharded) and under legacy_ddp (experts whole); one
-process holding everything takes the same steps on the whole batch. The same workers count what
+bf16 and in fp16 under fully_sharded (experts sharded) and under legacy_ddp (experts whole), the fp16
+one after a step that an inf in one worker's slice of the experts' gradient made every worker skip;
+one process holding everything takes the same steps on the whole batch. The same workers count what
 each holds: 1/(W/P) of its experts' parameters, gradients and momentum.
 """
 
@@ -30,6 +31,8 @@ pytestmark = pytest.mark.slow
 SHARDED = ["--ddp-backend", "fully_sharded", "--moe-fully-sharded-experts", "sharded"]
 # world: (experts, P, token shares per worker)
 CASES = {4: (4, 2, [2, 5, 3, 4]), 2: (4, 1, [5, 7])}
+# fp16: the first step has an inf in this rank's slice of the first MoE layer's experts (every worker skips it).
+OVERFLOW_RANK = 1
 # The fp32 step accumulates two micro-batches (--update-freq 2): the first without a reduce-scatter.
 MICRO_BATCHES = 2
 
@@ -53,11 +56,16 @@ def expert_sharding_worker(rank, world, data_dir):
     fp32["held"] = fully_sharded.held_bytes(model, trainer.optimizer.optimizer)
     fp32["experts_sharded"] = [fully_sharded.is_sharded(p) for p in model.parameters() if getattr(p, "expert", False)]
     fp32["saved"] = saved_experts(trainer)
-    bf16 = {
-        backend: run_precision_case(data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS["bf16"][0]])
-        for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
-    }
-    return whole_params(fp32), bf16
+    low = {}
+    for precision in ("bf16", "fp16"):
+        overflow = OVERFLOW_RANK if precision == "fp16" else None
+        low[precision] = {
+            backend: run_precision_case(
+                data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS[precision][0]], overflow
+            )
+            for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
+        }
+    return whole_params(fp32), low
 
 
 def saved_experts(trainer):
@@ -112,17 +120,22 @@ def test_experts_sharded_over_replicas_step_like_one_process_and_hold_1_over_w_b
         shapes = [None if m is None else tuple(m.shape) for m in r["saved"]["momentum"]]
         whole_shapes = [tuple(r["params"][n].shape) for n in names]
         assert shapes == (whole_shapes if rank < parallel else [None] * len(names)), (rank, shapes)
-    # bf16 (torch's own bf16 arithmetic on the CPU): one process and legacy_ddp in the same precision.
+    # bf16 and fp16 (torch's own arithmetic on the CPU): one process and legacy_ddp in the same precision.
     monkeypatch.setattr("torch.Tensor.cuda", lambda self, *args, **kwargs: self)  # cpu_shims, undone after
-    tolerance = PRECISIONS["bf16"][1]
-    reference = run_precision_case(data_dir, 1, 0, [sum(shares)], [*flags, *PRECISIONS["bf16"][0]])
-    for rank, (_, bf16) in enumerate(by_rank):
-        sharded, legacy = bf16["sharded"], bf16["legacy_ddp"]
-        what = f"bf16 rank {rank} of {world}"
-        assert_same_step(sharded, reference, tolerance, f"{what}, against one process", rank % parallel)
-        assert_same_step(sharded, legacy, tolerance, f"{what}, against legacy_ddp")
-        assert sharded["loss"] == legacy["loss"], (
-            f"{what}: the same bf16 forward, {sharded['loss']} vs {legacy['loss']}"
-        )
-        assert sharded["dtypes"] == ["torch.float32"], f"{what}: the stepped weights are {sharded['dtypes']}"
-        assert sharded["held"]["expert_params"] == fp32[rank]["held"]["expert_params"], what
+    for precision in ("bf16", "fp16"):
+        precision_flags, tolerance = PRECISIONS[precision]
+        overflow = 0 if precision == "fp16" else None  # one process: the inf in its only worker
+        reference = run_precision_case(data_dir, 1, 0, [sum(shares)], [*flags, *precision_flags], overflow)
+        for rank, (_, low) in enumerate(by_rank):
+            sharded, legacy = low[precision]["sharded"], low[precision]["legacy_ddp"]
+            what = f"{precision} rank {rank} of {world}"
+            assert_same_step(sharded, reference, tolerance, f"{what}, against one process", rank % parallel)
+            assert_same_step(sharded, legacy, tolerance, f"{what}, against legacy_ddp")
+            assert sharded["loss"] == legacy["loss"], f"{what}: the same forward, {sharded['loss']} vs {legacy['loss']}"
+            assert sharded["dtypes"] == ["torch.float32"], f"{what}: the stepped weights are {sharded['dtypes']}"
+            assert sharded["held"]["expert_params"] == fp32[rank]["held"]["expert_params"], what
+            if overflow is not None:  # the inf in rank 1's slice: every worker skipped and halved its scale
+                for run in (sharded, legacy):
+                    assert run["updates_after_overflow"] == 0, f"{what}: stepped on an overflow"
+                    assert all(run["after_overflow"][n].equal(w) for n, w in run["before"].items()), what
+                    assert run["scales"][:2] == [64.0, 32.0], f"{what}: loss scales {run['scales']}"
