@@ -8,7 +8,8 @@ the summed expert gradients shows in the update, a wrong norm in the clipping) a
 bf16 and in fp16 under fully_sharded (experts sharded) and under legacy_ddp (experts whole), the fp16
 one after a step that an inf in one worker's slice of the experts' gradient made every worker skip;
 one process holding everything takes the same steps on the whole batch. The same workers count what
-each holds: 1/(W/P) of its experts' parameters, gradients and momentum.
+each holds: 1/(W/P) of its experts' parameters, gradients and momentum, and one MoE layer's experts
+gathered at a time in forward.
 """
 
 import pytest
@@ -52,10 +53,12 @@ def expert_sharding_worker(rank, world, data_dir):
     task, trainer = build_trainer(training_args(data_dir, world, [*SHARDED, *flags]))
     model = trainer.get_model()
     start = sum(shares[:rank])
+    gathered = experts_gathered_in_forward(model)
     fp32 = one_step(task, trainer, *[b[start : start + shares[rank]] for b in micro_batches(shares, MICRO_BATCHES)])
     fp32["held"] = fully_sharded.held_bytes(model, trainer.optimizer.optimizer)
     fp32["experts_sharded"] = [fully_sharded.is_sharded(p) for p in model.parameters() if getattr(p, "expert", False)]
     fp32["saved"] = saved_experts(trainer)
+    fp32["gathered"] = gathered
     low = {}
     for precision in ("bf16", "fp16"):
         overflow = OVERFLOW_RANK if precision == "fp16" else None
@@ -66,6 +69,21 @@ def expert_sharding_worker(rank, world, data_dir):
             for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
         }
     return whole_params(fp32), low
+
+
+def experts_gathered_in_forward(model):
+    """Each time an MoE layer's experts run forward, how many MoE layers' experts are gathered (whole)
+    then: the hook runs after FSDP2's own pre-forward hook, which gathered the running layer's."""
+    from fairseq_moe_ext.fully_sharded import is_sharded
+    from fairseq_moe_ext.moe.experts import BatchedExperts
+
+    modules = [m for m in model.modules() if isinstance(m, BatchedExperts)]
+    counts = []
+    for module in modules:
+        module.register_forward_pre_hook(
+            lambda *_: counts.append(sum(not is_sharded(m.batched_fc1_w) for m in modules))
+        )
+    return counts
 
 
 def saved_experts(trainer):
@@ -101,6 +119,8 @@ def test_experts_sharded_over_replicas_step_like_one_process_and_hold_1_over_w_b
     # fp32: one process holding every expert, to the oracle's tolerance (loss, norm, every weight).
     assert_step_equals_one_process(fp32, data_dir, shares, flags, MICRO_BATCHES, parallel)
     names = fp32[0]["expert_names"]
+    moe_layers = len(names) // 4  # four stacked tensors per MoE layer (two weights, two biases)
+    assert all(r["gathered"] == [1] * moe_layers * MICRO_BATCHES for r in fp32), "one MoE layer's experts at a time"
     for rank, r in enumerate(fp32):
         want = expert_bytes_held([r["params"][n] for n in names], replicas, rank // parallel)
         held = r["held"]
