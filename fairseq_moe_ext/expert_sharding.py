@@ -69,3 +69,15 @@ def keeps_gathered(tensor) -> bool:
     group it is sharded over: rank 0 for the shared part (sharded over the world), the worker of the
     first replica, which writes the rank file, for experts sharded over their replica group."""
     return tensor.device_mesh.get_local_rank() == 0
+
+
+def forget_forward_order(modules) -> None:
+    """FSDP2 records each unit's forward to prefetch in the next backward, and forgets them only after
+    a backward. Generation runs forwards with no backward, a different number on each worker, and a
+    worker done early runs only the MoE layers (joining the others' calls): left recorded, the next
+    training backward prefetches a different unit on each worker and waits forever (seen: --eval-bleu
+    with experts sharded). Called when generation ends; torch 2.13's FSDP2 state has no public reset."""
+    for module in modules:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            group.comm_ctx.post_forward_order.clear()
+            group._post_forward_indices.clear()

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .common.config_value import config_value
+from .expert_sharding import forget_forward_order
 from .moe.comm import collective
 from .moe.experts import is_expert
 from .common.refusal import MoEOptionError
@@ -229,6 +230,7 @@ def gathered_for_inference(model: torch.nn.Module):
         for module, reshards in zip(modules, saved):
             module.reshard()
             module.set_reshard_after_forward(reshards, recurse=False)
+        forget_forward_order(modules)  # no backward follows these forwards
 
 
 def _reshards_after_forward(module) -> bool:
