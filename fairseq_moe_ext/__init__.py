@@ -12,7 +12,8 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports the tiers below and itself. Its
    ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
 4. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
-   groups, gradient scaling), ``io_waits.py`` (where workers wait for another's file work).
+   groups, gradient scaling), ``fully_sharded.py`` and ``expert_sharding.py`` (FSDP2: the shared part,
+   experts over their replica group), ``io_waits.py`` (where workers wait for another's file work).
    Fairseq may appear here, models do not.
 5. ``models/``, ``criterions/`` and ``tasks/``: the fairseq architectures, criterions and tasks.
 6. ``training/``: what fairseq-train decides around the model (save dir, restore choice, set ids,

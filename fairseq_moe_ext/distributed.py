@@ -202,8 +202,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], group=None) -> torch.Tensor
     grads = [(p.grad.detach(), is_expert(p)) for p in params if p is not None and p.grad is not None]
     device = local_part(grads[0][0]).device if grads else torch.device("cpu")
     # --ddp-backend fully_sharded: each worker holds a slice of each shared gradient.
-    shared_sq = sharded_grad_norm_squared([g for g, _ in grads if is_sharded(g)], device)
-    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
+    shared_sq = sharded_grad_norm_squared([g for g, e in grads if is_sharded(g) and not e], device)
+    # --moe-fully-sharded-experts sharded: each worker a slice of its experts, summed over their replica group.
+    expert_sq = sharded_grad_norm_squared([g for g, e in grads if is_sharded(g) and e], device)
     for grad, expert in ((g, e) for g, e in grads if not is_sharded(g)):
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).double().to(device) ** 2
         if expert:
@@ -318,9 +319,9 @@ class ExpertParallelModel(ModuleProxyWrapper):
         if inner is not None and hasattr(inner, "all_reduce_grads"):
             inner.all_reduce_grads()  # legacy_ddp / no_c10d reduce here; c10d did it in backward
         experts = [p for p in self.parameters() if is_expert(p)]
-        if self.replica_group is not None:
-            sum_expert_grads_over_replicas(experts, self.replica_group)
-        grads = [p.grad for p in experts if p.grad is not None]
+        if self.replica_group is not None:  # experts sharded over it were reduce-scattered (summed) by FSDP2
+            sum_expert_grads_over_replicas([p for p in experts if not is_sharded(p)], self.replica_group)
+        grads = [local_part(p.grad) for p in experts if p.grad is not None]
         if grads:
             foreach_mul_(grads, self.expert_grad_factor / self.world_size)
 

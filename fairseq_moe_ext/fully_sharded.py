@@ -9,7 +9,8 @@ rest (embeddings, output projection, final norms).
 
 Expert parameters are listed in FSDP2's ``ignored_params``: they stay plain tensors, E/P per worker,
 exactly as under legacy_ddp, and ``ExpertParallelModel.all_reduce_grads`` sums them over their
-replica group and scales them, as for every other backend.
+replica group and scales them, as for every other backend (``--moe-fully-sharded-experts sharded``:
+each MoE layer's experts are an FSDP2 unit of their own over that group, ``expert_sharding.py``).
 
 What changes for the rest of training, all here:
 
@@ -30,13 +31,14 @@ What changes for the rest of training, all here:
 
 import sys
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .common.config_value import config_value
 from .common.refusal import MoEOptionError
+from .expert_sharding import forget_forward_order
 from .moe.comm import collective
 from .moe.experts import is_expert
 
@@ -228,6 +230,7 @@ def gathered_for_inference(model: torch.nn.Module):
         for module, reshards in zip(modules, saved):
             module.reshard()
             module.set_reshard_after_forward(reshards, recurse=False)
+        forget_forward_order(modules)  # no backward follows these forwards
 
 
 def _reshards_after_forward(module) -> bool:
@@ -259,11 +262,11 @@ def sharded_grad_norm_squared(grads: List[torch.Tensor], device) -> torch.Tensor
     return total
 
 
-def full_tensors(state, keep: bool):
+def full_tensors(state, keep: Callable[[object], bool]):
     """``state`` (nested dicts and lists) with every sharded tensor replaced by the whole tensor on
-    the CPU where ``keep`` (rank 0), or left out where not: gathered one at a time, in the same
-    order on every worker, so a worker holds little extra memory (measured: at most two at once).
-    Plain tensors (experts, steps) stay as they are."""
+    the CPU where ``keep(tensor)`` (the worker that writes it: ``expert_sharding.keeps_gathered``),
+    or left out where not: gathered one at a time, in the same order on every worker, so a worker
+    holds little extra memory (measured: at most two at once). Plain tensors (steps) stay as they are."""
     if isinstance(state, dict):
         out = {}
         for key, value in state.items():
@@ -275,7 +278,7 @@ def full_tensors(state, keep: bool):
         return type(state)(v for v in (full_tensors(v, keep) for v in state) if v is not _DROPPED)
     if is_sharded(state):
         whole = state.full_tensor()
-        if not keep:
+        if not keep(state):
             del whole
             return _DROPPED
         return whole.detach().cpu()  # a new tensor (gathered), moved off the accelerator
@@ -296,7 +299,7 @@ def sharded_like(like, full: torch.Tensor):
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def full_optimizer_state(optimizer_state: Dict, keep: bool) -> Dict:
+def full_optimizer_state(optimizer_state: Dict, keep: Callable[[object], bool]) -> Dict:
     """A torch optimizer state dict (``state`` by parameter index) with sharded states gathered."""
     return {**optimizer_state, "state": full_tensors(optimizer_state.get("state", {}), keep)}
 

@@ -10,7 +10,8 @@ started at once (one intra-op thread each) so that none waits for another to be 
   balancing and activation checkpointing: it must finish with a loss that fell by 30% (dry run: 5%);
 * two --moe-deterministic bf16 runs: their checkpoints must be bit-identical;
 * beside them, the two-rank runs and generation of oneshot_ranks.py (legacy_ddp, c10d and
-  fully_sharded --bf16 over cuda:gloo; generation from the legacy_ddp set as soon as it is saved).
+  fully_sharded --bf16, with experts whole and sharded over their replica group, over cuda:gloo;
+  generation from the legacy_ddp set as soon as it is saved).
 Every run still alive when the check ends is killed (``finally``). The CPU dry run: tiny runs with
 --cpu (fp16 and amp need CUDA: SKIP), gloo for the two ranks. The corpus is
 recipes/toy_pair.py's generated translation task, larger on the GPU.

@@ -4,7 +4,9 @@ last and were the likeliest to be cut by the deadline).
 Two fairseq ranks on one GPU under torchrun over ``cuda:gloo`` (an emulation: NCCL will not put two
 ranks on one device; with two GPUs or more, NCCL on two GPUs; the CPU dry run, gloo): ``legacy_ddp``
 and ``c10d`` with --bf16, and ``fully_sharded --bf16``, which a build that does not map --bf16 onto
-FSDP2 refuses in one line: the refusal is recorded as the result (INFO), not as a failure. If the
+FSDP2 refuses in one line: the refusal is recorded as the result (INFO), not as a failure; and
+``fully_sharded --bf16`` with P = 1 < W = 2 and ``--moe-fully-sharded-experts sharded``, each MoE
+layer's experts sharded over both ranks (their replica group; a P = 1 run saves one file, not a set). If the
 legacy_ddp run fails over cuda:gloo, it is retried over cpu:gloo,cuda:gloo when time is left. As soon
 as the legacy_ddp run has saved its set, one-process fairseq-generate starts from it.
 """
@@ -20,6 +22,10 @@ KINDS = {
     "legacy": ["--ddp-backend", "legacy_ddp", "--bf16"],
     "c10d": ["--ddp-backend", "c10d", "--bf16"],
     "fully_sharded_bf16": ["--ddp-backend", "fully_sharded", "--bf16"],
+    "fully_sharded_bf16_experts_sharded": [
+        *["--ddp-backend", "fully_sharded", "--bf16"],
+        *["--moe-expert-parallel-size", "1", "--moe-fully-sharded-experts", "sharded"],
+    ],
 }
 
 
@@ -68,12 +74,14 @@ def judge(kind, over, status):
     if failed_run(f"fairseq_{name}", result):
         return None
     train, valid = result[0], result[1]
-    saved = (RUNS / name / "checkpoint_last.set.json").exists()
+    one_file = "--moe-fully-sharded-experts" in KINDS[kind]  # P = 1: every expert in one file
+    saved = (RUNS / name / ("checkpoint_last.pt" if one_file else "checkpoint_last.set.json")).exists()
+    what = f"bf16 {KINDS[kind][1]}" + (", experts sharded over both ranks" if one_file else "")
     verdict(
         f"fairseq_{name}",
         saved and train[-1] < FALL * train[0],
-        f"({label_of(over)}) bf16 {KINDS[kind][1]}: train {train[0]:.3f} -> {train[-1]:.3f}, valid {valid:.3f}; "
-        f"per-rank set saved: {saved}",
+        f"({label_of(over)}) {what}: train {train[0]:.3f} -> {train[-1]:.3f}, valid {valid:.3f}; "
+        f"{'one file' if one_file else 'per-rank set'} saved: {saved}",
     )
     return RUNS / name if saved else None
 

@@ -13,7 +13,7 @@ from fairseq import checkpoint_utils
 
 from .. import checkpoint as moe_ckpt
 from .. import distributed as moe_dist
-from .. import io_waits
+from .. import fully_sharded, io_waits
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
@@ -161,7 +161,10 @@ def _failed_copy(error: BaseException) -> bool:
 
 
 def expert_digest(model) -> str:
-    """sha256 of this worker's expert parameters (replicas of one shard must give the same)."""
+    """sha256 of this worker's expert parameters (replicas of one shard must give the same); None
+    where they are sharded over their replicas (--moe-fully-sharded-experts: one copy, nothing to compare)."""
+    if any(fully_sharded.is_sharded(p) for p in model.parameters() if moe_dist.is_expert(p)):
+        return None
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         if moe_dist.is_expert(p):

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from .. import distributed as moe_dist
-from .. import fully_sharded
+from .. import expert_sharding, fully_sharded
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import foreach_mul_
@@ -102,13 +102,18 @@ def shard_for_training(args, model, process_group, device):
     model = model.to(device=device, dtype=torch.float32) if low is not None else model.to(device)
     if moe_dist.has_experts(model):
         moe_dist.check_shared_parameters_agree(model, process_group)
+    policy = fully_sharded.mixed_precision_policy(low)
+    # --moe-fully-sharded-experts sharded: each MoE layer's experts over their replica group, first (W > P).
+    replicas = moe_dist.expert_replica_group(moe_dist.model_layout(model))
+    if getattr(model, "moe_fully_sharded_experts", "whole") == expert_sharding.SHARDED and replicas is not None:
+        expert_sharding.shard_experts(model, replicas, policy)
     # --moe-fully-sharded-unit (MoEModelMixin records it; a dense model: one unit per layer).
     whole_model = getattr(model, "moe_fully_sharded_unit", "layer") == "model"
     sharded = fully_sharded.shard_model(
         model,
         process_group,
         units=[] if whole_model else None,
-        mp_policy=fully_sharded.mixed_precision_policy(low),
+        mp_policy=policy,
         reshard_after_forward=not config_value(args, "no_reshard_after_forward", False),
     )
     return FullyShardedModel(sharded)
@@ -149,7 +154,7 @@ def gather_full_state(trainer, state):
     at a time, see fully_sharded.full_tensors) and left out on the other workers."""
     if not fully_sharded.is_fully_sharded(trainer._model):
         return state
-    keep = trainer.data_parallel_rank == 0
+    keep = expert_sharding.keeps_gathered  # rank 0, and the writer of each rank file for its experts
     state["model"] = fully_sharded.full_tensors(state["model"], keep)
     optimizer = state.get("last_optimizer_state")
     if isinstance(optimizer, dict) and "state" in optimizer:

@@ -108,6 +108,7 @@ class MoEModelMixin:
         # Read when the model is wrapped for training (fairseq hands the wrapper only its distributed options).
         model.moe_normalize_expert_grad = str(moe_option(args, "moe_normalize_expert_grad"))
         model.moe_fully_sharded_unit = str(moe_option(args, "moe_fully_sharded_unit"))
+        model.moe_fully_sharded_experts = str(moe_option(args, "moe_fully_sharded_experts"))
         return model
 
     @classmethod

@@ -27,6 +27,13 @@ RUN_OPTIONS = (
            "memory); model: every shared parameter at once (fewest collectives, the whole shared part "
            "gathered during forward and backward) (default layer)",
            MAY_CHANGE, "how FSDP2 gathers the shared part, not what it computes", choices=("layer", "model")),
+    Option("moe_fully_sharded_experts", str, "whole",
+           "--ddp-backend fully_sharded with fewer expert-parallel workers than workers (P < W): whole: "
+           "each worker holds its E/P experts whole, their gradients all-reduced over the W/P workers "
+           "holding the same experts; sharded: FSDP2 over those W/P workers cuts each MoE layer's E/P "
+           "experts along the expert dimension, so each worker holds 1/(W/P) of their parameters, "
+           "gradients and optimizer state, one MoE layer's experts gathered at a time (default whole)",
+           MAY_CHANGE, "how the experts are held, not what they compute", choices=("whole", "sharded")),
     # 600 s: torch's NCCL default, the timeout of fairseq's own collectives on GPUs. Workers reach an
     # MoE collective as far apart as they reach fairseq's gradient all-reduce (the same per-step
     # skew), so it needs no more patience; on NCCL a dead peer is only seen when it runs out (the

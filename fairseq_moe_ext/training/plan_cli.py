@@ -23,7 +23,12 @@ from . import memory_plan as mp
 PLAN_FLAGS = ("--world-size", "--device-memory", "--dictionary-size")
 # Options plan decides itself (every backend, every P, the world size given): removed from the arguments
 # the model is built with, so that fairseq-train's own checks of them do not refuse a layout plan prints.
-DECIDED_HERE = ("--ddp-backend", "--moe-expert-parallel-size", "--distributed-world-size")
+DECIDED_HERE = (
+    "--ddp-backend",
+    "--moe-expert-parallel-size",
+    "--distributed-world-size",
+    "--moe-fully-sharded-experts",
+)
 
 
 class PlanError(ValueError):
@@ -180,8 +185,6 @@ def plan_rows(shapes, units, precision, optimizer, options, world, refused, acti
         note = []
         if layout.backend == "fully_sharded" and refused:
             note.append(f"refused on this build: {refused}")
-        if layout.experts_sharded:
-            note.append("experts sharded over their replica group: not on this build (issue 43, item 2)")
         rows.append(dict(layout=layout, shared=held["shared"], expert=held["expert"], buffers=held["buffers"],
                          gathered=gathered, activations=act, total=total,
                          fits=[total <= m for m in memory], note=note))  # fmt: skip
@@ -218,12 +221,13 @@ def format_rows(rows, header: List[str]) -> str:
 def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int, rank: int) -> dict:
     """``worker_bytes`` for fairseq-train's ``argv`` (without ``plan``'s own flags): what the test
     compares with the bytes counted on real workers."""
-    _, _, _, fairseq_argv = split_argv([*argv, "--world-size", str(world_size)])
+    _, _, asked, fairseq_argv = split_argv([*argv, "--world-size", str(world_size)])
     cfg, _, model = build_on_meta(fairseq_argv, None)
     precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
     optimizer, options = optimizer_of(cfg)
     shapes = model_shapes(model)
-    experts_sharded = False
+    sharded = asked.get("--moe-fully-sharded-experts") == "sharded"
+    experts_sharded = sharded and backend == "fully_sharded" and world_size > parallel_size
     layout = mp.Layout(backend, world_size, parallel_size, experts_sharded)
     return worker_bytes(shapes, layout, precision, optimizer, options, rank)
 

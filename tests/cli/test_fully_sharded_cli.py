@@ -1,7 +1,10 @@
 """``--ddp-backend fully_sharded`` through the real command line: 2 torchrun workers (gloo) save an
 ordinary checkpoint set, which resumes bit-exactly under fully_sharded, moves to legacy_ddp and
 back, resumes on 1 worker (and a 1-worker set on 2) as legacy_ddp does, generates like a legacy_ddp
-set and goes through merge and inspect unchanged."""
+set and goes through merge and inspect unchanged. A set saved with the experts sharded over their
+replica group (P = 1 < W = 2, ``--moe-fully-sharded-experts sharded``) is an ordinary set too: it
+resumes under legacy_ddp and on 1 worker, and legacy_ddp's and a 1-worker set resume with experts
+sharded."""
 
 import json
 import shutil
@@ -16,23 +19,26 @@ from paths import PROBES
 
 pytestmark = pytest.mark.slow
 TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"
+# P = 1 < W = 2: each MoE layer's 4 experts sharded over both workers (their replica group), 2 each.
+SHARDED = ("--moe-expert-parallel-size", "1", "--moe-fully-sharded-experts", "sharded")
 
 
-def train_args(data, save_dir, max_update, backend):
-    return moe_args(data, save_dir, max_update, "--no-epoch-checkpoints", "--ddp-backend", backend)
+def train_args(data, save_dir, max_update, backend, extra=()):
+    return moe_args(data, save_dir, max_update, "--no-epoch-checkpoints", "--ddp-backend", backend, *extra)
 
 
 def losses_by_update(output):
     return {int(r["num_updates"]): float(r["loss"]) for r in json_logs(output)}
 
 
-def train(data, save_dir, max_update, backend, workers=2):
-    return torchrun(workers, TRAIN_EVERY_DIGIT, train_args(data, save_dir, max_update, backend))
+def train(data, save_dir, max_update, backend, workers=2, extra=()):
+    return torchrun(workers, TRAIN_EVERY_DIGIT, train_args(data, save_dir, max_update, backend, extra))
 
 
 @pytest.fixture(scope="module")
 def runs(parallel_data, tmp_path_factory):
-    """fully_sharded to update 4 (saved: ``fs_at4``) and uninterrupted to 8; legacy_ddp to update 4."""
+    """fully_sharded to update 4 (saved: ``fs_at4``) and uninterrupted to 8; legacy_ddp to update 4;
+    fully_sharded with experts sharded to update 4 (``sharded_at4``)."""
     root = tmp_path_factory.mktemp("fully_sharded")
     train(parallel_data, root / "fs", 4, "fully_sharded")
     shutil.copytree(root / "fs", root / "fs_at4")
@@ -40,14 +46,15 @@ def runs(parallel_data, tmp_path_factory):
     shutil.copytree(root / "legacy", root / "legacy_at4")
     uninterrupted = train(parallel_data, root / "fs_full", 8, "fully_sharded")
     train(parallel_data, root / "fs_one_worker_at4", 4, "fully_sharded", workers=1)
+    train(parallel_data, root / "sharded_at4", 4, "fully_sharded", extra=SHARDED)
     return {"root": root, "data": parallel_data, "want": losses_by_update(uninterrupted)}
 
 
-def resumed_losses(runs, start, backend, tmp_path):
+def resumed_losses(runs, start, backend, tmp_path, extra=()):
     save_dir = tmp_path / "resume"
     shutil.copytree(runs["root"] / start, save_dir)
-    output = train(runs["data"], save_dir, 8, backend)
-    assert "loading set" in output
+    output = train(runs["data"], save_dir, 8, backend, extra=extra)
+    assert "loading set" in output or "Loaded checkpoint" in output, output[-3000:]  # a P = 1 set: one file
     return losses_by_update(output)
 
 
@@ -57,25 +64,37 @@ def test_a_fully_sharded_set_resumes_under_fully_sharded_bit_exactly(runs, tmp_p
     assert all(got[u] == runs["want"][u] for u in got), (got, runs["want"])
 
 
-@pytest.mark.parametrize("start, backend", [("fs_at4", "legacy_ddp"), ("legacy_at4", "fully_sharded")])
-def test_a_set_moves_between_fully_sharded_and_legacy_ddp_and_trains_on_alike(runs, tmp_path, start, backend):
-    """Only the order of the shared gradients' sums differs between the backends (all-reduce against
-    reduce-scatter): the losses agree to float rounding."""
-    got = resumed_losses(runs, start, backend, tmp_path)
+@pytest.mark.parametrize(
+    "start, backend, extra",
+    [
+        ("fs_at4", "legacy_ddp", ()),
+        ("legacy_at4", "fully_sharded", ()),
+        ("sharded_at4", "legacy_ddp", ()),  # experts sharded over 2 workers, then 2 whole experts each
+        ("legacy_at4", "fully_sharded", SHARDED),
+    ],
+)
+def test_a_set_moves_between_fully_sharded_and_legacy_ddp_and_trains_on_alike(runs, tmp_path, start, backend, extra):  # fmt: skip
+    """Only the order of the gradients' sums differs between the backends and expert layouts
+    (all-reduce against reduce-scatter): the losses agree to float rounding."""
+    got = resumed_losses(runs, start, backend, tmp_path, extra)
     assert sorted(got) == [5, 6, 7, 8]
     for update, loss in got.items():
         assert loss == pytest.approx(runs["want"][update], rel=1e-5), (update, got, runs["want"])
 
 
-@pytest.mark.parametrize("start, workers", [("fs_at4", 1), ("fs_one_worker_at4", 2)])
-def test_a_fully_sharded_set_resumes_at_another_world_size_as_legacy_ddp_does(runs, tmp_path, start, workers):
+@pytest.mark.parametrize(
+    "start, workers, extra",
+    [("fs_at4", 1, ()), ("fs_one_worker_at4", 2, ()), ("sharded_at4", 1, ()), ("fs_one_worker_at4", 2, SHARDED)],
+)
+def test_a_fully_sharded_set_resumes_at_another_world_size_as_legacy_ddp_does(runs, tmp_path, start, workers, extra):  # fmt: skip
     """2 -> 1 and 1 -> 2 workers: the set's shared state is cut into the new slices (or kept whole on
-    one worker) and the experts regrouped; training goes on as under legacy_ddp from the same set."""
+    one worker) and the experts regrouped (or cut over their replica group: ``extra`` is SHARDED);
+    training goes on as under legacy_ddp from the same set (with the same P)."""
     got = {}
     for backend in ("fully_sharded", "legacy_ddp"):
         save_dir = tmp_path / backend
         shutil.copytree(runs["root"] / start, save_dir)
-        got[backend] = losses_by_update(train(runs["data"], save_dir, 6, backend, workers=workers))
+        got[backend] = losses_by_update(train(runs["data"], save_dir, 6, backend, workers, extra))
     assert sorted(got["fully_sharded"]) == [5, 6] and sorted(got["legacy_ddp"]) == [5, 6], "resumed at update 4"
     for update, loss in got["fully_sharded"].items():
         assert loss == pytest.approx(got["legacy_ddp"][update], rel=1e-5), (update, got)

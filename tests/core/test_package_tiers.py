@@ -22,7 +22,7 @@ TIERS = (
     ("moe",),
     ("options", "option_ranges"),
     ("checkpoint",),
-    ("process_state", "distributed", "fully_sharded", "io_waits"),
+    ("process_state", "distributed", "fully_sharded", "expert_sharding", "io_waits"),
     ("models", "criterions", "tasks"),
     ("training",),
     ("fairseq_integration",),

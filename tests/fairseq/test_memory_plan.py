@@ -4,8 +4,10 @@ their tensors (tests/support/oracles/memory_counts.py), for every backend and pr
 plan's prediction for the same arguments (the model built on the meta device) must equal the count
 on each worker, shared and expert parts apart, and legacy_ddp's all-reduce buffer too.
 
-fully_sharded in fp16/bf16/amp is refused on this build (fully_sharded.refused_options); those rows
-are parametrized and skipped while refused, so they join the test the day they train.
+fully_sharded is counted with experts whole and, at P = 1 < W, with experts sharded over their
+replica group (``--moe-fully-sharded-experts sharded``: each worker holds half of its experts' rows,
+their gradients and their optimizer state). A row refused on this build (fully_sharded.refused_options)
+is skipped while refused.
 """
 
 import argparse
@@ -36,14 +38,22 @@ CASES = [
     ("legacy_ddp", "fp16", ["--optimizer", "nag", "--lr", "0.1"], 1),  # one momentum buffer on fp32 masters
     *[("fully_sharded", precision, ADAM, 2) for precision in PRECISIONS],
     ("fully_sharded", "fp32", ["--optimizer", "nag", "--lr", "0.1"], 1),
+    # P = 1 < W: experts sharded over their replica group (the world here), 2 of the 4 experts' rows each.
+    *[("experts_sharded", precision, ADAM, 1) for precision in ("fp32", "bf16", "amp")],
 ]
 # fmt: on
 
 
+BACKENDS = {
+    "legacy_ddp": ["--ddp-backend", "legacy_ddp"],
+    "fully_sharded": ["--ddp-backend", "fully_sharded"],
+    "experts_sharded": ["--ddp-backend", "fully_sharded", "--moe-fully-sharded-experts", "sharded"],
+}
+
+
 def case_flags(backend, precision, optimizer, parallel):
     return [
-        "--ddp-backend",
-        backend,
+        *BACKENDS[backend],
         "--moe-expert-parallel-size",
         str(parallel),
         "--clip-norm",
@@ -66,7 +76,7 @@ def argv_of(data_dir, flags):
 def refusal(backend, precision):
     from fairseq_moe_ext.fully_sharded import refused_options
 
-    if backend != "fully_sharded":
+    if backend == "legacy_ddp":
         return None
     flags = argparse.Namespace(**{p: p == precision for p in PRECISIONS if p != "fp32"})
     refused = refused_options(flags)
@@ -120,7 +130,7 @@ def test_plan_predicts_the_bytes_each_worker_holds_after_a_training_step(counted
     argv = argv_of(data_dir, case_flags(backend, precision, optimizer, parallel))
     for rank, count in enumerate(workers):
         assert count["steps"] == 1, "the step was skipped (an overflow): the optimizer state was never built"
-        want = predicted(argv, WORLD, backend, parallel, rank)
+        want = predicted(argv, WORLD, BACKENDS[backend][1], parallel, rank)
         for side in ("shared", "expert"):
             got = {kind: count[side][kind] for kind in KINDS}
             held = want[side]

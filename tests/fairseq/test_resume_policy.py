@@ -53,6 +53,7 @@ CHANGED = {
     "moe_gating_use_fp32": (FREE, False, True),
     "moe_expert_parallel_size": (FREE, None, 2),
     "moe_fully_sharded_unit": (FREE, "layer", "model"),
+    "moe_fully_sharded_experts": (FREE, "whole", "sharded"),
     "moe_comm_timeout": (FREE, 1800.0, 600.0),
     "moe_deterministic": (FREE, False, True),
     "moe_restore_fallback": (FREE, False, True),

@@ -70,6 +70,7 @@ def test_the_cpu_dry_run_passes_every_check_a_cpu_can_run_and_skips_only_what_ne
         "fairseq_deterministic",
         "fairseq_two_ranks_gloo",
         "fairseq_two_ranks_gloo_c10d",
+        "fairseq_two_ranks_gloo_fully_sharded_bf16_experts_sharded",
         "fairseq_generate",
     ]
     must_pass += [

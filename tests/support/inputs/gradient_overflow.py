@@ -33,6 +33,23 @@ def inject_once(parameter, value):
     parameter.register_hook(hook)
 
 
+def inject_once_into_first_experts(model, value):
+    """The next gradient of the first MoE layer's first expert weight becomes ``value`` everywhere,
+    hooked when that layer's experts run forward on the tensor they use: the parameter itself, or,
+    with experts sharded over their replicas, FSDP2's gathered copy (its own pre-forward hook runs
+    first), whose gradient FSDP2 then reduce-scatters into the slices."""
+    from fairseq_moe_ext.moe.experts import BatchedExperts
+
+    experts = next(m for m in model.modules() if isinstance(m, BatchedExperts))
+    handles = []
+
+    def hook_the_weight_in_use(module, args):
+        handles.pop().remove()
+        inject_once(module.batched_fc1_w, value)
+
+    handles.append(experts.register_forward_pre_hook(hook_the_weight_in_use))
+
+
 def with_adam(argv):
     """MemoryEfficientFP16Optimizer refuses SGD; Adam for every precision, so all three compare alike."""
     argv = list(argv)

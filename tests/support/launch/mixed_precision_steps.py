@@ -10,7 +10,7 @@ from itertools import chain
 
 import torch
 
-from gradient_overflow import first_expert_parameter, inject_once
+from gradient_overflow import inject_once_into_first_experts
 from in_process_trainer import build_trainer, collate, sentence_pairs, training_args
 
 # fairseq's NAG keeps a momentum buffer per parameter (one fp32 buffer: its bytes are counted), and
@@ -85,7 +85,7 @@ def run_precision_case(data_dir, world, rank, shares, flags, overflow_on_rank=No
     result = {"before": master_weights(trainer), "scales": [loss_scale(trainer)]}
     if overflow_on_rank is not None:
         if rank == overflow_on_rank:
-            inject_once(first_expert_parameter(trainer.get_model()), float("inf"))
+            inject_once_into_first_experts(trainer.get_model(), float("inf"))
         trainer.train_step([collate(task, pairs)])  # skipped: fairseq logs nothing of it
         result["after_overflow"] = master_weights(trainer)
         result["updates_after_overflow"] = trainer.get_num_updates()
