@@ -44,6 +44,7 @@ from fairseq_moe_ext.options import (
 )
 from fairseq_moe_ext.options.record import CHANGES_FUNCTION, CRITERION
 from fairseq_moe_ext.training.resume_policy import POLICY
+from model_namespaces import exportable_options, model_defaults
 
 # The layer-config fields the dense layer's own (fairseq) flags or the layer's build set, not an --moe-* flag.
 NOT_FROM_A_FLAG = {"model_dim", "activation", "activation_dropout", "bias", "routing"}
@@ -63,10 +64,6 @@ def changed(record: Option):
         return next(choice for choice in reversed(record.choices) if choice != record.default)
     value = {bool: True, int: 16 if record.default is None else record.default + 1, float: 0.5, str: "x"}
     return value[record.value_type]
-
-
-def defaults(**changes) -> argparse.Namespace:
-    return argparse.Namespace(**{**{o.name: o.default for o in MODEL_OPTIONS}, "activation_fn": "relu", **changes})
 
 
 def test_every_record_is_whole_and_an_incomplete_one_is_named_with_what_it_lacks():
@@ -129,9 +126,9 @@ def test_the_criterions_take_each_criterion_record_with_the_record_s_default():
 
 @pytest.mark.parametrize("record", [o for o in MODEL_OPTIONS if o.field], ids=lambda o: o.name)
 def test_each_layer_flag_changes_exactly_the_layer_field_its_record_names(record):
-    base = defaults(moe_balance="bias")  # --moe-bias-update-rate acts only with it
+    base = model_defaults(moe_balance="bias")  # --moe-bias-update-rate acts only with it
     before = fields_of(moe_layer_config(base, model_dim=8, ffn_dim=32))
-    after = fields_of(moe_layer_config(defaults(moe_balance="bias", **{record.name: changed(record)}), 8, 32))
+    after = fields_of(moe_layer_config(model_defaults(moe_balance="bias", **{record.name: changed(record)}), 8, 32))
     assert {name for name in before if before[name] != after[name]} == {record.field.rsplit(".", 1)[-1]}
 
 
@@ -171,24 +168,15 @@ def test_a_rule_between_options_is_written_once_and_told_in_field_or_flag_words(
     with pytest.raises(ValueError) as by_fields:
         MoELayerConfig.of(model_dim=8, hidden_dim=16, **{"num_experts": 8, **fields})
     with pytest.raises(ValueError) as by_flags:
-        check_moe_args(defaults(**flags))
+        check_moe_args(model_defaults(**flags))
     assert (str(by_fields.value), str(by_flags.value)) == (in_fields, in_flags)
-
-
-def hf_options(**changes):
-    base = dict(arch="moe_transformer", share_all_embeddings=True, encoder_normalize_before=True,
-                decoder_normalize_before=True, moe_normalize_gate=True, moe_capacity_factor=1.0)  # fmt: skip
-    for side in ("encoder", "decoder"):
-        base.update({f"{side}_embed_dim": 16, f"{side}_layers": 2, f"{side}_attention_heads": 2})
-        base[f"{side}_ffn_embed_dim"] = 32
-    return defaults(**{**base, **changes})
 
 
 @pytest.mark.parametrize("name", sorted(HF_NAMES))
 def test_each_option_carried_to_nllb_moe_goes_out_under_its_hf_name_and_comes_back(name):
     record = OPTIONS[name]
     value = 0.2 if record.type is float else changed(record)
-    config, _ = hf_config(hf_options(**{name: value}), "ck.pt", vocab=30, dtype="float32")
+    config, _ = hf_config(exportable_options(**{name: value}), "ck.pt", vocab=30, dtype="float32")
     assert config[HF_NAMES[name]] == value and HF_NAMES[name] in {**HF_DEFAULTS, "num_experts": 0}
     assert getattr(imported_options(config, "config.json")[0], name) == value
 

@@ -2,8 +2,6 @@
 experts (what prune --encoder-decoder-ratio writes), defaulting to --moe-expert-count; checked against
 --moe-top-k in flag words; a set with unequal sides is refused by export-hf (NllbMoe has one num_experts)."""
 
-import argparse
-
 import pytest
 
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
@@ -11,7 +9,7 @@ from fairseq_moe_ext.checkpoint.hf.config import hf_config
 from fairseq_moe_ext.common.refusal import MoEOptionError
 from fairseq_moe_ext.models.moe_config import check_moe_args
 from fairseq_moe_ext.moe import MoELayer
-from fairseq_moe_ext.options import MODEL_OPTIONS
+from model_namespaces import exportable_options, model_defaults
 from tiny_fairseq_models import language_model, translation
 
 
@@ -34,36 +32,23 @@ def test_each_side_builds_its_own_expert_count_and_follows_moe_expert_count_with
     assert experts_by_side(lm.model) == {"decoder": {2}}
 
 
-def defaults(**changes):
-    return argparse.Namespace(**{**{o.name: o.default for o in MODEL_OPTIONS}, **changes})
-
-
 @pytest.mark.parametrize("side", ["encoder", "decoder"])
 def test_top_k_above_one_side_s_expert_count_is_refused_naming_that_side_s_flag(side):
     with pytest.raises(MoEOptionError) as refused:
-        check_moe_args(defaults(moe_top_k=3, **{f"{side}_moe_expert_count": 2}))
+        check_moe_args(model_defaults(moe_top_k=3, **{f"{side}_moe_expert_count": 2}))
     assert str(refused.value) == f"--moe-top-k 3 exceeds --{side}-moe-expert-count 2: use --moe-top-k <= 2"
-    check_moe_args(defaults(moe_top_k=3, **{f"{side}_moe_expert_count": 3}))
-
-
-def export_options(**changes):
-    base = dict(arch="moe_transformer", share_all_embeddings=True, encoder_normalize_before=True,
-                decoder_normalize_before=True, moe_normalize_gate=True, moe_capacity_factor=1.0)  # fmt: skip
-    for side in ("encoder", "decoder"):
-        base.update({f"{side}_embed_dim": 16, f"{side}_layers": 2, f"{side}_attention_heads": 2})
-        base[f"{side}_ffn_embed_dim"] = 32
-    return defaults(**{**base, **changes})
+    check_moe_args(model_defaults(moe_top_k=3, **{f"{side}_moe_expert_count": 3}))
 
 
 def test_export_hf_refuses_unequal_sides_in_one_line_and_writes_equal_ones_as_num_experts():
     with pytest.raises(CheckpointSetError) as refused:
-        hf_config(export_options(encoder_moe_expert_count=6, decoder_moe_expert_count=2), "ck.pt", 30, "float32")
+        hf_config(exportable_options(encoder_moe_expert_count=6, decoder_moe_expert_count=2), "ck.pt", 30, "float32")
     assert str(refused.value) == (
         "ck.pt has --encoder-moe-expert-count 6 and --decoder-moe-expert-count 2: NllbMoe has one num_experts for "
         "every sparse layer; export a set with the same number of experts on both sides (prune without "
         "--encoder-decoder-ratio) (nothing was written)"
     )
     config, _ = hf_config(
-        export_options(encoder_moe_expert_count=4, decoder_moe_expert_count=4), "ck.pt", 30, "float32"
+        exportable_options(encoder_moe_expert_count=4, decoder_moe_expert_count=4), "ck.pt", 30, "float32"
     )
     assert config["num_experts"] == 4  # each side's own count, not --moe-expert-count's 8

@@ -7,22 +7,12 @@ import contextlib
 
 import torch
 
-from fairseq_helpers import SPLITS, run_checkpoint_tool, run_fairseq
-from multiworker_cli_runs import moe_args
+from pruning_runs import train_tiny_set
 
 
 def train_six_expert_set(data, root):
     """{"data", "root", "set": a 2-worker set of moe_transformer_tiny with 6 experts, "groups": even/odd}."""
-    args = moe_args(data, root / "one", 20, "--no-epoch-checkpoints")
-    args[args.index("--moe-expert-count") + 1] = "6"
-    run_fairseq("train", *args)
-    (root / "set").mkdir()
-    run_checkpoint_tool(
-        "reshard", root / "one" / "checkpoint_last.pt", root / "set" / "ck.pt", "--world-size", "2", check=True
-    )
-    groups = root / "groups.txt"
-    groups.write_text("".join("even\n" if i % 2 == 0 else "odd\n" for i in range(SPLITS["test"])))
-    return {"data": data, "root": root, "set": root / "set" / "ck.pt", "groups": groups}
+    return train_tiny_set(data, root, experts=6)
 
 
 @contextlib.contextmanager

@@ -11,9 +11,13 @@ from multiworker_cli_runs import moe_args
 BEAM = ["--beam", "2", "--max-tokens", "2000"]
 
 
-def train_tiny_set(data, root):
-    """{"data", "root", "set": the 2-worker set's name, "groups": even/odd per test sentence}."""
-    run_fairseq("train", *moe_args(data, root / "one", 20, "--no-epoch-checkpoints"))
+def train_tiny_set(data, root, experts=None):
+    """{"data", "root", "set": the 2-worker set's name, "groups": even/odd per test sentence}; ``experts``
+    replaces moe_args' expert count per MoE layer."""
+    args = moe_args(data, root / "one", 20, "--no-epoch-checkpoints")
+    if experts is not None:
+        args[args.index("--moe-expert-count") + 1] = str(experts)
+    run_fairseq("train", *args)
     (root / "set").mkdir()
     run_checkpoint_tool(
         "reshard", root / "one" / "checkpoint_last.pt", root / "set" / "ck.pt", "--world-size", "2", check=True
