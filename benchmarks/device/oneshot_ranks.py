@@ -56,11 +56,17 @@ def start_two_ranks(data, kind, over):
 
 
 def refusal(text):
-    """The one-line refusal a run died of before training (a ValueError naming a flag), or None."""
+    """The one-line refusal a run died of before training, or None: the plugin's refusal line
+    ("fairseq-train: error: rank 0 of 2: --flag ...", written by fairseq_integration/cli.py), or a
+    ValueError naming a flag (what builds before the one refusal type printed)."""
     if re.search(r"\| train_inner \|", text):
         return None
-    errors = [line for line in text.splitlines() if line.startswith("ValueError: ")]
-    return errors[-1][len("ValueError: ") :] if errors else None
+    said = [REFUSAL_LINE.match(line) for line in text.splitlines()]
+    said = [m.group(1) for m in said if m]
+    return said[-1] if said else None
+
+
+REFUSAL_LINE = re.compile(r"^(?:ValueError: |[\w.-]+: error: (?:rank \d+ of \d+: )?)(.+)$")
 
 
 def judge(kind, over, status):

@@ -200,3 +200,28 @@ def test_a_oneshot_stopped_mid_check_kills_the_check_and_still_writes_its_figure
     figures = json.loads((out / "figures.json").read_text())
     assert figures["finished"] is True and any(r["check"] == "env_plugin_model" for r in figures["records"])
     assert (out / "logs.tar.gz").exists() and (out / "summary.txt").read_text().splitlines()[-1].startswith("DONE")
+
+
+def test_a_two_rank_run_refused_by_the_plugin_is_read_as_its_refusal_line_not_a_failure():
+    # The plugin's refusals print "<prog>: error: rank r of W: ..." (fairseq_integration/cli.py), older
+    # builds a ValueError; a log that trained has no refusal. oneshot_ranks is imported in a child, as
+    # the one-shot imports it (benchmarks/device on sys.path), so no benchmark module enters this process.
+    logs = {
+        "plugin": "x\nfairseq-train: error: rank 1 of 2: --moe-fully-sharded-experts sharded needs a newer torch\n",
+        "old": "Traceback\nValueError: --bf16 is refused under fully_sharded\n",
+        "trained": "| train_inner | epoch 001\nfairseq-train: error: rank 0 of 2: late\n",
+        "crash": "Traceback\nRuntimeError: CUDA error\n",
+    }
+    child = (
+        "import json, sys; sys.path[:0] = ['benchmarks/device', 'recipes']; from oneshot_ranks import refusal; "
+        "print(json.dumps({k: refusal(v) for k, v in json.loads(sys.stdin.read()).items()}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], cwd=ROOT, input=json.dumps(logs), capture_output=True, text=True, check=True
+    )
+    assert json.loads(done.stdout) == {
+        "plugin": "--moe-fully-sharded-experts sharded needs a newer torch",
+        "old": "--bf16 is refused under fully_sharded",
+        "trained": None,
+        "crash": None,
+    }
