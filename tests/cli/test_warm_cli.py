@@ -3,6 +3,7 @@ fairseq (tests/support/launch/warm_fairseq.py). A forked run must be what ``pyth
 interpreter, or a real torchrun launch, is: the same exit status, the same last line, the same training numbers,
 with the interpreter's exit rules, stdin, working directory and timeout."""
 
+import os
 import subprocess
 import sys
 import time
@@ -40,9 +41,12 @@ EXIT_RULES = {
 
 
 def warm_launcher():
-    launcher = warm_fairseq.launcher(fairseq_env())
-    if launcher is None:
+    if os.environ.get("MOE_TEST_COLD_CLI") == "1":
         pytest.skip("MOE_TEST_COLD_CLI=1: every run is a fresh interpreter already")
+    launcher = warm_fairseq.launcher(fairseq_env())
+    # None here: the start-up variables of fairseq_env() changed since the server started, and every
+    # warm run of this process silently went cold.
+    assert launcher is not None, "the warm server does not serve fairseq_env() any more (STARTUP_PREFIXES)"
     return launcher
 
 
@@ -173,3 +177,15 @@ def test_a_forked_worker_logs_to_the_stream_a_fresh_interpreter_logs_to(order, t
 def numbers(records):
     """What training computed, without what the clock measured."""
     return [{k: v for k, v in r.items() if k not in ("wps", "ups", "wall", "train_wall", "gb_free")} for r in records]
+
+
+def test_the_runs_start_up_variables_do_not_depend_on_whether_scikit_learn_was_imported(monkeypatch):
+    # Importing scikit-learn (fairseq does) sets two KMP_ variables in os.environ; had they reached the runs'
+    # start-up variables, the warm server started before that import would serve no run after it.
+    startup = lambda env: {k: v for k, v in env.items() if k.startswith(warm_fairseq.STARTUP_PREFIXES)}  # noqa: E731
+    for name in ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"):
+        monkeypatch.delenv(name, raising=False)
+    before = startup(fairseq_env())
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
+    monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")
+    assert startup(fairseq_env()) == before
