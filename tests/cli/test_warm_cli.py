@@ -46,7 +46,8 @@ def warm_launcher():
     launcher = warm_fairseq.launcher(fairseq_env())
     # None here: the start-up variables of fairseq_env() changed since the server started, and every
     # warm run of this process silently went cold.
-    assert launcher is not None, "the warm server does not serve fairseq_env() any more (STARTUP_PREFIXES)"
+    changed = warm_fairseq.unserved_variables(fairseq_env())
+    assert launcher is not None, f"the warm server does not serve fairseq_env() any more: {changed} changed"
     return launcher
 
 
@@ -179,13 +180,50 @@ def numbers(records):
     return [{k: v for k, v in r.items() if k not in ("wps", "ups", "wall", "train_wall", "gb_free")} for r in records]
 
 
-def test_the_runs_start_up_variables_do_not_depend_on_whether_scikit_learn_was_imported(monkeypatch):
-    # Importing scikit-learn (fairseq does) sets two KMP_ variables in os.environ; had they reached the runs'
-    # start-up variables, the warm server started before that import would serve no run after it.
-    startup = lambda env: {k: v for k, v in env.items() if k.startswith(warm_fairseq.STARTUP_PREFIXES)}  # noqa: E731
-    for name in ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"):
-        monkeypatch.delenv(name, raising=False)
-    before = startup(fairseq_env())
-    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
-    monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")
-    assert startup(fairseq_env()) == before
+# What the suite does in its own process (imports, FSDP2), in a fresh interpreter: the start-up variables of the
+# runs it starts afterwards must be those of before, or the warm server started first serves none of them.
+SUITE_ACTIONS = """
+import os, sys
+import warm_fairseq
+from fairseq_helpers import fairseq_env
+before = warm_fairseq.startup_variables(fairseq_env())
+import fairseq, fairseq_cli.train, fairseq_moe_ext.fairseq_integration, matplotlib.pyplot, sacrebleu
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 4)
+fully_shard(model)
+model(torch.randn(2, 4)).sum().backward()
+dist.destroy_process_group()
+after = warm_fairseq.startup_variables(fairseq_env())
+print("changed:", sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
+"""
+
+
+@pytest.mark.slow
+def test_what_the_suite_imports_and_runs_in_process_leaves_the_runs_start_up_variables_as_they_were(tmp_path):
+    # Seen in CI: FSDP2 imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR, and every warm run after
+    # the first in-process FSDP2 test went cold (scikit-learn's two KMP_ before that).
+    support = Path(warm_fairseq.__file__).parent
+    env = dict(fairseq_env(), PYTHONPATH=os.pathsep.join([str(support), fairseq_env()["PYTHONPATH"]]))
+    for name in warm_fairseq.SET_BY_IMPORTS:
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-c", SUITE_ACTIONS, str(free_port())], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "changed: []" in done.stdout, done.stdout
+
+
+def test_a_server_serves_a_run_whatever_the_libraries_set_on_import_and_no_run_with_other_start_up_variables():
+    env = dict(fairseq_env())
+    for name in warm_fairseq.SET_BY_IMPORTS:
+        env.pop(name, None)
+    server = object.__new__(warm_fairseq.WarmLauncher)  # startup_difference reads only .env; no process started
+    server.env = env
+    assert server.startup_difference(dict(env, KMP_DUPLICATE_LIB_OK="True", TORCHINDUCTOR_CACHE_DIR="/x")) == []
+    assert server.startup_difference(dict(env, OMP_NUM_THREADS="2", PYTHONHASHSEED="1")) == [
+        "OMP_NUM_THREADS",
+        "PYTHONHASHSEED",
+    ]

@@ -71,10 +71,6 @@ def fairseq_env() -> Dict[str, str]:
     # from this checkout, whichever checkout a shared venv's editable install points at.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_IMPORTS, str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    # What scikit-learn puts in os.environ when it is imported (fairseq imports it): set here, the variables
-    # a run starts with do not depend on whether this process has imported it yet, so the warm server
-    # started before that import still serves the runs after it (warm_fairseq.STARTUP_PREFIXES).
-    env.update(KMP_DUPLICATE_LIB_OK="True", KMP_INIT_AT_FORK="FALSE")
     return env
 
 

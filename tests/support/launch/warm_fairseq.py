@@ -26,13 +26,24 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from warm_server import POLL, STOP_GRACE  # noqa: F401  (STOP_GRACE: for the tests)
 
 # Variables read when the interpreter, torch or its thread pools start: a request whose values differ from the
 # server's cannot be served by a fork of it and runs in a fresh interpreter instead.
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "TORCH", "CUDA", "LD_")
+# Except these, which a library puts in os.environ itself when imported and reads only after that: scikit-learn
+# (fairseq imports it) the two KMP_, torch._dynamo (FSDP2 imports it) the inductor cache. A pytest process that
+# imports them after its server started must still be served (else its later runs silently go cold), and a fork
+# of the server that imports the same libraries sets the same values. tests/cli/test_warm_cli.py checks that the
+# suite's imports set no other start-up variable.
+SET_BY_IMPORTS = frozenset({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR"})
+
+
+def startup_variables(env: Dict[str, str]) -> Dict[str, str]:
+    """The variables of ``env`` a fork of the server must share with the server's own start."""
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k not in SET_BY_IMPORTS}
 
 
 def torchrun_env(env: Dict[str, str], workers: int, rank: int, port: int) -> Dict[str, str]:
@@ -74,9 +85,13 @@ class WarmLauncher:
         self.numbers = itertools.count()
         atexit.register(self.close)
 
+    def startup_difference(self, env: Dict[str, str]) -> List[str]:
+        """The start-up variables ``env`` does not share with the server's start, by name."""
+        mine, theirs = startup_variables(self.env), startup_variables(env)
+        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+
     def serves(self, env: Dict[str, str]) -> bool:
-        startup = lambda e: {k: v for k, v in e.items() if k.startswith(STARTUP_PREFIXES)}  # noqa: E731
-        return self.process.poll() is None and startup(env) == startup(self.env)
+        return self.process.poll() is None and not self.startup_difference(env)
 
     def run(self, module, args, env, cwd, stdin_text, timeout) -> Tuple[Optional[int], str]:
         """``python -m module args``: (exit status, or None after ``timeout`` seconds; stdout and stderr together)."""
@@ -162,3 +177,9 @@ def launcher(env: Dict[str, str]) -> Optional[WarmLauncher]:
         if mine is None or mine.process.poll() is not None:
             mine = _LAUNCHERS[os.getpid()] = WarmLauncher(env)
     return mine if mine.serves(env) else None
+
+
+def unserved_variables(env: Dict[str, str]) -> List[str]:
+    """Why this process's server does not serve ``env``: the start-up variables that differ (none started: [])."""
+    mine = _LAUNCHERS.get(os.getpid())
+    return [] if mine is None else mine.startup_difference(env)
