@@ -202,7 +202,7 @@ print("changed:", sorted(k for k in before.keys() | after.keys() if before.get(k
 
 
 @pytest.mark.slow
-def test_what_the_suite_imports_and_runs_in_process_leaves_the_runs_start_up_variables_as_they_were(tmp_path):
+def test_the_suites_in_process_imports_and_fsdp2_leave_the_runs_start_up_variables_alone(tmp_path):
     # Seen in CI: FSDP2 imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR, and every warm run after
     # the first in-process FSDP2 test went cold (scikit-learn's two KMP_ before that).
     support = Path(warm_fairseq.__file__).parent
@@ -216,7 +216,7 @@ def test_what_the_suite_imports_and_runs_in_process_leaves_the_runs_start_up_var
     assert "changed: []" in done.stdout, done.stdout
 
 
-def test_a_server_serves_a_run_whatever_the_libraries_set_on_import_and_no_run_with_other_start_up_variables():
+def test_a_server_ignores_what_libraries_set_when_imported_and_no_other_start_up_variable():
     env = dict(fairseq_env())
     for name in warm_fairseq.SET_BY_IMPORTS:
         env.pop(name, None)
