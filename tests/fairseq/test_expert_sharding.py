@@ -9,7 +9,8 @@ bf16 and in fp16 under fully_sharded (experts sharded) and under legacy_ddp (exp
 one after a step that an inf in one worker's slice of the experts' gradient made every worker skip;
 one process holding everything takes the same steps on the whole batch. The same workers count what
 each holds: 1/(W/P) of its experts' parameters, gradients and momentum, and one MoE layer's experts
-gathered at a time in forward.
+gathered at a time in forward. On W = 4 an fp32 step with ``--moe-normalize-expert-grad sqrt_world_size``
+equals legacy_ddp's.
 """
 
 import pytest
@@ -36,6 +37,8 @@ CASES = {4: (4, 2, [2, 5, 3, 4]), 2: (4, 1, [5, 7])}
 OVERFLOW_RANK = 1
 # The fp32 step accumulates two micro-batches (--update-freq 2): the first without a reduce-scatter.
 MICRO_BATCHES = 2
+# The nllb branch's expert-gradient scale (sqrt(P) times the exact gradient), on W = 4 in fp32.
+SQRT_P = ["--moe-normalize-expert-grad", "sqrt_world_size"]
 
 
 def whole_params(result):
@@ -66,6 +69,11 @@ def expert_sharding_worker(rank, world, data_dir):
             backend: run_precision_case(
                 data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS[precision][0]], overflow
             )
+            for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
+        }
+    if world == 4:  # P = 2: sqrt(P) scales the expert gradients, so the sharded path must apply it as legacy_ddp does
+        low["sqrt_world_size"] = {
+            backend: run_precision_case(data_dir, world, rank, shares, [*backend_flags, *flags, *SQRT_P])
             for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
         }
     return whole_params(fp32), low
@@ -140,6 +148,12 @@ def test_experts_sharded_over_replicas_step_like_one_process_and_hold_1_over_w_b
         shapes = [None if m is None else tuple(m.shape) for m in r["saved"]["momentum"]]
         whole_shapes = [tuple(r["params"][n].shape) for n in names]
         assert shapes == (whole_shapes if rank < parallel else [None] * len(names)), (rank, shapes)
+    # --moe-normalize-expert-grad sqrt_world_size: the step legacy_ddp takes (sqrt(2) times the exact expert
+    # gradient, so not the one-process step), to fp32 rounding of another sum order.
+    for rank, (_, low) in enumerate(by_rank):
+        if "sqrt_world_size" in low:
+            sharded, legacy = low["sqrt_world_size"]["sharded"], low["sqrt_world_size"]["legacy_ddp"]
+            assert_same_step(sharded, legacy, 1e-4, f"sqrt_world_size rank {rank} of {world}, against legacy_ddp")
     # bf16 and fp16 (torch's own arithmetic on the CPU): one process and legacy_ddp in the same precision.
     monkeypatch.setattr("torch.Tensor.cuda", lambda self, *args, **kwargs: self)  # cpu_shims, undone after
     for precision in ("bf16", "fp16"):
