@@ -35,8 +35,8 @@ FP32 = 4
 @dataclass(frozen=True)
 class ModelShapes:
     shared: Tuple[Shape, ...]  # each shared parameter once
-    experts: Tuple[Shape, ...]  # each expert parameter with all E experts (dim 0 = E)
-    num_experts: int
+    experts: Tuple[Shape, ...]  # each expert parameter with all E experts of its layer (dim 0 = E)
+    expert_counts: Tuple[int, ...]  # the MoE layers' E, each once (two where the sides differ)
 
 
 @dataclass(frozen=True)
@@ -94,15 +94,15 @@ class Layout:
     experts_sharded: bool  # fully_sharded: experts also sharded over their replica group (W/P workers)
 
 
-def parallel_sizes(world_size: int, num_experts: int) -> List[int]:
-    """Every valid P: the divisors of the default P, gcd(W, E), smallest first."""
-    g = default_expert_parallel_size(world_size, num_experts)
+def parallel_sizes(world_size: int, *expert_counts: int) -> List[int]:
+    """Every valid P: the divisors of the default P, gcd(W, every E), smallest first."""
+    g = default_expert_parallel_size(world_size, *expert_counts)
     return [p for p in range(1, g + 1) if g % p == 0]
 
 
-def layouts(world_size: int, num_experts: int) -> List[Layout]:
+def layouts(world_size: int, *expert_counts: int) -> List[Layout]:
     rows = []
-    for p in parallel_sizes(world_size, num_experts):
+    for p in parallel_sizes(world_size, *expert_counts):
         rows.append(Layout("legacy_ddp", world_size, p, False))
         rows.append(Layout("fully_sharded", world_size, p, False))
         if world_size > p:

@@ -121,10 +121,24 @@ def model_shapes(model) -> mp.ModelShapes:
     shared, experts = [], []
     for p in model.parameters():  # each tensor once (a shared embedding is listed once)
         (experts if is_expert(p) else shared).append(tuple(p.shape))
-    counts = {m.num_experts for m in model.modules() if isinstance(m, MoELayer)}
-    if len(counts) != 1:
-        raise PlanError(f"the model has MoE layers with {sorted(counts) or 'no'} experts: plan needs one E")
-    return mp.ModelShapes(tuple(shared), tuple(experts), counts.pop())
+    counts = sorted({m.num_experts for m in model.modules() if isinstance(m, MoELayer)})
+    if not counts:
+        raise PlanError("the model has no MoE layers: plan is for MoE models (check --moe-freq and the expert counts)")
+    return mp.ModelShapes(tuple(shared), tuple(experts), tuple(counts))
+
+
+def experts_per_layer(model) -> str:
+    """'in 4 experts per MoE layer', or where the sides differ (--encoder/--decoder-moe-expert-count) each
+    side's: 'in experts: 4 per encoder MoE layer, 2 per decoder MoE layer'."""
+    from ..moe.layer import MoELayer
+
+    sides = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            sides.setdefault(name.split(".")[0], module.num_experts)
+    if len(set(sides.values())) == 1:
+        return f"in {next(iter(sides.values()))} experts per MoE layer"
+    return "in experts: " + ", ".join(f"{e} per {side} MoE layer" for side, e in sides.items())
 
 
 def unit_numels(model):
@@ -176,7 +190,7 @@ def plan_rows(shapes, units, precision, optimizer, options, world, refused, acti
     ranks ceil(rows / W)). ``units``: (fully_sharded's unit numels, one MoE layer's expert numel)."""
     units, expert_layer = units
     rows = []
-    for layout in mp.layouts(world, shapes.num_experts):
+    for layout in mp.layouts(world, *shapes.expert_counts):
         held = worker_bytes(shapes, layout, precision, optimizer, options)
         gathered = mp.gathered_unit_bytes(units, layout, precision)
         gathered += mp.gathered_expert_bytes(expert_layer, layout, precision)
@@ -260,8 +274,8 @@ def main(argv: List[str]) -> int:
     experts = sum(math.prod(s) for s in shapes.experts)
     shared = sum(math.prod(s) for s in shapes.shared)
     header = [
-        f"model: {shared + experts:,} parameters ({shared:,} shared, {experts:,} in {shapes.num_experts} experts "
-        f"per MoE layer); {precision.flag}, --optimizer {optimizer}; W = {own.world_size}"
+        f"model: {shared + experts:,} parameters ({shared:,} shared, {experts:,} {experts_per_layer(model)}); "
+        f"{precision.flag}, --optimizer {optimizer}; W = {own.world_size}"
         + (f"; fits: {own.device_memory} ({', '.join(mp.gib(m) for m in memory)} GiB)" if memory else ""),
         f"worker 0 (the largest slices); activations: {activation.describe}",
     ]

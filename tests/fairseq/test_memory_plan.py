@@ -6,7 +6,8 @@ on each worker, shared and expert parts apart, and legacy_ddp's all-reduce buffe
 
 fully_sharded is counted with experts whole and, at P = 1 < W, with experts sharded over their
 replica group (``--moe-fully-sharded-experts sharded``: each worker holds half of its experts' rows,
-their gradients and their optimizer state). A row refused on this build (fully_sharded.refused_options)
+their gradients and their optimizer state); three cases give the encoder 4 experts and the decoder 2
+(``--encoder-moe-expert-count``/``--decoder-moe-expert-count``). A row refused on this build (fully_sharded.refused_options)
 is skipped while refused.
 """
 
@@ -30,7 +31,8 @@ PRECISIONS = {
     "memory_efficient_bf16": ["--memory-efficient-bf16"],
     "amp": ["--amp"],
 }
-# (backend, precision, optimizer flags, expert-parallel size): P = 2 = W by default, P = 1 replicates.
+SIDES = ["--encoder-moe-expert-count", "4", "--decoder-moe-expert-count", "2"]
+# (backend, precision, optimizer flags (and SIDES), expert-parallel size): P = 2 = W by default, P = 1 replicates.
 # fmt: off
 CASES = [
     *[("legacy_ddp", precision, ADAM, 2) for precision in PRECISIONS],
@@ -40,6 +42,10 @@ CASES = [
     ("fully_sharded", "fp32", ["--optimizer", "nag", "--lr", "0.1"], 1),
     # P = 1 < W: experts sharded over their replica group (the world here), 2 of the 4 experts' rows each.
     *[("experts_sharded", precision, ADAM, 1) for precision in ("fp32", "bf16", "amp")],
+    # Encoder and decoder with different expert counts (4 and 2): P divides both.
+    ("legacy_ddp", "fp16", [*ADAM, *SIDES], 2),
+    ("fully_sharded", "bf16", [*ADAM, *SIDES], 2),
+    ("experts_sharded", "fp32", [*ADAM, *SIDES], 1),
 ]
 # fmt: on
 
@@ -117,7 +123,7 @@ def counted(tmp_path_factory):
 @pytest.mark.parametrize(
     "backend, precision, optimizer, parallel",
     CASES,
-    ids=[f"{b}-{p}-{o[1]}-P{s}" for b, p, o, s in CASES],
+    ids=[f"{b}-{p}-{o[1]}{'-sides' if SIDES[0] in o else ''}-P{s}" for b, p, o, s in CASES],
 )
 def test_plan_predicts_the_bytes_each_worker_holds_after_a_training_step(counted, backend, precision, optimizer, parallel):  # fmt: skip
     from fairseq_moe_ext.training.plan_cli import predicted
@@ -162,3 +168,16 @@ def test_plan_prints_every_backend_and_parallel_size_and_whether_each_fits(tmp_p
     assert all(r[9] == "no/yes" for r in rows), table
     activations = {r[1]: float(r[7]) for r in rows if r[0] == "legacy_ddp"}
     assert activations["1"] < activations["2"] < activations["4"], table
+
+
+def test_plan_takes_each_sides_expert_count_and_offers_every_p_dividing_both(tmp_path, capsys):
+    """--encoder-moe-expert-count 4 --decoder-moe-expert-count 2 on W = 4: P in {1, 2} (gcd(4, 4, 2) = 2), and
+    the header names each side's count."""
+    from fairseq_moe_ext.training.plan_cli import main
+
+    argv = argv_of(str(tmp_path / "absent"), ["--max-tokens", "64", *ADAM, *SIDES])
+    assert main([*argv, "--dictionary-size", "30", "--world-size", "4"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "in experts: 4 per encoder MoE layer, 2 per decoder MoE layer" in table[0], table[0]
+    rows = [line.split() for line in table if line.startswith(("legacy_ddp", "fully_sharded"))]
+    assert sorted({r[1] for r in rows}) == ["1", "2"], table
