@@ -46,8 +46,9 @@ def warm_launcher():
     launcher = warm_fairseq.launcher(fairseq_env())
     # None here: the start-up variables of fairseq_env() changed since the server started, and every
     # warm run of this process silently went cold.
-    changed = warm_fairseq.unserved_variables(fairseq_env())
-    assert launcher is not None, f"the warm server does not serve fairseq_env() any more: {changed} changed"
+    assert launcher is not None, (
+        f"the warm server does not serve fairseq_env() any more: {warm_fairseq.unserved_variables(fairseq_env())} changed"
+    )
     return launcher
 
 
@@ -186,7 +187,7 @@ SUITE_ACTIONS = """
 import os, sys
 import warm_fairseq
 from fairseq_helpers import fairseq_env
-before = warm_fairseq.startup_variables(fairseq_env())
+before = fairseq_env()
 import fairseq, fairseq_cli.train, fairseq_moe_ext.fairseq_integration, matplotlib.pyplot, sacrebleu
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -196,8 +197,7 @@ model = torch.nn.Linear(4, 4)
 fully_shard(model)
 model(torch.randn(2, 4)).sum().backward()
 dist.destroy_process_group()
-after = warm_fairseq.startup_variables(fairseq_env())
-print("changed:", sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
+print("changed:", warm_fairseq.startup_difference(before, fairseq_env()))
 """
 
 
@@ -220,10 +220,9 @@ def test_a_server_ignores_what_libraries_set_when_imported_and_no_other_start_up
     env = dict(fairseq_env())
     for name in warm_fairseq.SET_BY_IMPORTS:
         env.pop(name, None)
-    server = object.__new__(warm_fairseq.WarmLauncher)  # startup_difference reads only .env; no process started
-    server.env = env
-    assert server.startup_difference(dict(env, KMP_DUPLICATE_LIB_OK="True", TORCHINDUCTOR_CACHE_DIR="/x")) == []
-    assert server.startup_difference(dict(env, OMP_NUM_THREADS="2", PYTHONHASHSEED="1")) == [
+    difference = warm_fairseq.startup_difference
+    assert difference(env, dict(env, KMP_DUPLICATE_LIB_OK="True", TORCHINDUCTOR_CACHE_DIR="/x")) == []
+    assert difference(env, dict(env, OMP_NUM_THREADS="2", PYTHONHASHSEED="1")) == [
         "OMP_NUM_THREADS",
         "PYTHONHASHSEED",
     ]

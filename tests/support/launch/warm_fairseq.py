@@ -46,6 +46,12 @@ def startup_variables(env: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k not in SET_BY_IMPORTS}
 
 
+def startup_difference(one: Dict[str, str], other: Dict[str, str]) -> List[str]:
+    """The start-up variables two environments do not share, by name."""
+    one, other = startup_variables(one), startup_variables(other)
+    return sorted(k for k in one.keys() | other.keys() if one.get(k) != other.get(k))
+
+
 def torchrun_env(env: Dict[str, str], workers: int, rank: int, port: int) -> Dict[str, str]:
     """``env`` with what torchrun's agent gives worker ``rank`` of ``workers`` on one node (torch 2.x's
     local_elastic_agent), without the agent's store: rank 0 hosts the rendezvous store on ``port``."""
@@ -85,13 +91,8 @@ class WarmLauncher:
         self.numbers = itertools.count()
         atexit.register(self.close)
 
-    def startup_difference(self, env: Dict[str, str]) -> List[str]:
-        """The start-up variables ``env`` does not share with the server's start, by name."""
-        mine, theirs = startup_variables(self.env), startup_variables(env)
-        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-
     def serves(self, env: Dict[str, str]) -> bool:
-        return self.process.poll() is None and not self.startup_difference(env)
+        return self.process.poll() is None and not startup_difference(self.env, env)
 
     def run(self, module, args, env, cwd, stdin_text, timeout) -> Tuple[Optional[int], str]:
         """``python -m module args``: (exit status, or None after ``timeout`` seconds; stdout and stderr together)."""
@@ -182,4 +183,4 @@ def launcher(env: Dict[str, str]) -> Optional[WarmLauncher]:
 def unserved_variables(env: Dict[str, str]) -> List[str]:
     """Why this process's server does not serve ``env``: the start-up variables that differ (none started: [])."""
     mine = _LAUNCHERS.get(os.getpid())
-    return [] if mine is None else mine.startup_difference(env)
+    return [] if mine is None else startup_difference(mine.env, env)
