@@ -31,6 +31,8 @@ from mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, 
 pytestmark = pytest.mark.slow
 
 SHARDED = ["--ddp-backend", "fully_sharded", "--moe-fully-sharded-experts", "sharded"]
+# Each low-precision (and sqrt_world_size) step is taken with experts sharded and under legacy_ddp (experts whole).
+COMPARED = (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
 # world: (experts, P, token shares per worker)
 CASES = {4: (4, 2, [2, 5, 3, 4]), 2: (4, 1, [5, 7])}
 # fp16: the first step has an inf in this rank's slice of the first MoE layer's experts (every worker skips it).
@@ -69,12 +71,12 @@ def expert_sharding_worker(rank, world, data_dir):
             backend: run_precision_case(
                 data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS[precision][0]], overflow
             )
-            for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
+            for backend, backend_flags in COMPARED
         }
     if world == 4:  # P = 2: sqrt(P) scales the expert gradients, so the sharded path must apply it as legacy_ddp does
         low["sqrt_world_size"] = {
             backend: run_precision_case(data_dir, world, rank, shares, [*backend_flags, *flags, *SQRT_P])
-            for backend, backend_flags in (("sharded", SHARDED), ("legacy_ddp", ["--ddp-backend", "legacy_ddp"]))
+            for backend, backend_flags in COMPARED
         }
     return whole_params(fp32), low
 
