@@ -36,7 +36,12 @@ FP32 = 4
 class ModelShapes:
     shared: Tuple[Shape, ...]  # each shared parameter once
     experts: Tuple[Shape, ...]  # each expert parameter with all E experts of its layer (dim 0 = E)
-    expert_counts: Tuple[int, ...]  # the MoE layers' E, each once (two where the sides differ)
+    side_experts: Tuple[Tuple[str, int], ...]  # each side's E per MoE layer: (("encoder", 4), ("decoder", 2))
+
+    @property
+    def expert_counts(self) -> Tuple[int, ...]:
+        """The MoE layers' E, each once (two where the sides differ)."""
+        return tuple(sorted({e for _, e in self.side_experts}))
 
 
 @dataclass(frozen=True)

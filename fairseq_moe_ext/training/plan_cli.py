@@ -121,24 +121,21 @@ def model_shapes(model) -> mp.ModelShapes:
     shared, experts = [], []
     for p in model.parameters():  # each tensor once (a shared embedding is listed once)
         (experts if is_expert(p) else shared).append(tuple(p.shape))
-    counts = sorted({m.num_experts for m in model.modules() if isinstance(m, MoELayer)})
-    if not counts:
-        raise PlanError("the model has no MoE layers: plan is for MoE models (check --moe-freq and the expert counts)")
-    return mp.ModelShapes(tuple(shared), tuple(experts), tuple(counts))
-
-
-def experts_per_layer(model) -> str:
-    """'in 4 experts per MoE layer', or where the sides differ (--encoder/--decoder-moe-expert-count) each
-    side's: 'in experts: 4 per encoder MoE layer, 2 per decoder MoE layer'."""
-    from ..moe.layer import MoELayer
-
     sides = {}
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):
             sides.setdefault(name.split(".")[0], module.num_experts)
-    if len(set(sides.values())) == 1:
-        return f"in {next(iter(sides.values()))} experts per MoE layer"
-    return "in experts: " + ", ".join(f"{e} per {side} MoE layer" for side, e in sides.items())
+    if not sides:
+        raise PlanError("the model has no MoE layers: plan is for MoE models (check --moe-freq and the expert counts)")
+    return mp.ModelShapes(tuple(shared), tuple(experts), tuple(sides.items()))
+
+
+def experts_per_layer(shapes: mp.ModelShapes) -> str:
+    """'in 4 experts per MoE layer', or where the sides differ (--encoder/--decoder-moe-expert-count) each
+    side's: 'in experts: 4 per encoder MoE layer, 2 per decoder MoE layer'."""
+    if len(shapes.expert_counts) == 1:
+        return f"in {shapes.expert_counts[0]} experts per MoE layer"
+    return "in experts: " + ", ".join(f"{e} per {side} MoE layer" for side, e in shapes.side_experts)
 
 
 def unit_numels(model):
@@ -274,7 +271,7 @@ def main(argv: List[str]) -> int:
     experts = sum(math.prod(s) for s in shapes.experts)
     shared = sum(math.prod(s) for s in shapes.shared)
     header = [
-        f"model: {shared + experts:,} parameters ({shared:,} shared, {experts:,} {experts_per_layer(model)}); "
+        f"model: {shared + experts:,} parameters ({shared:,} shared, {experts:,} {experts_per_layer(shapes)}); "
         f"{precision.flag}, --optimizer {optimizer}; W = {own.world_size}"
         + (f"; fits: {own.device_memory} ({', '.join(mp.gib(m) for m in memory)} GiB)" if memory else ""),
         f"worker 0 (the largest slices); activations: {activation.describe}",
