@@ -8,13 +8,13 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 1. ``moe/``: the MoE math, torch only (router, dispatch, experts, collectives taking ``group=None``,
    the expert layout, which layers are MoE layers).
 2. ``options/``: every ``--moe-*`` option as one record, from which the tables that name options are
-   derived; ``option_ranges.py`` (a numeric option checked against its record's range). Torch only.
+   derived, and ``ranges.py`` (a numeric option checked against its record's range). Torch only.
 3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports the tiers below and itself. Its
    ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
-4. distributed glue: ``process_state.py`` (the plugin's state, one object), ``distributed.py`` (expert
-   groups, gradient scaling), ``fully_sharded.py`` and ``expert_sharding.py`` (FSDP2: the shared part,
-   experts over their replica group), ``io_waits.py`` (where workers wait for another's file work).
-   Fairseq may appear here, models do not.
+4. ``parallel/``: the distributed glue: ``process_state.py`` (the plugin's state, one object),
+   ``distributed.py`` (expert groups, gradient scaling), ``fully_sharded.py`` and ``expert_sharding.py``
+   (FSDP2: the shared part, experts over their replica group), ``io_waits.py`` (where workers wait for
+   another's file work). Fairseq may appear here, models do not.
 5. ``models/``, ``criterions/`` and ``tasks/``: the fairseq architectures, criterions and tasks.
 6. ``training/``: what fairseq-train decides around the model (save dir, restore choice, set ids,
    resume policy, upcycling).

@@ -29,7 +29,7 @@ from fairseq.dataclass import FairseqDataclass
 
 from ..common.refusal import MoEOptionError, MoESetupError
 from ..models.moe_config import dataclass_of
-from ..option_ranges import CRITERION_RANGES, check_options
+from ..options.ranges import CRITERION_RANGES, check_options
 from ..options import CRITERION_OPTIONS
 
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.

@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
-from .. import distributed as moe_dist
-from .. import fully_sharded
+from ..parallel import distributed as moe_dist
+from ..parallel import fully_sharded
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
 from ..options import INFERENCE_OPTIONS, option_value
 from ..options.inference import EXPERT_PLACEMENTS
-from ..process_state import STATE, LoadTarget
+from ..parallel.process_state import STATE, LoadTarget
 from . import routing_stats
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class FinishingIterator:
 def wrap_inference_step(original):
     @functools.wraps(original)
     def inference_step(self, generator, models, sample, *args, **kwargs):
-        # --ddp-backend fully_sharded: the shared part gathered while generating (fully_sharded.py).
+        # --ddp-backend fully_sharded: the shared part gathered while generating (parallel/fully_sharded.py).
         with contextlib.ExitStack() as stack:
             for model in models:
                 stack.enter_context(fully_sharded.gathered_for_inference(model))

@@ -9,14 +9,14 @@ import torch
 from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
-from .. import distributed as moe_dist
+from ..parallel import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
 from ..checkpoint.mapped_pages import private_mappings, release_ranges
 from ..checkpoint.share import load_share
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..io_waits import broadcast_from_rank_0, io_wait_group
-from ..process_state import STATE, LoadTarget
+from ..parallel.io_waits import broadcast_from_rank_0, io_wait_group
+from ..parallel.process_state import STATE, LoadTarget
 from ..training.frozen_resume import carry_optimizer_state_over_freeze
 from ..training.restore_choice import resolve_restore
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy

@@ -31,13 +31,13 @@ import torch
 from omegaconf import open_dict
 from torch.amp.grad_scaler import OptState
 
-from .. import distributed as moe_dist
+from ..parallel import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import scaler_optimizer_state
-from ..fully_sharded import is_sharded, local_part
-from ..process_state import STATE
+from ..parallel.fully_sharded import is_sharded, local_part
+from ..parallel.process_state import STATE
 from . import sharding
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from .routing_stats import decide_routing_stats

@@ -4,7 +4,7 @@ and ``docs/options.md`` from the tables that define them, so the reference canno
 hooks.md is one row per entry of ``HOOKS`` (number, fairseq target, the module of its wrapper, why).
 options.md is every ``--moe-*`` option the plugin registers, read back from the argparse parsers
 fairseq builds from the option dataclasses (made from the option records, ``options/``; and the
-inference CLIs' flag), with its range from ``option_ranges``. ``--check`` writes nothing and exits 1
+inference CLIs' flag), with its range from ``options.ranges``. ``--check`` writes nothing and exits 1
 naming each file that differs.
 """
 
@@ -17,7 +17,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from ..criterions.moe_criterions import MoELossConfig
 from ..models.moe_config import MoEConfig, MoEEncoderDecoderConfig
-from ..option_ranges import CRITERION_RANGES, MODEL_RANGES, Range
+from ..options.ranges import CRITERION_RANGES, MODEL_RANGES, Range
 from . import HOOKS
 from .inference import add_inference_experts_flag
 

@@ -26,7 +26,7 @@ from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.routing_stats import RoutingTally, statistics_document, write_statistics
-from ..process_state import STATE
+from ..parallel.process_state import STATE
 
 
 # fmt: off

@@ -20,7 +20,7 @@ import torch
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
-from ..process_state import STATE
+from ..parallel.process_state import STATE
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import torch
 from fairseq import checkpoint_utils
 
 from .. import checkpoint as moe_ckpt
-from .. import distributed as moe_dist
-from .. import fully_sharded, io_waits
+from ..parallel import distributed as moe_dist
+from ..parallel import fully_sharded, io_waits
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
-from ..process_state import STATE
+from ..parallel.process_state import STATE
 from ..training.set_identity import save_set_id
 from . import sharding
 

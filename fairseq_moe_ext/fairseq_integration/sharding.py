@@ -1,4 +1,4 @@
-"""Hooks 20-22: ``--ddp-backend fully_sharded`` runs on torch's FSDP2 (``fully_sharded.py``), for
+"""Hooks 20-22: ``--ddp-backend fully_sharded`` runs on torch's FSDP2 (``parallel/fully_sharded.py``), for
 every model, instead of fairscale's FSDP (unmaintained, and it does not run on CPU).
 
 fairseq takes fairscale-specific paths wherever ``Trainer.is_fsdp`` is true (it imports fairscale in
@@ -7,15 +7,15 @@ property answers False, and hook 3 applies FSDP2 when fairseq wraps the model fo
 fairseq-train builds the model inside ``fsdp_enable_wrap`` (fairscale's wrapping context): that is
 a no-op. Saves gather the sharded state one tensor at a time on every worker (hook 5), so every
 worker must call ``Trainer.state_dict`` during a save; loads cut whole tensors into slices (the
-model's pre-hook in fully_sharded.py, the optimizer's here)."""
+model's pre-hook in parallel/fully_sharded.py, the optimizer's here)."""
 
 import contextlib
 import functools
 
 import torch
 
-from .. import distributed as moe_dist
-from .. import expert_sharding, fully_sharded
+from ..parallel import distributed as moe_dist
+from ..parallel import expert_sharding, fully_sharded
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import foreach_mul_

@@ -13,18 +13,18 @@ import torch
 from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
 from fairseq.logging import metrics
 
-from .. import distributed as moe_dist
+from ..parallel import distributed as moe_dist
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError, MoERefusal, MoESetupError
 from ..common.torch_compat import ignore_in_ddp
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
-from ..fully_sharded import is_sharded
+from ..parallel.fully_sharded import is_sharded
 from ..moe import rows_received
 from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..moe.balance_scope import start_update
 from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
-from ..process_state import STATE
+from ..parallel.process_state import STATE
 from . import sharding
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from ..common.refusal import MoEOptionError
 from ..moe.freeze import parse_frozen_parts
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
 from ..moe.placement import places_moe_layer
-from ..option_ranges import MODEL_RANGES, check_option, check_options
+from ..options.ranges import MODEL_RANGES, check_option, check_options
 from ..options import (
     ARCH_OPTIONS,
     FLAG_OF_FIELD,
@@ -99,7 +99,7 @@ def layer_config(fields: Dict, **rest) -> MoELayerConfig:
 
 def check_moe_args(args) -> None:
     """Fail before anything is built, with one line that names the flag and the fix: every numeric
-    option against the range of what it is used in (``option_ranges.MODEL_RANGES``), then the
+    option against the range of what it is used in (``options.ranges.MODEL_RANGES``), then the
     options against each other (the layer config's rules, in flag words)."""
     experts = moe_option(args, "moe_expert_count")
     check_option(MODEL_RANGES["moe_expert_count"], experts)

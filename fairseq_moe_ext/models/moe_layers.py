@@ -21,7 +21,7 @@ from ..moe import MoELayer, MoELayerConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
 from ..options import expert_count
-from ..process_state import STATE
+from ..parallel.process_state import STATE
 from .moe_config import layer_config, layer_fields, moe_freq, moe_option
 
 

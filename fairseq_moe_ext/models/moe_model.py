@@ -14,7 +14,7 @@ import torch
 from fairseq.models.transformer.transformer_config import TransformerConfig
 
 from ..common.config_value import config_value
-from ..distributed import expert_layout, expert_parallel_group, moe_statistics_group
+from ..parallel.distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
 from ..moe.freeze import freeze_parts, parse_frozen_parts
 from .moe_config import check_moe_args, check_moe_layers_placed, moe_option

@@ -9,7 +9,7 @@ import torch
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..distributed import (
+from ..parallel.distributed import (
     SUPPORTED_DDP_BACKENDS,
     default_expert_parallel_size,
     expert_world_size,
@@ -17,7 +17,7 @@ from ..distributed import (
     set_expert_parallel_size,
     unsupported_backend_error,
 )
-from ..fully_sharded import refused_options, zero_sharding_error
+from ..parallel.fully_sharded import refused_options, zero_sharding_error
 from .moe_config import moe_option, side_expert_counts, side_expert_flags
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ the experts and capacity. What is not an option of the layer's function stays a 
 of ``MoELayer``: the process groups, the aux cache, the layer's name and its seed.
 
 Messages are the layer's own (``num_experts must be a positive integer``); the fairseq flags are
-checked, with their flag names, before a config is built (``option_ranges.py``). The rules between
+checked, with their flag names, before a config is built (``options/ranges.py``). The rules between
 options (k <= E, the sigmoid router needs k >= 2, the second-expert policy needs top-2 softmax,
 normalising after dropping needs the top router) are written here only: each raises
 ``ConflictingOptions``, which names the fields (``k=5 exceeds num_experts=4``) and can name them as a

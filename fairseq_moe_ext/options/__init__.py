@@ -4,7 +4,7 @@ The tables that used to spell each option out are derived from the records, wher
 
 * the fairseq dataclasses ``MoEConfig`` / ``MoEEncoderDecoderConfig`` (``models/moe_config.py``) and
   ``MoELossConfig`` (``criterions/moe_criterions.py``), hence argparse and docs/options.md;
-* ``option_ranges.MODEL_RANGES`` / ``CRITERION_RANGES`` (each record's ``range``);
+* ``options.ranges.MODEL_RANGES`` / ``CRITERION_RANGES`` (each record's ``range``);
 * ``training/resume_policy.POLICY`` (``resume``, ``why``, ``effective``);
 * the flags-to-layer-config translation ``models/moe_layers.moe_layer_config`` (``field``, ``to_field``),
   which also names a conflict ``MoELayerConfig`` finds by its flags (``FLAG_OF_FIELD``);

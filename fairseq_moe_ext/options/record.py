@@ -2,7 +2,7 @@
 
 Torch only and fairseq-free, so every tier that derives a table from the records can import it:
 ``checkpoint/`` (the Hugging Face and nllb-branch names), ``models/`` and ``criterions/`` (the fairseq
-dataclasses), ``option_ranges.py`` (the ranges), ``training/resume_policy.py`` (the resume rules).
+dataclasses), ``options/ranges.py`` (the ranges), ``training/resume_policy.py`` (the resume rules).
 """
 
 from dataclasses import dataclass, replace
@@ -67,7 +67,7 @@ class Option:
     why: str  # the reason, as the resume messages and docs/checkpoints.md say it
     where: str = EVERY_ARCH
     choices: Tuple[str, ...] = ()  # a choice option's values (a fairseq ChoiceEnum)
-    range: Optional[Range] = None  # a numeric option's range (option_ranges.check_option)
+    range: Optional[Range] = None  # a numeric option's range (options.ranges.check_option)
     field: Optional[str] = None  # the MoELayerConfig field it sets ("routing.k", "num_experts")
     to_field: Optional[Callable] = None  # (value, read) -> the field's value; read(name): another option's
     effective: Optional[Callable] = None  # (value, cfg section) -> the value a run uses, where None is a default

@@ -141,7 +141,7 @@ def experts_per_layer(shapes: mp.ModelShapes) -> str:
 def unit_numels(model):
     """fully_sharded's units: the root's shared numel first, then each layer's (fully_sharded.wrap_units);
     and the largest MoE layer's expert numel."""
-    from ..fully_sharded import wrap_units
+    from ..parallel.fully_sharded import wrap_units
     from ..moe.experts import is_expert
     from ..moe.layer import MoELayer
 
@@ -244,7 +244,7 @@ def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int
 
 
 def main(argv: List[str]) -> int:
-    from ..fully_sharded import refused_options
+    from ..parallel.fully_sharded import refused_options
     from .activation_bound import activation_bytes
 
     logging.disable(logging.INFO)  # fairseq's and hydra's start-up notes: the table is the output

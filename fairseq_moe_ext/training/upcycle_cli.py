@@ -59,7 +59,7 @@ def add_upcycle_parser(sub) -> None:
 def upcycle(args):
     """The whole upcycled checkpoint the parsed ``args`` ask for."""
     from ..checkpoint.errors import CheckpointSetError
-    from ..option_ranges import UPCYCLE_TOOL_RANGES, check_options
+    from ..options.ranges import UPCYCLE_TOOL_RANGES, check_options
     from .upcycling import upcycled_checkpoint
 
     try:

@@ -19,7 +19,7 @@ import logging
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
 from .. import checkpoint as moe_ckpt
-from .. import distributed as moe_dist
+from ..parallel import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
 from ..common.config_value import config_value

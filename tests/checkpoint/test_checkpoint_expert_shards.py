@@ -166,7 +166,7 @@ def bytes_read_by_this_process() -> int:
 def test_a_resume_through_fairseq_reads_the_first_file_and_its_own_not_the_whole_set(tmp_path, monkeypatch):
     from fairseq import checkpoint_utils
 
-    from fairseq_moe_ext.process_state import STATE, LoadTarget
+    from fairseq_moe_ext.parallel.process_state import STATE, LoadTarget
 
     manifest = a_set(tmp_path, 4, rows=100_000)  # ~5 MB per rank file
     files = moe_ckpt.read_manifest(manifest)["files"]

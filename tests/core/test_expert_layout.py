@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 import fairseq_moe_ext
-from fairseq_moe_ext import distributed as moe_dist
-from fairseq_moe_ext.distributed import ExpertLayout, default_expert_parallel_size
+from fairseq_moe_ext.parallel import distributed as moe_dist
+from fairseq_moe_ext.parallel.distributed import ExpertLayout, default_expert_parallel_size
 from fairseq_moe_ext.models.moe_runtime import apply_runtime_options, expert_parallel_size
-from fairseq_moe_ext.process_state import STATE
+from fairseq_moe_ext.parallel.process_state import STATE
 
 
 def test_four_workers_and_two_experts_form_two_expert_groups_and_two_replica_groups():

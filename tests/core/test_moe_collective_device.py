@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_moe_ext import distributed as moe_dist
+from fairseq_moe_ext.parallel import distributed as moe_dist
 from fairseq_moe_ext.moe import comm
 from fairseq_moe_ext.moe.collective_device import MoECollectiveDeviceError, collective_device, group_device_types
 

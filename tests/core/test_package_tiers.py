@@ -20,9 +20,9 @@ ROOT = Path(fairseq_moe_ext.PACKAGE_DIR)
 TIERS = (
     ("common",),
     ("moe",),
-    ("options", "option_ranges"),
+    ("options",),
     ("checkpoint",),
-    ("process_state", "distributed", "fully_sharded", "expert_sharding", "io_waits"),
+    ("parallel",),
     ("models", "criterions", "tasks"),
     ("training",),
     ("fairseq_integration",),
@@ -31,7 +31,7 @@ TIERS = (
 # fmt: on
 TIER_OF = {part: level for level, parts in enumerate(TIERS) for part in parts}
 # The tiers that must import and run where fairseq (and what comes with it) is not installed.
-WITHOUT_FAIRSEQ = ("common", "moe", "options", "option_ranges", "checkpoint")
+WITHOUT_FAIRSEQ = ("common", "moe", "options", "checkpoint")
 FAIRSEQ_ONLY = ("fairseq", "fairseq_cli", "omegaconf", "hydra")
 # (importing module, imported module) pairs allowed to reach up, and only from inside a function: the
 # checkpoint tool's ``upcycle`` subcommand, imported in its main() so importing checkpoint/ never loads
@@ -244,9 +244,9 @@ def test_a_process_that_imported_the_plugin_before_fairseq_has_its_hooks_once_fa
     [
         f"{PACKAGE}.moe",
         f"{PACKAGE}.options",
-        f"{PACKAGE}.option_ranges",
+        f"{PACKAGE}.options.ranges",
         f"{PACKAGE}.checkpoint",
-        f"{PACKAGE}.process_state",
+        f"{PACKAGE}.parallel.process_state",
     ],
 )
 def test_importing_a_fairseq_free_module_leaves_fairseq_unimported(module):

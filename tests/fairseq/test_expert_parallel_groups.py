@@ -10,8 +10,8 @@ import pytest
 import torch
 from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
 
-from fairseq_moe_ext import distributed as moe_dist
-from fairseq_moe_ext.distributed import ExpertLayout
+from fairseq_moe_ext.parallel import distributed as moe_dist
+from fairseq_moe_ext.parallel.distributed import ExpertLayout
 from fairseq_moe_ext.fairseq_integration import training
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases

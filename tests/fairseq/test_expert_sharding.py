@@ -50,7 +50,7 @@ def whole_params(result):
 
 
 def expert_sharding_worker(rank, world, data_dir):
-    from fairseq_moe_ext import fully_sharded
+    from fairseq_moe_ext.parallel import fully_sharded
 
     cpu_shims()
     experts, parallel, shares = CASES[world]
@@ -84,7 +84,7 @@ def expert_sharding_worker(rank, world, data_dir):
 def experts_gathered_in_forward(model):
     """Each time an MoE layer's experts run forward, how many MoE layers' experts are gathered (whole)
     then: the hook runs after FSDP2's own pre-forward hook, which gathered the running layer's."""
-    from fairseq_moe_ext.fully_sharded import is_sharded
+    from fairseq_moe_ext.parallel.fully_sharded import is_sharded
     from fairseq_moe_ext.moe.experts import BatchedExperts
 
     modules = [m for m in model.modules() if isinstance(m, BatchedExperts)]

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from fairseq_moe_ext.common.refusal import MoESetupError
-from fairseq_moe_ext.expert_sharding import NEEDED_SETTERS, refuse_torch_without_setters
+from fairseq_moe_ext.parallel.expert_sharding import NEEDED_SETTERS, refuse_torch_without_setters
 
 
 def test_this_torch_has_every_fsdp2_setter_that_sharding_experts_needs():

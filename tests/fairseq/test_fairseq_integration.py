@@ -9,7 +9,7 @@ import torch
 
 import fairseq_moe_ext  # noqa: F401  (installs the hooks)
 from fairseq_moe_ext import fairseq_integration
-from fairseq_moe_ext.process_state import STATE
+from fairseq_moe_ext.parallel.process_state import STATE
 
 # sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3 (and the one
 # argparse method hooked, from Python 3.11, and torch 2.13's GradScaler.step, whose found-inf record

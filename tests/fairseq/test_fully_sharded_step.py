@@ -47,7 +47,7 @@ def whole(result):
 
 
 def fully_sharded_cases_worker(rank, world, data_dir):
-    from fairseq_moe_ext import fully_sharded
+    from fairseq_moe_ext.parallel import fully_sharded
 
     results = []
     for experts, parallel, shares, extra in CASES[world]:

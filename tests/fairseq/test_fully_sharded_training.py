@@ -50,7 +50,7 @@ def counting_reduce_scatters():
 
 
 def training_cases_worker(rank, world, data_dir):
-    from fairseq_moe_ext import fully_sharded
+    from fairseq_moe_ext.parallel import fully_sharded
 
     calls = counting_reduce_scatters()
     results = {}

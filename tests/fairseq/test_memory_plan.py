@@ -80,7 +80,7 @@ def argv_of(data_dir, flags):
 
 
 def refusal(backend, precision):
-    from fairseq_moe_ext.fully_sharded import refused_options
+    from fairseq_moe_ext.parallel.fully_sharded import refused_options
 
     if backend == "legacy_ddp":
         return None
@@ -92,7 +92,7 @@ def refusal(backend, precision):
 def counting_worker(rank, world, data_dir, cases):
     from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 
-    from fairseq_moe_ext import fully_sharded
+    from fairseq_moe_ext.parallel import fully_sharded
 
     results = []
     for flags in cases:

@@ -6,7 +6,7 @@ layout it was built for, which the fairseq hooks read from it."""
 import pytest
 from fairseq import utils
 
-from fairseq_moe_ext.distributed import ExpertLayout
+from fairseq_moe_ext.parallel.distributed import ExpertLayout
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
 from tiny_fairseq_models import language_model, translation
 

@@ -2,7 +2,7 @@
 over all of them and the values that break a type-only check (0, negative, NaN, inf, 1e39, a huge
 integer, a tiny number), run through the same start-up checks fairseq-train runs (the models' and
 criterions', and the checkpoint tool's ``upcycle`` command line). The expected outcome of every cell
-is written here, not read from ``option_ranges``; a second test checks each bound against what
+is written here, not read from ``options.ranges``; a second test checks each bound against what
 holds the value (torch, a timedelta)."""
 
 import argparse
@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fairseq_moe_ext import option_ranges
+from fairseq_moe_ext.options import ranges as option_ranges
 from fairseq_moe_ext.checkpoint import __main__ as tool
 from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig, MoELossMixin
 from fairseq_moe_ext.models.moe_config import MoEEncoderDecoderConfig, check_moe_args, check_moe_layers_placed

@@ -29,7 +29,7 @@ from fairseq_moe_ext.models.moe_config import (
 from fairseq_moe_ext.models.moe_layers import moe_layer_config
 from fairseq_moe_ext.models.moe_transformer import NOT_SET_BY_ARCHITECTURE
 from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig
-from fairseq_moe_ext.option_ranges import CRITERION_RANGES, MODEL_RANGES
+from fairseq_moe_ext.options.ranges import CRITERION_RANGES, MODEL_RANGES
 from fairseq_moe_ext.options import (
     ARCH_OPTIONS,
     BRANCH_NAMES,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fairseq_moe_ext.fairseq_integration import inference
-from fairseq_moe_ext.process_state import STATE
+from fairseq_moe_ext.parallel.process_state import STATE
 
 
 class Started(Exception):

@@ -76,7 +76,7 @@ def run_precision_case(data_dir, world, rank, shares, flags, overflow_on_rank=No
     """Build a trainer with ``flags`` on ``world`` workers (this one ``rank``), take one step on
     this worker's share of the batch, or two where ``overflow_on_rank`` is given: the first with an
     inf in that rank's first expert gradient (every worker should skip it), the second clean."""
-    from fairseq_moe_ext import fully_sharded
+    from fairseq_moe_ext.parallel import fully_sharded
 
     task, trainer = build_trainer(training_args(data_dir, world, flags))
     amp_on_cpu(trainer)

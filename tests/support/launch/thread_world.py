@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fairseq_moe_ext.moe import comm
-from fairseq_moe_ext.process_state import STATE
+from fairseq_moe_ext.parallel.process_state import STATE
 
 TIMEOUT_S = 60
 

@@ -36,11 +36,11 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .common.config_value import config_value
-from .common.refusal import MoEOptionError
+from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
 from .expert_sharding import forget_forward_order
-from .moe.comm import collective
-from .moe.experts import is_expert
+from ..moe.comm import collective
+from ..moe.experts import is_expert
 
 # torch's FSDP2 and DTensor modules take half a second to import: every fairseq CLI imports this
 # plugin, so they are imported when a model is sharded, and a tensor can only be a DTensor once
@@ -140,7 +140,7 @@ def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
 def check_units_keep_moe_layers_whole(model: torch.nn.Module, units: Iterable[torch.nn.Module]) -> None:
     """A unit inside an MoE layer (its router alone, say) would gather the router for the layer's
     forward while the layer's all-to-all runs outside it: refused."""
-    from .moe.layer import MoELayer
+    from ..moe.layer import MoELayer
 
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):

@@ -18,11 +18,11 @@ integers; one that places no MoE layer is refused by ``check_moe_layers_placed``
 
 import math
 
-from .common.refusal import MoEOptionError
+from ..common.refusal import MoEOptionError
 
 # Re-exported: the records are written with these (options/record.py), and callers import them here.
-from .options import CRITERION_OPTIONS, MODEL_OPTIONS
-from .options.record import (  # noqa: F401
+from . import CRITERION_OPTIONS, MODEL_OPTIONS
+from .record import (  # noqa: F401
     FP32_LOSS,
     FP32_MAX,
     FP32_SMALLEST,

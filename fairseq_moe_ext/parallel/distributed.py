@@ -32,16 +32,16 @@ import torch
 import torch.distributed as dist
 from fairseq.distributed import ModuleProxyWrapper
 
-from .common.refusal import MoEOptionError, MoESetupError
-from .common.torch_compat import foreach_mul_
+from ..common.refusal import MoEOptionError, MoESetupError
+from ..common.torch_compat import foreach_mul_
 from .fully_sharded import is_sharded, local_part, sharded_grad_norm_squared
-from .moe.collective_device import collective_device, on_group_device
-from .moe.comm import collective
+from ..moe.collective_device import collective_device, on_group_device
+from ..moe.comm import collective
 
 # Re-exported: the layout and the groups made from it are used together (models, checkpoints).
-from .moe.expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
-from .moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
-from .options.model import EXPERT_GRAD_NORMALIZATIONS  # noqa: F401  (--moe-normalize-expert-grad's choices)
+from ..moe.expert_layout import ExpertLayout, default_expert_parallel_size  # noqa: F401
+from ..moe.experts import is_expert  # noqa: F401  (re-exported: moe_dist.is_expert)
+from ..options.model import EXPERT_GRAD_NORMALIZATIONS  # noqa: F401  (--moe-normalize-expert-grad's choices)
 from .process_state import STATE
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp", "fully_sharded")

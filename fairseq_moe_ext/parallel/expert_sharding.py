@@ -30,8 +30,8 @@ from typing import List
 
 import torch
 
-from .common.refusal import MoESetupError
-from .moe.experts import BatchedExperts
+from ..common.refusal import MoESetupError
+from ..moe.experts import BatchedExperts
 
 SHARDED = "sharded"
 # FSDP2 setters this module needs; newer than fully_shard itself (torch 2.13 has them; whether torch
