@@ -29,8 +29,8 @@ from fairseq.dataclass import FairseqDataclass
 
 from ..common.refusal import MoEOptionError, MoESetupError
 from ..models.moe_config import dataclass_of
-from ..options.ranges import CRITERION_RANGES, check_options
 from ..options import CRITERION_OPTIONS
+from ..options.ranges import CRITERION_RANGES, check_options
 
 # Scalar routing statistics each MoE layer records (MoELayer.route_tokens), summed per layer.
 LAYER_STATS = ("num_tokens", "num_slots", "dropped_slots", "router_entropy_sum")

@@ -67,7 +67,7 @@ HOOKS = (
          "(torch refuses them for CPU modules) and keeps fairseq's --heartbeat-timeout watchdog."),
     Hook(4, "fairseq.utils.clip_grad_norm_", training.wrap_clip_grad_norm,
          "called by every fairseq optimizer: with expert parameters present the norm is the global one "
-         "(distributed.global_grad_norm); fairseq's own leaves experts out."),
+         "(grad_norm.global_grad_norm); fairseq's own leaves experts out."),
     Hook(5, "fairseq.trainer.Trainer.checkpoint_suffix", saving.wrap_checkpoint_suffix,
          "with experts split over P > 1 workers, each expert shard is saved under a -rank-R-of-P suffix; "
          "fairseq's naming, --save-interval*, --keep-* and best/last logic are kept."),

@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
-from ..parallel import distributed as moe_dist
-from ..parallel import fully_sharded
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
 from ..options import INFERENCE_OPTIONS, option_value
 from ..options.inference import EXPERT_PLACEMENTS
+from ..parallel import expert_groups, fully_sharded
 from ..parallel.process_state import STATE, LoadTarget
 from . import routing_stats
 
@@ -126,7 +125,7 @@ def load_sharded(original, filenames, *args, **kwargs):
         dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank, world_size=sharded.world_size)
     # No inference CLI closes its process groups; left open, gloo's threads abort the interpreter at
     # exit now and then ("terminate called without an active exception", exit status -6).
-    atexit.register(moe_dist.close_process_groups)
+    atexit.register(expert_groups.close_process_groups)
     STATE.load_targets.append(LoadTarget(sharded.rank, sharded.world_size, None, None))
     try:
         models, cfg, task = original(filenames, *args, **kwargs)
@@ -138,7 +137,7 @@ def load_sharded(original, filenames, *args, **kwargs):
             f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
             f"--moe-inference-experts sharded"
         )
-    layout = moe_dist.model_layout(model)
+    layout = expert_groups.model_layout(model)
     if layout.parallel_size != sharded.world_size:
         raise MoEOptionError(
             f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "

@@ -9,12 +9,12 @@ import torch
 from omegaconf import open_dict
 
 from .. import checkpoint as moe_ckpt
-from ..parallel import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
 from ..checkpoint.mapped_pages import private_mappings, release_ranges
 from ..checkpoint.share import load_share
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
+from ..parallel import expert_grads, expert_groups
 from ..parallel.io_waits import broadcast_from_rank_0, io_wait_group
 from ..parallel.process_state import STATE, LoadTarget
 from ..training.frozen_resume import carry_optimizer_state_over_freeze
@@ -80,7 +80,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
             for key in full["moe"].get("expert_keys", []):
                 full["model"][key] = moe_ckpt.concatenated([full["model"][key]], **merging)
         if "moe" not in full:
-            if target is not None and target.model is not None and moe_dist.has_experts(target.model):
+            if target is not None and target.model is not None and expert_grads.has_experts(target.model):
                 raise MoEOptionError(
                     f"{path} is a dense fairseq checkpoint (no MoE layers), which this MoE model cannot load: start "
                     f"an MoE from it with --moe-upcycle-from {path} and a new --save-dir, or train it on with its "
@@ -120,7 +120,7 @@ def wrap_trainer_load_checkpoint(original):
             self.data_parallel_world_size,
             every_rank_saves=is_expert_parallel_trainer(self),
         )
-        if not moe_dist.has_experts(self._model):
+        if not expert_grads.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
         dense = config_value(self.cfg.model, "moe_upcycle_from")
         if dense:
@@ -142,7 +142,7 @@ def wrap_trainer_load_checkpoint(original):
                 f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
                 f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)"
             )
-        layout = moe_dist.model_layout(self._model)
+        layout = expert_groups.model_layout(self._model)
         logger.info(
             f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
             f"(expert shard {layout.ep_rank} of {layout.parallel_size})"
@@ -228,7 +228,7 @@ def wrap_load_model_ensemble_and_task(original):
             if STATE.sharded_inference is not None:
                 loaded = load_sharded(original, resolved, *args, **kwargs)
             else:
-                with moe_dist.all_experts_local():
+                with expert_groups.all_experts_local():
                     loaded = original(resolved, *args, **kwargs)
         release_ranges(STATE.inference_mappings)  # what the model took by reference is read again when used
         STATE.inference_mappings.clear()

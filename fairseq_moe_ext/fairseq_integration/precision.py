@@ -10,7 +10,7 @@ Why each one exists, in fairseq 0.12.3:
   per worker. The choice is made when the optimizer is built, before any batch runs.
 * AMPOptimizer: GradScaler skips a step on a worker's *local* found-inf, and expert gradients are
   never all-reduced, so one worker could skip while another steps. The gradient norm is already
-  global (distributed.global_grad_norm), so it decides for every worker. fairseq also unscales twice
+  global (grad_norm.global_grad_norm), so it decides for every worker. fairseq also unscales twice
   (clip_grad_norm unscales the torch optimizer, step() then unscales the fairseq wrapper, a second
   GradScaler state); stepping the optimizer that was unscaled fixes both.
 * Trainer.save_checkpoint: on a NaN/inf error every worker of an MoE run saves ``crash.pt``; the
@@ -31,11 +31,11 @@ import torch
 from omegaconf import open_dict
 from torch.amp.grad_scaler import OptState
 
-from ..parallel import distributed as moe_dist
 from ..checkpoint import rank_suffix, split_rank_suffix
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import scaler_optimizer_state
+from ..parallel import expert_grads
 from ..parallel.fully_sharded import is_sharded, local_part
 from ..parallel.process_state import STATE
 from . import sharding
@@ -125,7 +125,7 @@ def build_fully_sharded_mixed_precision_optimizer(trainer) -> None:
 def needs_expert_marker(trainer) -> bool:
     """Several workers and expert parameters: the gradient norm must tell experts from shared weights."""
     # The unwrapped model: touching trainer.model would build the DDP wrapper here.
-    return trainer.data_parallel_world_size > 1 and moe_dist.has_experts(trainer._model)
+    return trainer.data_parallel_world_size > 1 and expert_grads.has_experts(trainer._model)
 
 
 # ---------------------------------------------------------------- 13. --amp skips on every worker or none

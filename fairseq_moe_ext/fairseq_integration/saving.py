@@ -12,11 +12,10 @@ import torch
 from fairseq import checkpoint_utils
 
 from .. import checkpoint as moe_ckpt
-from ..parallel import distributed as moe_dist
-from ..parallel import fully_sharded, io_waits
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
+from ..parallel import expert_grads, expert_groups, fully_sharded, io_waits
 from ..parallel.process_state import STATE
 from ..training.set_identity import save_set_id
 from . import sharding
@@ -28,8 +27,8 @@ def is_expert_parallel_trainer(trainer) -> bool:
     if cached is None:
         cached = (
             trainer.data_parallel_world_size > 1
-            and moe_dist.has_experts(trainer._model)
-            and moe_dist.model_layout(trainer._model).parallel_size > 1
+            and expert_grads.has_experts(trainer._model)
+            and expert_groups.model_layout(trainer._model).parallel_size > 1
         )
         STATE.expert_parallel_trainers[trainer] = cached
     return cached
@@ -39,7 +38,7 @@ def wrap_checkpoint_suffix(original_fget):
     def checkpoint_suffix(self):
         suffix = original_fget(self)
         if is_expert_parallel_trainer(self):
-            layout = moe_dist.model_layout(self._model)
+            layout = expert_groups.model_layout(self._model)
             suffix += moe_ckpt.rank_suffix(layout.ep_rank, layout.parallel_size)
         return suffix
 
@@ -49,7 +48,7 @@ def wrap_checkpoint_suffix(original_fget):
 def wrap_should_save(original_fget):
     def should_save_checkpoint_on_current_rank(self):
         if is_expert_parallel_trainer(self):
-            return moe_dist.model_layout(self._model).replica_index == 0  # one file per expert shard
+            return expert_groups.model_layout(self._model).replica_index == 0  # one file per expert shard
         return original_fget(self)
 
     return should_save_checkpoint_on_current_rank
@@ -59,15 +58,15 @@ def wrap_trainer_state_dict(original):
     @functools.wraps(original)
     def state_dict(self):
         state = sharding.gather_full_state(self, original(self))  # FSDP2's slices made whole
-        if not moe_dist.has_experts(self._model):
+        if not expert_grads.has_experts(self._model):
             return state
-        layout = moe_dist.model_layout(self._model)
+        layout = expert_groups.model_layout(self._model)
         world, rank = (layout.parallel_size, layout.ep_rank) if is_expert_parallel_trainer(self) else (1, 0)
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
-        experts = [p for p in self._model.parameters() if moe_dist.is_expert(p)]
+        experts = [p for p in self._model.parameters() if expert_grads.is_expert(p)]
         state["moe"] = moe_ckpt.moe_metadata(
             names,
-            moe_dist.expert_parameter_names(self._model),
+            expert_grads.expert_parameter_names(self._model),
             world,
             rank,
             self.get_num_updates(),
@@ -90,11 +89,11 @@ def wrap_save_checkpoint(original):
             return save(cfg, trainer, epoch_itr, val_loss)
 
     def save(cfg, trainer, epoch_itr, val_loss):
-        if not moe_dist.has_experts(trainer._model) or not is_expert_parallel_trainer(trainer):
+        if not expert_grads.has_experts(trainer._model) or not is_expert_parallel_trainer(trainer):
             if trainer.data_parallel_rank > 0:  # every parameter on every worker: rank 0 saves them
                 return original(cfg, trainer, epoch_itr, val_loss)
             with _atomic_copies():
-                if not moe_dist.has_experts(trainer._model):
+                if not expert_grads.has_experts(trainer._model):
                     return original(cfg, trainer, epoch_itr, val_loss)
                 return save_single_file(
                     cfg.save_dir, trainer.checkpoint_suffix, lambda: original(cfg, trainer, epoch_itr, val_loss)
@@ -104,13 +103,13 @@ def wrap_save_checkpoint(original):
             with _atomic_copies(), _removals_deferred() as pruned:
                 return original(cfg, trainer, epoch_itr, val_loss), pruned
 
-        layout = moe_dist.model_layout(trainer._model)
+        layout = expert_groups.model_layout(trainer._model)
         describe = SetDescription(
             num_updates=trainer.get_num_updates(),
             num_experts={
                 n: int(p.shape[0]) * layout.parallel_size
                 for n, p in trainer._model.named_parameters()
-                if moe_dist.is_expert(p)
+                if expert_grads.is_expert(p)
             },
             set_id=save_set_id(trainer, trainer.data_parallel_world_size),
         )
@@ -163,11 +162,11 @@ def _failed_copy(error: BaseException) -> bool:
 def expert_digest(model) -> str:
     """sha256 of this worker's expert parameters (replicas of one shard must give the same); None
     where they are sharded over their replicas (--moe-fully-sharded-experts: one copy, nothing to compare)."""
-    if any(fully_sharded.is_sharded(p) for p in model.parameters() if moe_dist.is_expert(p)):
+    if any(fully_sharded.is_sharded(p) for p in model.parameters() if expert_grads.is_expert(p)):
         return None
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
-        if moe_dist.is_expert(p):
+        if expert_grads.is_expert(p):
             digest.update(name.encode())
             digest.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()

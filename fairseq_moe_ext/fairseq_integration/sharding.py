@@ -14,11 +14,10 @@ import functools
 
 import torch
 
-from ..parallel import distributed as moe_dist
-from ..parallel import expert_sharding, fully_sharded
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import foreach_mul_
+from ..parallel import expert_grads, expert_groups, expert_sharding, fully_sharded
 
 
 def is_fully_sharded_backend(cfg) -> bool:
@@ -100,11 +99,11 @@ def shard_for_training(args, model, process_group, device):
     # are the fp32 master weights, so it goes back to fp32 before sharding. Only the random
     # initialisation passed through the low precision; checkpoints load into the fp32 shards.
     model = model.to(device=device, dtype=torch.float32) if low is not None else model.to(device)
-    if moe_dist.has_experts(model):
-        moe_dist.check_shared_parameters_agree(model, process_group)
+    if expert_grads.has_experts(model):
+        expert_grads.check_shared_parameters_agree(model, process_group)
     policy = fully_sharded.mixed_precision_policy(low)
     # --moe-fully-sharded-experts sharded: each MoE layer's experts over their replica group, first (W > P).
-    replicas = moe_dist.expert_replica_group(moe_dist.model_layout(model))
+    replicas = expert_groups.expert_replica_group(expert_groups.model_layout(model))
     if getattr(model, "moe_fully_sharded_experts", "whole") == expert_sharding.SHARDED and replicas is not None:
         expert_sharding.shard_experts(model, replicas, policy)
     # --moe-fully-sharded-unit (MoEModelMixin records it; a dense model: one unit per layer).

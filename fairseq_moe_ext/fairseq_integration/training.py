@@ -13,17 +13,17 @@ import torch
 from fairseq.distributed import DistributedTimeoutWrapper, ModuleProxyWrapper
 from fairseq.logging import metrics
 
-from ..parallel import distributed as moe_dist
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError, MoERefusal, MoESetupError
 from ..common.torch_compat import ignore_in_ddp
 from ..criterions.moe_criterions import MoELossMixin, find_moe_cache
-from ..parallel.fully_sharded import is_sharded
 from ..moe import rows_received
 from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..moe.balance_scope import start_update
 from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
+from ..parallel import expert_grads, expert_groups, grad_norm
+from ..parallel.fully_sharded import is_sharded
 from ..parallel.process_state import STATE
 from . import sharding
 
@@ -68,29 +68,29 @@ def wrap_distributed_model(original):
     @functools.wraps(original)
     def distributed_fairseq_model(args, model, process_group, device):
         backend = args.ddp_backend
-        moe = moe_dist.has_experts(model)
-        if moe and backend not in moe_dist.SUPPORTED_DDP_BACKENDS:
-            raise moe_dist.unsupported_backend_error(backend)
+        moe = expert_grads.has_experts(model)
+        if moe and backend not in expert_grads.SUPPORTED_DDP_BACKENDS:
+            raise expert_grads.unsupported_backend_error(backend)
         if backend == "fully_sharded":  # torch FSDP2 for every model (hooks 20-22), experts left out
             wrapped = sharding.shard_for_training(args, model, process_group, device)
         else:
             if moe:
                 model = model.to(device)
-                moe_dist.check_shared_parameters_agree(model, process_group)
+                expert_grads.check_shared_parameters_agree(model, process_group)
                 if backend in ("c10d", "pytorch_ddp"):
-                    ignore_in_ddp(model, moe_dist.expert_parameter_names(model))
+                    ignore_in_ddp(model, expert_grads.expert_parameter_names(model))
             wrapped = _data_parallel(original, args, model, process_group, device)
         if not moe:
             return wrapped
         # With --moe-freeze experts no gradient carries the marker, and none lost it.
-        STATE.expert_parallel_training = any(moe_dist.is_expert(p) and p.requires_grad for p in model.parameters())
-        layout = moe_dist.model_layout(model)
+        STATE.expert_parallel_training = any(expert_grads.is_expert(p) and p.requires_grad for p in model.parameters())
+        layout = expert_groups.model_layout(model)
         normalization = getattr(model, "moe_normalize_expert_grad", "world_size")  # MoEModelMixin records it
-        return moe_dist.ExpertParallelModel(
+        return expert_grads.ExpertParallelModel(
             wrapped,
             torch.distributed.get_world_size(process_group),
-            replica_group=moe_dist.expert_replica_group(layout),
-            expert_grad_factor=moe_dist.expert_grad_factor(normalization, layout.parallel_size),
+            replica_group=expert_groups.expert_replica_group(layout),
+            expert_grad_factor=expert_grads.expert_grad_factor(normalization, layout.parallel_size),
         )
 
     return distributed_fairseq_model
@@ -119,11 +119,11 @@ def wrap_clip_grad_norm(original):
     @functools.wraps(original)
     def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        if any(moe_dist.is_expert(p) or is_sharded(p) for p in params):  # experts, or FSDP2's slices
+        if any(expert_grads.is_expert(p) or is_sharded(p) for p in params):  # experts, or FSDP2's slices
             if aggregate_norm_fn is not None:
-                raise moe_dist.unsupported_backend_error("fully_sharded")
+                raise expert_grads.unsupported_backend_error("fully_sharded")
             # fairseq hands over the parameters alone, so the group is the process's, read once here.
-            return moe_dist.clip_grad_norm_(params, max_norm, moe_dist.expert_parallel_group())
+            return grad_norm.clip_grad_norm_(params, max_norm, expert_groups.expert_parallel_group())
         if STATE.expert_parallel_training and params:
             raise MoESetupError(
                 "the optimizer's parameters lost the expert marker (--fp16 flattens gradients into one "
@@ -226,7 +226,7 @@ def check_training_setup(trainer) -> None:
         )
     check_balance_scope(model_cfg, trainer.cfg.criterion)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if launched > 1 and not torch.distributed.is_initialized() and moe_dist.has_experts(trainer._model):
+    if launched > 1 and not torch.distributed.is_initialized() and expert_grads.has_experts(trainer._model):
         raise MoEOptionError(
             f"the launcher started {launched} workers (WORLD_SIZE={launched}) but fairseq runs each of them as "
             f"a 1-worker job, so every worker would train its own copy of every expert and write the same "

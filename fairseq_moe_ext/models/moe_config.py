@@ -17,7 +17,6 @@ from ..common.refusal import MoEOptionError
 from ..moe.freeze import parse_frozen_parts
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
 from ..moe.placement import places_moe_layer
-from ..options.ranges import MODEL_RANGES, check_option, check_options
 from ..options import (
     ARCH_OPTIONS,
     FLAG_OF_FIELD,
@@ -29,6 +28,7 @@ from ..options import (
     option_value,
 )
 from ..options import moe_freq as options_moe_freq
+from ..options.ranges import MODEL_RANGES, check_option, check_options
 
 logger = logging.getLogger(__name__)
 

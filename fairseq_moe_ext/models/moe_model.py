@@ -14,9 +14,9 @@ import torch
 from fairseq.models.transformer.transformer_config import TransformerConfig
 
 from ..common.config_value import config_value
-from ..parallel.distributed import expert_layout, expert_parallel_group, moe_statistics_group
 from ..moe import MoEAuxCache, MoELayer
 from ..moe.freeze import freeze_parts, parse_frozen_parts
+from ..parallel.expert_groups import expert_layout, expert_parallel_group, moe_statistics_group
 from .moe_config import check_moe_args, check_moe_layers_placed, moe_option
 from .moe_layers import install_moe_layers
 from .moe_runtime import apply_runtime_options
@@ -83,7 +83,7 @@ class MoEModelMixin:
         # that the groups are created with, just below.
         apply_runtime_options(args, sides)
         # The layout (with P) is read from process state once, here, recorded on the model for everything
-        # that later has the model (moe_dist.model_layout), and its groups handed to the layers built
+        # that later has the model (expert_groups.model_layout), and its groups handed to the layers built
         # below: experts are sharded over the P-worker group, routing statistics are the whole world's.
         layout = expert_layout()
         group, statistics_group = expert_parallel_group(layout), moe_statistics_group(layout)

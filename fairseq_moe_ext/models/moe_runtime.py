@@ -9,13 +9,12 @@ import torch
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..parallel.distributed import (
-    SUPPORTED_DDP_BACKENDS,
+from ..parallel.expert_grads import SUPPORTED_DDP_BACKENDS, unsupported_backend_error
+from ..parallel.expert_groups import (
     default_expert_parallel_size,
     expert_world_size,
     set_comm_timeout,
     set_expert_parallel_size,
-    unsupported_backend_error,
 )
 from ..parallel.fully_sharded import refused_options, zero_sharding_error
 from .moe_config import moe_option, side_expert_counts, side_expert_flags

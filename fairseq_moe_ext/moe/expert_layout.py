@@ -1,6 +1,6 @@
 """Where the experts of a W-worker job live: the arithmetic of the expert-parallel layout.
 
-No process group here (``parallel/distributed.py`` creates the groups from this layout and re-exports it;
+No process group here (``parallel/expert_groups.py`` creates the groups from this layout and re-exports it;
 checkpoint code places experts by it), so it can be reasoned about and tested without any worker.
 """
 

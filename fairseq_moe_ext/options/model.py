@@ -27,7 +27,7 @@ from .record import (
     within,
 )
 
-EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")  # distributed.expert_grad_factor
+EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")  # parallel.expert_grads.expert_grad_factor
 BALANCE_CHOICES = ("none", "bias")
 FREQ_FIX = "use N for an MoE layer every N layers, or 0 for none"
 CAPACITY_FIX = "use 0 for dropless routing, > 0 for a fixed capacity, < 0 for a bounded dropless one"

@@ -8,7 +8,7 @@ gradients and optimizer state. FSDP2 gathers one MoE layer's E/P experts for tha
 again for its backward, and frees them after each (the fairseq ``nllb`` branch wraps each expert in
 FSDP over its replica group the same way; torchtitan gives experts a mesh of their own).
 
-What stays as it was with experts whole (``distributed.py``):
+What stays as it was with experts whole (``expert_grads.py``, ``grad_norm.py``):
 
 * Scaling: the reduce-scatter *sums* over the replica group (divide factor 1, sum-only collectives),
   what ``sum_expert_grads_over_replicas`` did with an all-reduce, and an expert with no gradient on

@@ -38,9 +38,8 @@ import torch.distributed as dist
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from .expert_sharding import forget_forward_order
-from ..moe.comm import collective
 from ..moe.experts import is_expert
+from .expert_sharding import forget_forward_order
 
 # torch's FSDP2 and DTensor modules take half a second to import: every fairseq CLI imports this
 # plugin, so they are imported when a model is sharded, and a tensor can only be a DTensor once
@@ -244,22 +243,6 @@ def _whole_tensors_sliced(module, state_dict, prefix, *args):
         key = prefix + key
         if is_sharded(like) and key in state_dict and not is_sharded(state_dict[key]):
             state_dict[key] = sharded_like(like, state_dict[key])
-
-
-def sharded_grad_norm_squared(grads: List[torch.Tensor], device) -> torch.Tensor:
-    """Sum of squares of sharded gradients over the whole tensors: each worker's slices, summed over
-    the group their mesh shards them over (one all-reduce per distinct group). fp64, on ``device``."""
-    by_group: Dict[object, torch.Tensor] = {}
-    for grad in grads:
-        group = grad.device_mesh.get_group()
-        sq = torch.linalg.vector_norm(grad.to_local(), dtype=torch.float32).double().to(device) ** 2
-        by_group[group] = by_group.get(group, torch.zeros((), dtype=torch.float64, device=device)) + sq
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group, sq in by_group.items():
-        with collective("all-reduce of sharded gradient norms", group, [sq]):
-            dist.all_reduce(sq, group=group)
-        total = total + sq
-    return total
 
 
 def full_tensors(state, keep: Callable[[object], bool]):

@@ -40,21 +40,21 @@ class LoadTarget:
 # fmt: off
 @dataclass
 class PluginState:
-    # Writer: the models' build_model (--moe-comm-timeout, via distributed.set_comm_timeout).
-    # Reader: distributed._new_expert_groups, when it creates the groups. None: torch's default.
+    # Writer: the models' build_model (--moe-comm-timeout, via expert_groups.set_comm_timeout).
+    # Reader: expert_groups._new_expert_groups, when it creates the groups. None: torch's default.
     comm_timeout_s: Optional[float] = None
     # Writer: the models' build_model on several workers (--moe-expert-parallel-size, or its default
-    # gcd(W, E), via distributed.set_expert_parallel_size). Reader: distributed.expert_layout.
+    # gcd(W, E), via expert_groups.set_expert_parallel_size). Reader: expert_groups.expert_layout.
     # None: P = W (every worker one shard, the layout before P could be chosen).
     expert_parallel_size: Optional[int] = None
-    # Writer and reader: distributed._expert_groups (one distributed.ExpertGroups, this rank's
+    # Writer and reader: expert_groups._expert_groups (one expert_groups.ExpertGroups, this rank's
     # expert-parallel, replica and statistics groups, per default group, timeout and P).
     expert_groups: Dict[Any, Any] = field(default_factory=dict)
-    # Writer and reader: distributed._new_expert_groups (whether close_process_groups is registered
+    # Writer and reader: expert_groups._new_expert_groups (whether close_process_groups is registered
     # to run at exit, once per process).
     closes_groups_at_exit: bool = False
-    # Writer: distributed.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
-    # generation builds models holding every expert). Reader: distributed.expert_world_size.
+    # Writer: expert_groups.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
+    # generation builds models holding every expert). Reader: expert_groups.expert_world_size.
     all_experts_local_depth: int = 0
     # Writer: the DistributedFairseqModel hook, once it wraps an MoE model whose experts train (not
     # --moe-freeze experts) for several workers.

@@ -141,9 +141,9 @@ def experts_per_layer(shapes: mp.ModelShapes) -> str:
 def unit_numels(model):
     """fully_sharded's units: the root's shared numel first, then each layer's (fully_sharded.wrap_units);
     and the largest MoE layer's expert numel."""
-    from ..parallel.fully_sharded import wrap_units
     from ..moe.experts import is_expert
     from ..moe.layer import MoELayer
+    from ..parallel.fully_sharded import wrap_units
 
     units = wrap_units(model)
     in_units = {id(p) for u in units for p in u.parameters()}

@@ -19,13 +19,13 @@ import logging
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
 from .. import checkpoint as moe_ckpt
-from ..parallel import distributed as moe_dist
 from ..checkpoint.compat import check_resumable
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_option
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
+from ..parallel import expert_groups
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def load_upcycled(trainer, path: str) -> None:
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
         moe_architecture_of(dense_model_cfg, path)
     full = upcycle_state(dense, path, options, model_cfg, dense.get("cfg"))
-    layout = moe_dist.model_layout(trainer._model)
+    layout = expert_groups.model_layout(trainer._model)
     share = moe_ckpt.shard_state(full, layout.ep_rank, layout.parallel_size)
     check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg)
     trainer.model.load_state_dict(share["model"], strict=True, model_cfg=model_cfg)

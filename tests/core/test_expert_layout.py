@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import fairseq_moe_ext
-from fairseq_moe_ext.parallel import distributed as moe_dist
-from fairseq_moe_ext.parallel.distributed import ExpertLayout, default_expert_parallel_size
 from fairseq_moe_ext.models.moe_runtime import apply_runtime_options, expert_parallel_size
+from fairseq_moe_ext.parallel import expert_grads, expert_groups
+from fairseq_moe_ext.parallel.expert_groups import ExpertLayout, default_expert_parallel_size
 from fairseq_moe_ext.parallel.process_state import STATE
 
 
@@ -121,31 +121,31 @@ def test_building_a_model_on_four_workers_sets_the_layout_from_the_flag_or_its_d
     four_workers, experts, flag, parallel
 ):
     apply_runtime_options(argparse.Namespace(moe_expert_count=experts, moe_expert_parallel_size=flag))
-    assert moe_dist.expert_layout() == ExpertLayout(4, parallel, 3)
-    with moe_dist.all_experts_local():
-        assert moe_dist.expert_layout() == ExpertLayout(1, 1, 0)
+    assert expert_groups.expert_layout() == ExpertLayout(4, parallel, 3)
+    with expert_groups.all_experts_local():
+        assert expert_groups.expert_layout() == ExpertLayout(1, 1, 0)
 
 
 def test_a_model_reads_the_layout_it_was_built_with_not_the_one_the_process_moved_on_to(four_workers):
     apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=2))
     model = torch.nn.Module()
-    model.moe_layout = moe_dist.expert_layout()  # what MoEModelMixin.build_moe_model records
+    model.moe_layout = expert_groups.expert_layout()  # what MoEModelMixin.build_moe_model records
     apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=4))  # a later build
-    assert moe_dist.model_layout(model) == ExpertLayout(4, 2, 3)
-    assert moe_dist.model_layout(torch.nn.Linear(1, 1)) == ExpertLayout(4, 4, 3), "a dense model: the process's"
+    assert expert_groups.model_layout(model) == ExpertLayout(4, 2, 3)
+    assert expert_groups.model_layout(torch.nn.Linear(1, 1)) == ExpertLayout(4, 4, 3), "a dense model: the process's"
 
 
 def test_before_any_model_is_built_every_worker_is_one_shard_as_before_the_flag_existed(four_workers):
-    assert moe_dist.expert_layout() == ExpertLayout(4, 4, 3)
+    assert expert_groups.expert_layout() == ExpertLayout(4, 4, 3)
 
 
 def test_one_process_has_one_layout_and_no_groups_whatever_the_flag_says():
     assert not dist.is_initialized()
     apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=3))  # not refused
-    assert moe_dist.expert_layout() == ExpertLayout(1, 1, 0)
-    assert moe_dist.expert_parallel_group() is None
-    assert moe_dist.expert_replica_group() is None
-    assert moe_dist.moe_statistics_group() is None
+    assert expert_groups.expert_layout() == ExpertLayout(1, 1, 0)
+    assert expert_groups.expert_parallel_group() is None
+    assert expert_groups.expert_replica_group() is None
+    assert expert_groups.moe_statistics_group() is None
 
 
 @pytest.mark.parametrize("world, parallel", [(4, 2), (8, 2), (8, 4), (4, 1), (4, 4)])
@@ -157,7 +157,7 @@ def test_every_rank_creates_every_group_in_the_same_order_and_keeps_its_own(monk
             dist, "new_group", lambda ranks, timeout=None, calls=calls: calls.append(tuple(ranks)) or tuple(ranks)
         )
         layout = ExpertLayout(world, parallel, rank)
-        groups = moe_dist._new_expert_groups(layout)
+        groups = expert_groups._new_expert_groups(layout)
         assert groups.statistics == tuple(range(world))
         assert groups.parallel == (layout.parallel_group_ranks if parallel > 1 else None)
         assert groups.replica == (layout.replica_group_ranks if parallel < world else None)
@@ -191,11 +191,11 @@ def expert_and_shared_params():
 @pytest.mark.parametrize("bucket, calls", [(1 << 26, [41]), (20, [12, 12, 17])])
 def test_expert_gradients_are_summed_over_replicas_in_flat_buckets_shared_ones_not(monkeypatch, bucket, calls):
     reduce = RecordedReplicaSum(monkeypatch)
-    monkeypatch.setattr(moe_dist, "EXPERT_GRAD_BUCKET_NUMEL", bucket)
+    monkeypatch.setattr(expert_grads, "EXPERT_GRAD_BUCKET_NUMEL", bucket)
     experts, shared = expert_and_shared_params()
     before = [p.grad.clone() for p in experts[:3]] + [torch.zeros(5)]
     shared_before = shared.grad.clone()
-    moe_dist.sum_expert_grads_over_replicas(experts + [shared], group=object())
+    expert_grads.sum_expert_grads_over_replicas(experts + [shared], group=object())
     assert reduce.sizes == calls  # never one all-reduce per parameter
     for p, want in zip(experts, before):
         assert torch.equal(p.grad, 2 * want)

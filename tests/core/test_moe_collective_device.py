@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_moe_ext.parallel import distributed as moe_dist
 from fairseq_moe_ext.moe import comm
 from fairseq_moe_ext.moe.collective_device import MoECollectiveDeviceError, collective_device, group_device_types
+from fairseq_moe_ext.parallel import expert_grads, expert_groups, grad_norm
 
 
 @pytest.fixture
@@ -135,9 +135,9 @@ CONTROL_PATHS = {
     "layer set-up check": lambda g: comm.check_same_on_every_rank([4, 2, 2, 8, 2], list("abcde"), "MoE layer", g),
     "counts exchange": lambda g: comm.exchange_counts(torch.tensor([[3, 1]]), g),
     "all_gather_rows": lambda g: comm.all_gather_rows(torch.tensor([[0, 1], [1, 0]]), g),
-    "global grad norm": lambda g: moe_dist.global_grad_norm(_model_with_grads().parameters(), g),
-    "replica gradient sum": lambda g: moe_dist.sum_expert_grads_over_replicas(_model_with_grads().parameters(), g),
-    "shared-parameter fingerprints": lambda g: moe_dist.check_shared_parameters_agree(_model_with_grads(), g),
+    "global grad norm": lambda g: grad_norm.global_grad_norm(_model_with_grads().parameters(), g),
+    "replica gradient sum": lambda g: expert_grads.sum_expert_grads_over_replicas(_model_with_grads().parameters(), g),
+    "shared-parameter fingerprints": lambda g: expert_grads.check_shared_parameters_agree(_model_with_grads(), g),
 }
 # fmt: on
 
@@ -147,7 +147,7 @@ def test_no_control_collective_hands_a_cpu_tensor_to_a_group_without_a_cpu_backe
     group = group_of_one("gloo")
     # The group now says it serves only "meta", standing in for the cuda of a plain nccl group.
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "meta:nccl")
-    monkeypatch.setattr(moe_dist, "expert_parallel_group", lambda: group)
+    monkeypatch.setattr(expert_groups, "expert_parallel_group", lambda: group)
     seen = _record_collectives(monkeypatch)
     with pytest.raises(ReachedCollective):
         CONTROL_PATHS[path](group)
@@ -160,7 +160,7 @@ def test_global_grad_norm_never_reads_a_value_back_to_the_host():
     for i, p in enumerate(params):
         p.grad = torch.empty(3, 2, device="meta")
         p.expert = i == 1
-    assert moe_dist.global_grad_norm(params).device.type == "meta"
+    assert grad_norm.global_grad_norm(params).device.type == "meta"
 
 
 def test_global_grad_norm_is_bit_equal_to_the_fp64_sum_of_squared_fp32_norms():
@@ -177,4 +177,4 @@ def test_global_grad_norm_is_bit_equal_to_the_fp64_sum_of_squared_fp32_norms():
         else:
             shared_sq += sq
     want = torch.tensor(shared_sq + expert_sq, dtype=torch.float64).sqrt().float()
-    assert torch.equal(moe_dist.global_grad_norm(params), want)
+    assert torch.equal(grad_norm.global_grad_norm(params), want)

@@ -55,7 +55,7 @@ def test_without_the_graph_task_id_checkpointed_moe_layers_are_refused_in_one_li
 
 
 def test_gradient_clipping_without_foreach_mul_scales_every_gradient_the_same_bits(monkeypatch):
-    from fairseq_moe_ext.parallel.distributed import clip_grad_norm_
+    from fairseq_moe_ext.parallel.grad_norm import clip_grad_norm_
 
     def clipped():
         params = [nn.Parameter(torch.zeros(n)) for n in (3, 5)]

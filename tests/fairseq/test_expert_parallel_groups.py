@@ -10,11 +10,11 @@ import pytest
 import torch
 from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
 
-from fairseq_moe_ext.parallel import distributed as moe_dist
-from fairseq_moe_ext.parallel.distributed import ExpertLayout
 from fairseq_moe_ext.fairseq_integration import training
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases
+from fairseq_moe_ext.parallel import expert_grads, expert_groups, grad_norm
+from fairseq_moe_ext.parallel.expert_groups import ExpertLayout
 from in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
 from thread_world import ThreadWorld
 
@@ -26,7 +26,7 @@ LAYOUTS = [ExpertLayout(W, P, rank) for rank in range(W)]
 @pytest.fixture
 def world(monkeypatch):
     world = ThreadWorld(W).install(monkeypatch)
-    moe_dist.set_expert_parallel_size(P)  # what building a model with --moe-expert-parallel-size 2 sets
+    expert_groups.set_expert_parallel_size(P)  # what building a model with --moe-expert-parallel-size 2 sets
     return world
 
 
@@ -61,14 +61,14 @@ def layer_step_on_worker(rank, layers):
     """One worker's forward and backward on its share of the batch, then what training does next:
     shared gradients summed over the world (data parallelism), expert gradients over the replicas,
     the balance bias moved."""
-    groups = moe_dist._new_expert_groups(LAYOUTS[rank])
+    groups = expert_groups._new_expert_groups(LAYOUTS[rank])
     moe = layers[rank]
     x, upstream = batch()
     rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
     # Each worker weighs the shared losses by its share of the tokens, as fairseq does by sample size.
     y, aux = step(moe, x[rows], upstream[rows], SIZES[rank] / sum(SIZES))
     torch.distributed.all_reduce(moe.router.wg.weight.grad, group=groups.statistics)
-    moe_dist.sum_expert_grads_over_replicas(moe.experts.parameters(), groups.replica)
+    expert_grads.sum_expert_grads_over_replicas(moe.experts.parameters(), groups.replica)
     update_balance_biases(moe)
     return {
         "y": y,
@@ -85,7 +85,7 @@ def test_four_workers_on_two_expert_shards_give_the_losses_grads_and_bias_of_one
     layers = []
     for rank in range(W):  # built as each worker builds its own, with the groups it makes
         with world.as_rank(rank):
-            groups = moe_dist._new_expert_groups(LAYOUTS[rank])
+            groups = expert_groups._new_expert_groups(LAYOUTS[rank])
             layers.append(layer(groups.parallel, groups.statistics))
             assert groups.parallel.ranks == LAYOUTS[rank].parallel_group_ranks and groups.statistics.ranks == WORLD
     results = world.run(layer_step_on_worker, layers)
@@ -134,7 +134,7 @@ def wrapped_reduce_on_worker(rank, args):
         args, model, torch.distributed.new_group(), torch.device("cpu")
     )
     wrapped.all_reduce_grads()
-    norm = moe_dist.clip_grad_norm_(list(model.parameters()), 0, moe_dist.expert_parallel_group())  # as hook 4
+    norm = grad_norm.clip_grad_norm_(list(model.parameters()), 0, expert_groups.expert_parallel_group())  # as hook 4
     return model.shared.grad, model.expert.grad, norm
 
 
@@ -189,8 +189,8 @@ def training_step_on_worker(rank, built):
     loss, _, _ = criterion(wrapped, collate(task, sentence_pairs(12)[3 * rank : 3 * rank + 3]))
     loss.backward()
     wrapped.all_reduce_grads()
-    moe_dist.clip_grad_norm_(
-        list(model.parameters()), 0.7, moe_dist.expert_parallel_group(moe_dist.model_layout(model))
+    grad_norm.clip_grad_norm_(
+        list(model.parameters()), 0.7, expert_groups.expert_parallel_group(expert_groups.model_layout(model))
     )
     update_balance_biases(model)
 

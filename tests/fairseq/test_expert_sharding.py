@@ -84,8 +84,8 @@ def expert_sharding_worker(rank, world, data_dir):
 def experts_gathered_in_forward(model):
     """Each time an MoE layer's experts run forward, how many MoE layers' experts are gathered (whole)
     then: the hook runs after FSDP2's own pre-forward hook, which gathered the running layer's."""
-    from fairseq_moe_ext.parallel.fully_sharded import is_sharded
     from fairseq_moe_ext.moe.experts import BatchedExperts
+    from fairseq_moe_ext.parallel.fully_sharded import is_sharded
 
     modules = [m for m in model.modules() if isinstance(m, BatchedExperts)]
     counts = []

@@ -6,8 +6,8 @@ layout it was built for, which the fairseq hooks read from it."""
 import pytest
 from fairseq import utils
 
-from fairseq_moe_ext.parallel.distributed import ExpertLayout
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
+from fairseq_moe_ext.parallel.expert_groups import ExpertLayout
 from tiny_fairseq_models import language_model, translation
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")

@@ -14,11 +14,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fairseq_moe_ext.options import ranges as option_ranges
 from fairseq_moe_ext.checkpoint import __main__ as tool
 from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig, MoELossMixin
 from fairseq_moe_ext.models.moe_config import MoEEncoderDecoderConfig, check_moe_args, check_moe_layers_placed
 from fairseq_moe_ext.moe.capacity import expert_capacity_tensor, slots_within_capacity
+from fairseq_moe_ext.options import ranges as option_ranges
 
 # fmt: off
 VALUES = {"zero": 0, "negative": -1, "nan": math.nan, "inf": math.inf, "1e39": 1e39, "huge-integer": 10 ** 40,

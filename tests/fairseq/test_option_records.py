@@ -29,7 +29,6 @@ from fairseq_moe_ext.models.moe_config import (
 from fairseq_moe_ext.models.moe_layers import moe_layer_config
 from fairseq_moe_ext.models.moe_transformer import NOT_SET_BY_ARCHITECTURE
 from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig
-from fairseq_moe_ext.options.ranges import CRITERION_RANGES, MODEL_RANGES
 from fairseq_moe_ext.options import (
     ARCH_OPTIONS,
     BRANCH_NAMES,
@@ -42,6 +41,7 @@ from fairseq_moe_ext.options import (
     Option,
     record_problems,
 )
+from fairseq_moe_ext.options.ranges import CRITERION_RANGES, MODEL_RANGES
 from fairseq_moe_ext.options.record import CHANGES_FUNCTION, CRITERION
 from fairseq_moe_ext.training.resume_policy import POLICY
 from model_namespaces import exportable_options, model_defaults
