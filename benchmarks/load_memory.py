@@ -37,10 +37,10 @@ SIZES = {"S": (256, 1024, 8, 2, 4000), "M": (512, 2048, 16, 2, 8000)}
 
 def write_set(directory: str, size: str) -> str:
     """A 2-rank set of an moe_transformer of ``size``, built by fairseq and saved in fp16: its manifest."""
-    from fairseq import options, tasks
     from fairseq.data import Dictionary
     from omegaconf import OmegaConf
 
+    from fairseq import options, tasks
     from fairseq_moe_ext import checkpoint as moe_ckpt
     from fairseq_moe_ext.fairseq_integration import run_dtype
 
@@ -97,9 +97,8 @@ def switched_off():
 
 def measure(directory: str, precision: str, before: bool) -> None:
     """In a fresh process (a torchrun worker, or alone): load the set as fairseq-generate does, print JSON."""
-    from fairseq import checkpoint_utils, options
-
     import fairseq_moe_ext  # noqa: F401  (its hooks before the command line is parsed, as --user-dir does)
+    from fairseq import checkpoint_utils, options
 
     if before:
         switched_off()

@@ -64,12 +64,12 @@ def write_dictionaries(data: str, vocabulary: int) -> None:
 def probe(size: str) -> dict:
     """In a fresh process: the growth of the peak resident set over two training steps."""
     import torch
-    from fairseq import options, tasks
     from fairseq.data import LanguagePairDataset
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
     import fairseq_moe_ext
+    from fairseq import options, tasks
     from measure import max_rss_bytes
 
     torch.set_num_threads(int(os.environ.get("PLAN_BENCH_THREADS", "1")))

@@ -72,9 +72,8 @@ def write_text(out, rng):
 
 def dense_model(out):
     """fairseq's own dense transformer on the NLLB task's dictionary (symbols, languages, 3 tags)."""
-    from fairseq import options, tasks
-
     import fairseq_moe_ext  # noqa: F401  (registers translation_multi_simple_epoch_nllb)
+    from fairseq import options, tasks
 
     for lang in LANGS:  # the multilingual task reads dict.<lang>.txt
         with open(os.path.join(out, "dictionary.txt")) as src, open(os.path.join(out, f"dict.{lang}.txt"), "w") as dst:
@@ -218,8 +217,9 @@ def main(argv=None):
 
 
 def binarize(out, dest):
-    from fairseq import options
     from fairseq_cli import preprocess
+
+    from fairseq import options
 
     raw = os.path.join(out, "raw")
     dictionary = os.path.join(out, "dictionary.txt")

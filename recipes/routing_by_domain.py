@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fairseq import checkpoint_utils
 
 import fairseq_moe_ext  # noqa: F401  (registers the models and makes fairseq load per-rank sets)
+from fairseq import checkpoint_utils
 from fairseq_moe_ext.moe import MoELayer
 
 

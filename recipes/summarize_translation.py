@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 from fairseq import checkpoint_utils
-
 from fairseq_logs import json_records
 from fairseq_moe_ext import checkpoint as moe_checkpoint
 from model_cost import model_cost

@@ -39,8 +39,9 @@ def binarize(raw: Path, dest: Path, splits: Iterable[str] = SPLITS, language_mod
     process, on ``raw/{split}.src`` and ``.tgt`` as write_parallel_corpus writes them (or ``raw/{split}.txt``
     when ``language_model``) for every split of ``splits``; the binarised corpus goes to ``dest``. fairseq is
     imported here only: writing the corpus needs none."""
-    from fairseq import options
     from fairseq_cli import preprocess
+
+    from fairseq import options
 
     if language_model:
         corpus = ["--only-source", *(f"--{split}pref={raw / split}.txt" for split in splits)]

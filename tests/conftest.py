@@ -12,12 +12,14 @@ import sys
 
 import pytest
 
-# What tests share lives in tests/support, one folder per kind (oracles/, inputs/, launch/, probes/; see
-# docs/testing.md), each on sys.path: `from fairseq_helpers import ...` finds launch/fairseq_helpers.py.
-# tests/recipes/test_house_rules.py keeps tests/support to folders and a module name to one of them.
-_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
-sys.path[:0] = sorted(entry.path for entry in os.scandir(_SUPPORT) if entry.is_dir() and entry.name != "__pycache__")
-from suite_order import hands_out_by_group, longest_first_rank  # noqa: E402
+# What tests share lives in tests/support, one package per kind (oracles/, inputs/, launch/, probes/; see
+# docs/testing.md), imported by its kind: `from support.launch.fairseq_helpers import ...`. tests/ is what
+# puts `support` on sys.path (pytest puts the folder of this conftest there too; workers inherit sys.path).
+# tests/recipes/test_house_rules.py keeps tests/support to folders and every import of it to its package path.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+from support.launch.suite_order import hands_out_by_group, longest_first_rank  # noqa: E402
 
 
 def pytest_configure(config):
@@ -41,9 +43,9 @@ def _seeded():
 
 @pytest.fixture(scope="session")
 def parallel_data(tmp_path_factory):
-    """fairseq-preprocess'ed tests/support/fairseq_helpers.write_parallel_corpus (seed 0), shared by every
+    """fairseq-preprocess'ed tests/support/launch/fairseq_helpers.write_parallel_corpus (seed 0), shared by every
     test of the session that only reads it (training, generation). Preprocessed in this process."""
-    from fairseq_helpers import preprocess_in_process, write_parallel_corpus
+    from support.launch.fairseq_helpers import preprocess_in_process, write_parallel_corpus
 
     root = tmp_path_factory.mktemp("parallel_data")
     return preprocess_in_process(write_parallel_corpus(root / "raw"), root / "bin")
@@ -51,8 +53,8 @@ def parallel_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def lm_data(tmp_path_factory):
-    """fairseq-preprocess'ed tests/support/fairseq_helpers.write_lm_corpus (seed 0), shared read-only."""
-    from fairseq_helpers import preprocess_in_process, write_lm_corpus
+    """fairseq-preprocess'ed tests/support/launch/fairseq_helpers.write_lm_corpus (seed 0), shared read-only."""
+    from support.launch.fairseq_helpers import preprocess_in_process, write_lm_corpus
 
     root = tmp_path_factory.mktemp("lm_data")
     return preprocess_in_process(write_lm_corpus(root / "raw"), root / "bin", language_model=True)

@@ -166,10 +166,10 @@ def write_dictionaries(folder: Path, vocab: int = 40) -> Path:
 
 def build_translation_model(data: Path, on_cpu: bool, *flags: str):
     """(task, model, criterion) as fairseq-train builds them from its command line."""
-    from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     import fairseq_moe_ext
+    from fairseq import options, tasks, utils
 
     args = options.parse_args_and_arch(
         options.get_training_parser(),
@@ -232,14 +232,14 @@ def model_step(model, criterion, sample, autocast_dtype=None):
 
 def plugin_and_model(on_cpu: bool):
     started = time.time()
-    import fairseq  # noqa: F401
     import fairseq_cli.generate  # noqa: F401
     import fairseq_cli.preprocess  # noqa: F401
     import fairseq_cli.train  # noqa: F401
     import torch
-    from fairseq import utils
 
+    import fairseq  # noqa: F401
     import fairseq_moe_ext  # noqa: F401
+    from fairseq import utils
 
     imported = time.time() - started
     dev = torch.device("cpu") if on_cpu else device()

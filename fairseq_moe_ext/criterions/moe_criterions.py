@@ -18,7 +18,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from fairseq.criterions.label_smoothed_cross_entropy import (
@@ -26,6 +25,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.dataclass import FairseqDataclass
+
+from fairseq import metrics
 
 from ..common.refusal import MoEOptionError, MoESetupError
 from ..models.moe_config import dataclass_of

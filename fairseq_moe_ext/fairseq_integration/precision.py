@@ -112,8 +112,9 @@ def build_fully_sharded_mixed_precision_optimizer(trainer) -> None:
     fp16 (none for bf16), as fairseq does for its own fully_sharded backend; any optimizer is allowed,
     since none of them sees a low-precision tensor. Its overflow check reads the global gradient norm
     (hook 4), so every worker skips an overflowing step and lowers the scale alike."""
-    from fairseq import optim
     from fairseq.optim import lr_scheduler
+
+    from fairseq import optim
 
     params = [p for p in chain(trainer.model.parameters(), trainer.criterion.parameters()) if p.requires_grad]
     fp32_optimizer = optim.build_optimizer(trainer.cfg.optimizer, params)

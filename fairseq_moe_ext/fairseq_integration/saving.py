@@ -9,6 +9,7 @@ import hashlib
 import os
 
 import torch
+
 from fairseq import checkpoint_utils
 
 from .. import checkpoint as moe_ckpt

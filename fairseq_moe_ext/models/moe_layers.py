@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from fairseq import utils
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+
+from fairseq import utils
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError

@@ -77,8 +77,9 @@ def _fake_data_dir(size: int, argv: List[str]) -> str:
 def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
     """(cfg, model) as fairseq-train builds them, the model's tensors on the meta device."""
     import torch
-    from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq import options, tasks
 
     if "--user-dir" not in argv:
         argv = [*argv, "--user-dir", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
-from fake_checkpoints import full_state
+from support.inputs.fake_checkpoints import full_state
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
 from fairseq_moe_ext.checkpoint.inspection import replica_findings
 from fairseq_moe_ext.checkpoint.share import files_holding, load_share
-from fake_checkpoints import EXPERT_KEY, full_state
+from support.inputs.fake_checkpoints import EXPERT_KEY, full_state
 
 EXPERTS = 8
 
@@ -165,7 +165,6 @@ def bytes_read_by_this_process() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes with Linux's /proc/self/io")
 def test_a_resume_through_fairseq_reads_the_first_file_and_its_own_not_the_whole_set(tmp_path, monkeypatch):
     from fairseq import checkpoint_utils
-
     from fairseq_moe_ext.parallel.process_state import STATE, LoadTarget
 
     manifest = a_set(tmp_path, 4, rows=100_000)  # ~5 MB per rank file
@@ -211,7 +210,7 @@ def decide_on_workers(rank, world, refuse):
 @pytest.mark.slow
 @pytest.mark.parametrize("refuse", [False, True])
 def test_rank_0_alone_validates_the_set_and_every_worker_follows_its_choice(refuse):
-    from dist_utils import run_on_workers
+    from support.launch.dist_utils import run_on_workers
 
     results = run_on_workers(decide_on_workers, 2, refuse)
     assert [r["calls"] for r in results] == [[0], []]

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from fairseq_helpers import fairseq_env
 from fairseq_moe_ext.checkpoint import __main__ as tool
-from fake_checkpoints import EXPERT_KEY, full_state
+from support.inputs.fake_checkpoints import EXPERT_KEY, full_state
+from support.launch.fairseq_helpers import fairseq_env
 
 EXPERTS = 8
 

@@ -11,7 +11,7 @@ import torch
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
-from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
+from support.inputs.fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
 
 
 def run_tool(capsys, *argv):

@@ -11,7 +11,7 @@ import torch
 
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import foreign
-from fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
+from support.inputs.fake_checkpoints import EXPERT_KEY, NOT_CHECKPOINTS, fingerprint, full_state
 
 # ---------------------------------------------------------------- class 1: the manifest's schema
 
@@ -317,9 +317,8 @@ def test_inspect_says_a_dense_checkpoint_is_dense(tmp_path):
 
 @pytest.mark.parametrize("what", NOT_CHECKPOINTS)
 def test_fairseqs_loader_refuses_a_pt_file_that_holds_no_checkpoint_in_one_line(tmp_path, what):
-    from fairseq import checkpoint_utils
-
     import fairseq_moe_ext  # noqa: F401  (installs the hooks)
+    from fairseq import checkpoint_utils
 
     torch.save(NOT_CHECKPOINTS[what], tmp_path / "model.pt")
     with pytest.raises(moe_ckpt.NotACheckpointError, match=r"model.pt is not a fairseq checkpoint: it holds a"):
@@ -327,9 +326,8 @@ def test_fairseqs_loader_refuses_a_pt_file_that_holds_no_checkpoint_in_one_line(
 
 
 def test_fairseqs_loader_refuses_a_rank_file_under_a_plain_name_and_loads_a_whole_file(a_set, tmp_path):
-    from fairseq import checkpoint_utils
-
     import fairseq_moe_ext  # noqa: F401  (installs the hooks)
+    from fairseq import checkpoint_utils
 
     shutil.copy(a_set / "checkpoint_last-rank-1-of-2.pt", tmp_path / "checkpoint_x.pt")
     with pytest.raises(moe_ckpt.CheckpointSetError, match=LONE_PART):

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from dist_utils import run_workers_through_faults
 from fairseq_moe_ext import checkpoint as moe_ckpt
-from fake_checkpoints import full_state
+from support.inputs.fake_checkpoints import full_state
+from support.launch.dist_utils import run_workers_through_faults
 
 DEFAULT_GROUP_TIMEOUT_S = 2.0  # stands for fairseq's NCCL timeout
 SLOW_HASH_S = 2.5 * DEFAULT_GROUP_TIMEOUT_S

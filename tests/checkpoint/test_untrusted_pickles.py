@@ -14,8 +14,8 @@ import torch
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint import __main__ as tool
 from fairseq_moe_ext.checkpoint.hf.fields import REQUIRED_INTEGERS
-from fake_checkpoints import full_state
-from untrusted_pickles import MARKER, REFUSED, plant, plant_in_set
+from support.inputs.fake_checkpoints import full_state
+from support.inputs.untrusted_pickles import MARKER, REFUSED, plant, plant_in_set
 
 RANK_1 = "checkpoint_last-rank-1-of-2.pt"
 

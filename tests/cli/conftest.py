@@ -6,10 +6,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from bad_input_runner import Inputs, Started, fingerprint, train_checkpoints
-from fairseq_helpers import torchrun
-from multiworker_cli_runs import generate, moe_args
-from paths import PROBES
+from support.launch.bad_input_runner import Inputs, Started, fingerprint, train_checkpoints
+from support.launch.fairseq_helpers import torchrun
+from support.launch.multiworker_cli_runs import generate, moe_args
+from support.launch.paths import PROBES
 
 TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses
 

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from bad_input_makers import (
+from support.inputs.bad_input_makers import (
     Smuggled,
     checkpoint_tool_on,
     drop_the_ffn_blocks,
@@ -40,7 +40,7 @@ from bad_input_makers import (
     upcycle,
     with_inputs,
 )
-from bad_input_runner import (
+from support.launch.bad_input_runner import (
     GENERATE,
     LAUNCHED_TRAIN,
     OOM_PROBE,
@@ -55,7 +55,7 @@ from bad_input_runner import (
     two_workers_one_running_out_of_memory,
     two_workers_without_world_size,
 )
-from fairseq_helpers import USER_DIR, run_fairseq
+from support.launch.fairseq_helpers import USER_DIR, run_fairseq
 
 pytestmark = pytest.mark.slow
 

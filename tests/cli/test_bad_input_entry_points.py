@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from bad_input_entry_points import (
+from support.inputs.bad_input_entry_points import (
     a_set_missing_rank_1,
     forge_rank_1,
     generate_on_two_workers,
@@ -22,8 +22,9 @@ from bad_input_entry_points import (
     refused_by,
     upcycling_from_a_forged_dense_checkpoint,
 )
-from bad_input_makers import fresh_training, generate_from, resume
-from bad_input_runner import (
+from support.inputs.bad_input_makers import fresh_training, generate_from, resume
+from support.inputs.untrusted_pickles import MARKER
+from support.launch.bad_input_runner import (
     GENERATE,
     LAUNCHED_TRAIN,
     TRAIN,
@@ -34,7 +35,6 @@ from bad_input_runner import (
     fairseq_train,
     two_workers,
 )
-from untrusted_pickles import MARKER
 
 pytestmark = pytest.mark.slow
 MISSING = "checkpoint_last-rank-1-of-2.pt is missing"

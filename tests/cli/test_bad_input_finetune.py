@@ -4,8 +4,8 @@ exit, one last line naming the problem and the fix, no file changed or added).""
 
 import pytest
 
-from bad_input_makers import fresh_training
-from bad_input_runner import TRAIN, Case, check_case, fairseq_train
+from support.inputs.bad_input_makers import fresh_training
+from support.launch.bad_input_runner import TRAIN, Case, check_case, fairseq_train
 
 pytestmark = pytest.mark.slow
 

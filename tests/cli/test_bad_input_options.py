@@ -11,9 +11,18 @@ import re
 
 import pytest
 
-from bad_input_makers import fresh_training, import_release_lookalike, resume
-from bad_input_runner import TRAIN, Case, check_case, checkpoint_tool, copy_of, fairseq_train, plan_tool, train_args
-from fairseq_helpers import run_fairseq
+from support.inputs.bad_input_makers import fresh_training, import_release_lookalike, resume
+from support.launch.bad_input_runner import (
+    TRAIN,
+    Case,
+    check_case,
+    checkpoint_tool,
+    copy_of,
+    fairseq_train,
+    plan_tool,
+    train_args,
+)
+from support.launch.fairseq_helpers import run_fairseq
 
 pytestmark = pytest.mark.slow
 FUNCTION_FIX = "or use a new --save-dir, or add --moe-allow-function-change to train on from these weights"

@@ -12,8 +12,13 @@ import json
 import pytest
 import torch
 
-from bad_input_makers import checkpoint_tool_on, fresh_training, generate_args
-from bad_input_runner import (
+from fairseq_moe_ext import checkpoint as moe_ckpt
+from fairseq_moe_ext.checkpoint.prune import moe_layers
+from fairseq_moe_ext.checkpoint.prune import prune as prune_state_of
+from fairseq_moe_ext.checkpoint.reshard import save_set
+from fairseq_moe_ext.moe.routing_stats import RoutingTally, statistics_document
+from support.inputs.bad_input_makers import checkpoint_tool_on, fresh_training, generate_args
+from support.launch.bad_input_runner import (
     GENERATE,
     LAUNCHED_TRAIN,
     TRAIN,
@@ -26,11 +31,6 @@ from bad_input_runner import (
     train_args,
     two_workers,
 )
-from fairseq_moe_ext import checkpoint as moe_ckpt
-from fairseq_moe_ext.checkpoint.prune import moe_layers
-from fairseq_moe_ext.checkpoint.prune import prune as prune_state_of
-from fairseq_moe_ext.checkpoint.reshard import save_set
-from fairseq_moe_ext.moe.routing_stats import RoutingTally, statistics_document
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bad_input_runner import last_error_line, train_args
-from fairseq_helpers import run_checkpoint_tool, run_fairseq, tail
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.fairseq_integration import saving
-from fake_checkpoints import EXPERT_KEY, full_state
+from support.inputs.fake_checkpoints import EXPERT_KEY, full_state
+from support.launch.bad_input_runner import last_error_line, train_args
+from support.launch.fairseq_helpers import run_checkpoint_tool, run_fairseq, tail
 
 FULL = "no space left on device on the filesystem that holds"
 

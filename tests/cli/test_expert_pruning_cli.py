@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from fairseq_helpers import run_checkpoint_tool, run_fairseq
-from multiworker_cli_runs import assert_same_generation, generate, moe_args
-from pruning_runs import stats_args, train_tiny_set
+from support.inputs.pruning_runs import stats_args, train_tiny_set
+from support.launch.fairseq_helpers import run_checkpoint_tool, run_fairseq
+from support.launch.multiworker_cli_runs import assert_same_generation, generate, moe_args
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from fairseq_helpers import run_checkpoint_tool, run_fairseq
-from multiworker_cli_runs import assert_same_generation, generate, moe_args
-from pruning_ratio_runs import routers_masked, train_six_expert_set
-from pruning_runs import stats_args
+from support.inputs.pruning_ratio_runs import routers_masked, train_six_expert_set
+from support.inputs.pruning_runs import stats_args
+from support.launch.fairseq_helpers import run_checkpoint_tool, run_fairseq
+from support.launch.multiworker_cli_runs import assert_same_generation, generate, moe_args
 
 pytestmark = pytest.mark.slow
 

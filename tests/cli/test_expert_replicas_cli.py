@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import json_logs, run_checkpoint_tool, run_fairseq, torchrun
-from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
-from paths import PROBES
+from support.launch.fairseq_helpers import json_logs, run_checkpoint_tool, run_fairseq, torchrun
+from support.launch.multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args
+from support.launch.paths import PROBES
+from support.probes.full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
 

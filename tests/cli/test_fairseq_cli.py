@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from fairseq_helpers import (
+from support.launch.fairseq_helpers import (
     CONFIG_DIR,
     SPLITS,
     USER_DIR,

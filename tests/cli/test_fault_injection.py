@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port
-from fairseq_helpers import fairseq_env, tail, torchrun_command
-from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import moe_args
-from paths import PROBES
+from support.launch.dist_utils import free_port
+from support.launch.fairseq_helpers import fairseq_env, tail, torchrun_command
+from support.launch.multiworker_cli_runs import moe_args
+from support.launch.paths import PROBES
+from support.probes.full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
 PROBE = PROBES / "fairseq_crash_probe.py"

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from fairseq_helpers import run_fairseq
-from multiworker_cli_runs import moe_args
+from support.launch.fairseq_helpers import run_fairseq
+from support.launch.multiworker_cli_runs import moe_args
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
-from fairseq_helpers import json_logs, run_checkpoint_tool, torchrun
-from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import generate, moe_args
-from paths import PROBES
+from support.launch.fairseq_helpers import json_logs, run_checkpoint_tool, torchrun
+from support.launch.multiworker_cli_runs import generate, moe_args
+from support.launch.paths import PROBES
+from support.probes.full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
 TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"

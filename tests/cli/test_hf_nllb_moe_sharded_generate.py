@@ -13,9 +13,10 @@ import re
 import pytest
 import torch
 
-from branch_sets import BRANCH_NAME, OUR_EXPERT
-from fairseq_helpers import torchrun
-from hf_generation import (
+from support.inputs.branch_sets import BRANCH_NAME, OUR_EXPERT
+from support.launch.fairseq_helpers import torchrun
+from support.launch.paths import PROBES
+from support.oracles.hf_generation import (
     BEAM,
     SOURCES,
     eos_leaning_model,
@@ -26,8 +27,7 @@ from hf_generation import (
     preprocessed,
     search_args,
 )
-from hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS
-from paths import PROBES
+from support.oracles.hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,

@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, torchrun
-from multiworker_cli_runs import moe_args
-from paths import PROBES
+from support.launch.fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, torchrun
+from support.launch.multiworker_cli_runs import moe_args
+from support.launch.paths import PROBES
 
 pytestmark = pytest.mark.slow
 PROBE = PROBES / "fairseq_dtype_probe.py"

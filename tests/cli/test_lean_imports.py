@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fairseq_helpers import fairseq_env
+from support.launch.fairseq_helpers import fairseq_env
 
 pytestmark = pytest.mark.slow
 

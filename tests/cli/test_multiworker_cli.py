@@ -13,14 +13,14 @@ import shutil
 import pytest
 import torch
 
-from fairseq_helpers import (
+from support.launch.fairseq_helpers import (
     json_logs,
     run_checkpoint_tool,
     torchrun,
 )
-from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args, rewrite_rank_file
-from paths import PROBES
+from support.launch.multiworker_cli_runs import BIN, assert_same_generation, generate, moe_args, rewrite_rank_file
+from support.launch.paths import PROBES
+from support.probes.full_precision_logs import carries_every_digit
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("two_worker_run")]  # its fixtures: tests/cli/conftest.py
 TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"  # fairseq-train logging unrounded losses

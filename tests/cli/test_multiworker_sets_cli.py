@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from fairseq_helpers import (
+from support.launch.fairseq_helpers import (
     USER_DIR,
     fairseq_env,
     run_fairseq,
     torchrun,
 )
-from multiworker_cli_runs import BIN, moe_args
-from paths import PROBES
+from support.launch.multiworker_cli_runs import BIN, moe_args
+from support.launch.paths import PROBES
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("two_worker_run")]  # its fixtures: tests/cli/conftest.py
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import (
+from support.launch.fairseq_helpers import (
     USER_DIR,
     assert_loss_falls,
     assert_shared_identical_experts_distinct_norms_equal,
@@ -22,8 +22,8 @@ from fairseq_helpers import (
     run_fairseq,
     torchrun,
 )
-from multiworker_cli_runs import BIN, moe_args
-from paths import PROBES
+from support.launch.multiworker_cli_runs import BIN, moe_args
+from support.launch.paths import PROBES
 
 pytestmark = pytest.mark.slow
 

@@ -9,15 +9,15 @@ without CUDA, so those two are checked on GPUs (benchmarks/gpu_oneshot.sh).
 import pytest
 import torch
 
-from fairseq_helpers import (
+from support.launch.fairseq_helpers import (
     assert_loss_falls,
     assert_shared_identical_experts_distinct_norms_equal,
     load_rank_probes,
     run_fairseq,
     torchrun,
 )
-from multiworker_cli_runs import moe_args
-from paths import PROBES
+from support.launch.multiworker_cli_runs import moe_args
+from support.launch.paths import PROBES
 
 
 def parsed(*flags):

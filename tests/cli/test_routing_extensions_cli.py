@@ -5,7 +5,7 @@ command-line tools: fairseq-train on 2 torchrun workers, resumed bit-exactly, th
 import pytest
 import torch
 
-from fairseq_helpers import (
+from support.launch.fairseq_helpers import (
     USER_DIR,
     json_logs,
     preprocess_parallel,
@@ -14,9 +14,9 @@ from fairseq_helpers import (
     torchrun,
     write_parallel_corpus,
 )
-from full_precision_logs import carries_every_digit
-from multiworker_cli_runs import moe_args
-from paths import PROBES
+from support.launch.multiworker_cli_runs import moe_args
+from support.launch.paths import PROBES
+from support.probes.full_precision_logs import carries_every_digit
 
 pytestmark = pytest.mark.slow
 TRAIN_EVERY_DIGIT = PROBES / "fairseq_train_every_digit.py"

@@ -5,9 +5,9 @@ pair exactly the subset's real tokens.
 
 import pytest
 
-from fairseq_helpers import USER_DIR, run_fairseq, torchrun
-from multiworker_cli_runs import BIN
-from pruning_runs import statistics, stats_args, train_tiny_set
+from support.inputs.pruning_runs import statistics, stats_args, train_tiny_set
+from support.launch.fairseq_helpers import USER_DIR, run_fairseq, torchrun
+from support.launch.multiworker_cli_runs import BIN
 
 pytestmark = pytest.mark.slow
 

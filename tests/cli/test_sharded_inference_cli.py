@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import USER_DIR, json_logs, preprocess_parallel, run_fairseq, torchrun, write_parallel_corpus
-from multiworker_cli_runs import BIN, moe_args
+from support.launch.fairseq_helpers import (
+    USER_DIR,
+    json_logs,
+    preprocess_parallel,
+    run_fairseq,
+    torchrun,
+    write_parallel_corpus,
+)
+from support.launch.multiworker_cli_runs import BIN, moe_args
 
 pytestmark = pytest.mark.slow
 BLEU_ARGS = {"beam": 4, "max_len_a": 1.2, "max_len_b": 10}

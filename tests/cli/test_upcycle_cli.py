@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import (
+from fairseq_moe_ext import checkpoint as moe_ckpt
+from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
+from support.launch.fairseq_helpers import (
     json_logs,
     run_fairseq,
     torchrun,
     train_args,
 )
-from fairseq_moe_ext import checkpoint as moe_ckpt
-from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
 pytestmark = pytest.mark.slow
 FAIRSEQ_TRAIN = Path(sys.executable).parent / "fairseq-train"

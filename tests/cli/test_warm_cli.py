@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import warm_fairseq
-from dist_utils import free_port
-from fairseq_helpers import (
+from support.launch import warm_fairseq
+from support.launch.dist_utils import free_port
+from support.launch.fairseq_helpers import (
     USER_DIR,
     fairseq_env,
     fresh_interpreter,
@@ -185,8 +185,8 @@ def numbers(records):
 # runs it starts afterwards must be those of before, or the warm server started first serves none of them.
 SUITE_ACTIONS = """
 import os, sys
-import warm_fairseq
-from fairseq_helpers import fairseq_env
+from support.launch import warm_fairseq
+from support.launch.fairseq_helpers import fairseq_env
 before = fairseq_env()
 import fairseq, fairseq_cli.train, fairseq_moe_ext.fairseq_integration, matplotlib.pyplot, sacrebleu
 import torch, torch.distributed as dist

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_on_workers
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.reference import reference_bias_update, reference_moe
+from support.launch.dist_utils import run_on_workers
 
 D, H, E = 8, 16, 4
 pytestmark = pytest.mark.slow

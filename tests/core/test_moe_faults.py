@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist_utils import run_workers_through_faults
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, comm, grouped_mm
+from support.launch.dist_utils import run_workers_through_faults
 
 D, H = 8, 16
 

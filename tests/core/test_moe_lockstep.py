@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_on_workers, run_workers_through_faults
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.lockstep import LockStep
+from support.launch.dist_utils import run_on_workers, run_workers_through_faults
 
 D, H, E = 8, 16, 6
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
-from router_loss_definitions import (
+from support.oracles.router_loss_definitions import (
     E,
     router_probabilities,
     st_moe_z_loss,

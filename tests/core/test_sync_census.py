@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_on_workers
 from fairseq_moe_ext.criterions.moe_criterions import MoELossMixin
 from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
 from fairseq_moe_ext.parallel.grad_norm import global_grad_norm
-from sync_census import SyncCensus
+from support.launch.dist_utils import run_on_workers
+from support.oracles.sync_census import SyncCensus
 
 D, H, E = 8, 16, 4
 # fmt: off

@@ -3,7 +3,7 @@
 import pytest
 from fairseq.data import Dictionary
 
-from fairseq_helpers import VOCAB
+from support.launch.fairseq_helpers import VOCAB
 
 
 @pytest.fixture(scope="module")

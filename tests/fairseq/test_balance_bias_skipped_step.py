@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fairseq_moe_ext.moe.balance_bias import balance_biases
-from gradient_overflow import BALANCE_BIAS, PRECISIONS, first_expert_parameter, inject_once, with_adam
-from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
+from support.inputs.gradient_overflow import BALANCE_BIAS, PRECISIONS, first_expert_parameter, inject_once, with_adam
+from support.launch.in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 
 RATE = float(BALANCE_BIAS[BALANCE_BIAS.index("--moe-bias-update-rate") + 1])
 

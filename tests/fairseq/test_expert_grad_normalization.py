@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_on_workers
-from in_process_trainer import build_trainer, collate, micro_batches, training_args, write_dictionaries
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import build_trainer, collate, micro_batches, training_args, write_dictionaries
 
 pytestmark = pytest.mark.slow
 

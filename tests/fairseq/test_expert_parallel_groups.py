@@ -15,8 +15,8 @@ from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases
 from fairseq_moe_ext.parallel import expert_grads, expert_groups, grad_norm
 from fairseq_moe_ext.parallel.expert_groups import ExpertLayout
-from in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
-from thread_world import ThreadWorld
+from support.launch.in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
+from support.launch.thread_world import ThreadWorld
 
 W, P = 4, 2
 WORLD = tuple(range(W))
@@ -157,8 +157,9 @@ def test_hook_3_sums_expert_grads_over_replicas_and_the_norm_counts_each_expert_
 
 def build_models(data_dir, world):
     """The task, its flags and, for each rank, the model and criterion that worker builds."""
-    from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq import options, tasks
 
     flags = [
         "--moe-expert-count",

@@ -16,8 +16,8 @@ equals legacy_ddp's.
 import pytest
 import torch
 
-from dist_utils import run_on_workers
-from in_process_trainer import (
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import (
     assert_step_equals_one_process,
     build_trainer,
     micro_batches,
@@ -26,7 +26,7 @@ from in_process_trainer import (
     training_args,
     write_dictionaries,
 )
-from mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case
+from support.launch.mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_on_workers
-from in_process_trainer import (
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import (
     assert_step_equals_one_process,
     build_trainer,
     collate,
@@ -120,7 +120,7 @@ def router_update_and_balance_gradient(data_dir, gate_loss_wt):
     """One single-process step without clipping: the decoder router's gradient as the update reveals
     it (SGD: ``-lr * grad``), and the gradient of the GShard/Switch balance loss w.r.t. that router's
     weight, written from its definition on the router's input tokens."""
-    from router_loss_definitions import switch_balance_loss
+    from support.oracles.router_loss_definitions import switch_balance_loss
 
     argv = training_args(data_dir, 1, ["--clip-norm", "0"])
     argv[argv.index("--moe-gate-loss-wt") + 1] = str(gate_loss_wt)

@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq import utils
 
+from fairseq import utils
 from fairseq_moe_ext.models.moe_transformer import moe_layer_names
 from fairseq_moe_ext.moe import UncollectedMoELossError
-from tiny_fairseq_models import language_model, lm_batch, translation, translation_batch
+from support.inputs.tiny_fairseq_models import language_model, lm_batch, translation, translation_batch
 
 # fairseq composes its config with hydra's deprecated schema matching on every build.
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")

@@ -11,8 +11,8 @@ micro-batch scope; a run restarted from the model and optimizer after update 1 m
 import pytest
 import torch
 
-from dist_utils import run_on_workers
-from in_process_trainer import (
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import (
     assert_step_equals_one_process,
     build_trainer,
     collate,
@@ -151,7 +151,7 @@ def straight_after_one_update(argv, batches):
 def test_a_global_batch_update_after_an_fp16_overflow_counts_only_its_own_micro_batches(tmp_path, monkeypatch):
     """An inf in an expert gradient makes fp16 skip update 1; update 2's counts are update 2's alone, as a
     fresh trainer running only update 2 counts them."""
-    from gradient_overflow import PRECISIONS, first_expert_parameter, inject_once, with_adam
+    from support.inputs.gradient_overflow import PRECISIONS, first_expert_parameter, inject_once, with_adam
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)  # fairseq's skipped-step norm
     write_dictionaries(str(tmp_path))

@@ -11,9 +11,9 @@ momentum each) and fp32 experts.
 
 import pytest
 
-from dist_utils import run_on_workers
-from in_process_trainer import replicated_case_flags, write_dictionaries
-from mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import replicated_case_flags, write_dictionaries
+from support.launch.mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case
 
 pytestmark = pytest.mark.slow
 

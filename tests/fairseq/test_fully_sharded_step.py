@@ -9,8 +9,8 @@ scale; NAG checks the optimizer's sliced state. The same workers count the bytes
 
 import pytest
 
-from dist_utils import run_on_workers
-from in_process_trainer import (
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import (
     assert_step_equals_one_process,
     build_trainer,
     micro_batches,

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from branch_sets import branch_model_options, write_branch_set
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from hf_sets import EXPERTS, HF_FLAGS, build, joined_data, write_set
+from support.inputs.branch_sets import branch_model_options, write_branch_set
+from support.inputs.hf_sets import EXPERTS, HF_FLAGS, build, joined_data, write_set
 
 # slow, like tests/cli/test_bad_input.py: each case builds a model and writes a set for the tool to refuse,
 # about 10 s of CPU for its 41 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
-from fairseq import checkpoint_utils
 
+from fairseq import checkpoint_utils
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from hf_nllb_moe import NEEDS_TRANSFORMERS
-from hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
+from support.inputs.hf_sets import EXPERTS, HF_FLAGS, batch, build, joined_data, write_set
+from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 10 s of CPU for its

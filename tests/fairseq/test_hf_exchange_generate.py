@@ -13,7 +13,7 @@ length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy
 
 import pytest
 
-from hf_generation import (
+from support.oracles.hf_generation import (
     BEAM,
     MAX_NEW,
     eos_leaning_model,
@@ -22,7 +22,7 @@ from hf_generation import (
     import_from_hf,
     preprocessed,
 )
-from hf_nllb_moe import NEEDS_TRANSFORMERS
+from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 7 s of CPU for its
 # 3 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from hf_nllb_moe import NEEDS_TRANSFORMERS, TOLERANCE, TorchWithoutLayerdropDraws, batch, hf_model, oracle_task
+from support.oracles.hf_nllb_moe import (
+    NEEDS_TRANSFORMERS,
+    TOLERANCE,
+    TorchWithoutLayerdropDraws,
+    batch,
+    hf_model,
+    oracle_task,
+)
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 4 s of CPU for its
 # 4 cases (7 Dec 2026): too much for the fast tier (--fast) run after every edit.

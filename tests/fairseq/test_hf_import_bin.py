@@ -9,8 +9,8 @@ import torch
 
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.torch_bin_file import TorchBinFile, _Current
-from fake_checkpoints import fingerprint
-from hf_nllb_moe import NEEDS_TRANSFORMERS, hf_model
+from support.inputs.fake_checkpoints import fingerprint
+from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS, hf_model
 
 pytestmark = NEEDS_TRANSFORMERS
 

@@ -13,7 +13,7 @@ dropped. HF computes no router z-loss (``router_z_loss_coef`` is unused there), 
 import pytest
 import torch
 
-from hf_nllb_moe import NEEDS_TRANSFORMERS, PAD, batch, hf_model, import_hf, oracle_task
+from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS, PAD, batch, hf_model, import_hf, oracle_task
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,

@@ -7,7 +7,7 @@ tokens: greedy, and beam search (4 beams) with length penalties 0 and 1, whose s
 
 import pytest
 
-from hf_generation import (
+from support.oracles.hf_generation import (
     BEAM,
     MAX_NEW,
     eos_leaning_model,
@@ -16,7 +16,7 @@ from hf_generation import (
     import_from_hf,
     preprocessed,
 )
-from hf_nllb_moe import NEEDS_TRANSFORMERS, hf_model
+from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS, hf_model
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_nllb_moe import EXPERTS, NEEDS_TRANSFORMERS, assert_same_as_hf, batch, hf_model, import_hf, oracle_task
+from support.oracles.hf_nllb_moe import (
+    EXPERTS,
+    NEEDS_TRANSFORMERS,
+    assert_same_as_hf,
+    batch,
+    hf_model,
+    import_hf,
+    oracle_task,
+)
 
 pytestmark = [
     *NEEDS_TRANSFORMERS,

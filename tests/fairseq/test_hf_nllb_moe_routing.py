@@ -11,7 +11,7 @@ import torch
 
 from fairseq_moe_ext.models.moe_layers import MoEFeedForward
 from fairseq_moe_ext.moe import MoELayerConfig, RoutingConfig
-from hf_nllb_moe import (
+from support.oracles.hf_nllb_moe import (
     NEEDS_TRANSFORMERS,
     PAD,
     TOLERANCE,
@@ -187,7 +187,6 @@ def test_import_hf_maps_the_routing_options_and_drops_as_hf(tmp_path, task):
     # NllbMoe's own checkpoint (save_pretrained) with a fraction below 1, gates normalised after dropping and the
     # random policy: import-hf maps each to its option here, and the imported set computes HF's logits.
     from fairseq import checkpoint_utils
-
     from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 
     hf = hf_model(moe_eval_capacity_token_fraction=FRACTION, normalize_router_prob_before_dropping=False)

@@ -9,14 +9,14 @@ import json
 
 import pytest
 import torch
-from fairseq import checkpoint_utils
 
-import hf_nllb_moe
+from fairseq import checkpoint_utils
 from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.hf.keys import EMBEDDING, NOT_WEIGHTS, TIED_HERE, expert_tensor, hf_expert_key, hf_key
-from hf_nllb_moe import NEEDS_TRANSFORMERS
-from hf_sets import HF_FLAGS, batch, build, joined_data, write_set
+from support.inputs.hf_sets import HF_FLAGS, batch, build, joined_data, write_set
+from support.oracles import hf_nllb_moe
+from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 # slow: each case exports and imports a set through Hugging Face NllbMoe, about 5 s of CPU for its 11
@@ -226,7 +226,7 @@ BAD_DTYPES = [
 def test_a_dtype_the_exchange_cannot_write_is_refused_in_one_line_and_nothing_is_written(
     ours, tmp_path, capsys, command, change, extra, message
 ):
-    from fake_checkpoints import fingerprint
+    from support.inputs.fake_checkpoints import fingerprint
 
     args, _, model = ours
     stored = change(model) if command == "export-hf" and change else model

@@ -6,14 +6,14 @@ import argparse
 
 import pytest
 import torch
-from fairseq import checkpoint_utils
 
-from branch_sets import branch_options, consolidate_in_place, write_branch_set
+from fairseq import checkpoint_utils
 from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.branch.options import branch_flags
-from fake_checkpoints import fingerprint
-from tiny_fairseq_models import translation, translation_batch
+from support.inputs.branch_sets import branch_options, consolidate_in_place, write_branch_set
+from support.inputs.fake_checkpoints import fingerprint
+from support.inputs.tiny_fairseq_models import translation, translation_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EXPERTS = 4

@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from branch_fsdp import shard_in_place
-from branch_sets import branch_model_options, write_branch_set
-from fairscale_oracle import fairscale_fsdp
-from fairseq_helpers import fairseq_env
 from fairseq_moe_ext.checkpoint import load_full
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from fake_checkpoints import fingerprint
-from tiny_fairseq_models import translation
+from support.inputs.branch_fsdp import shard_in_place
+from support.inputs.branch_sets import branch_model_options, write_branch_set
+from support.inputs.fake_checkpoints import fingerprint
+from support.inputs.tiny_fairseq_models import translation
+from support.launch.fairseq_helpers import fairseq_env
+from support.oracles.fairscale_oracle import fairscale_fsdp
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EXPERTS = 4
@@ -32,8 +32,7 @@ def model(data):  # noqa: F811
 @pytest.fixture(scope="module")
 def options(data):  # noqa: F811
     from fairseq import options as fairseq_options
-
-    from fairseq_helpers import USER_DIR
+    from support.launch.fairseq_helpers import USER_DIR
 
     flags = ["--user-dir", USER_DIR, "--task", "translation", "--arch", "moe_transformer_tiny", "--cpu"]
     flags += ["--source-lang", "src", "--target-lang", "tgt", "--moe-expert-count", str(EXPERTS)]

@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
-from fairseq import checkpoint_utils
 
-from branch_sets import branch_lm_options, write_branch_set
-from fairseq_helpers import USER_DIR, run_fairseq, torchrun, train_args
+from fairseq import checkpoint_utils
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from tiny_fairseq_models import language_model, lm_batch
+from support.inputs.branch_sets import branch_lm_options, write_branch_set
+from support.inputs.tiny_fairseq_models import language_model, lm_batch
+from support.launch.fairseq_helpers import USER_DIR, run_fairseq, torchrun, train_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 EVAL = ["--tokens-per-sample", "32", "--max-tokens", "64", "--num-workers", "0"]  # 3 batches: 2 workers split them
@@ -54,9 +54,10 @@ def trained(lm_data, tmp_path_factory):
 
 def eval_lm_in_process(data, path, *extra):
     """fairseq-eval-lm's own ``main`` in this process: {"loss": base-2 loss per token, "perplexity": ...}."""
-    from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq_cli import eval_lm
+
+    from fairseq import options
 
     args = options.parse_args_and_arch(
         options.get_eval_lm_parser(), [str(data), "--user-dir", USER_DIR, "--path", str(path), "--cpu", *EVAL, *extra]
@@ -67,10 +68,10 @@ def eval_lm_in_process(data, path, *extra):
 
 def model_cfg(data, *flags):
     """cfg["model"] of a ``moe_transformer_lm_tiny`` with ``flags``, as fairseq-train would save it."""
-    from fairseq import options
     from omegaconf import OmegaConf
 
-    from tiny_fairseq_models import converted
+    from fairseq import options
+    from support.inputs.tiny_fairseq_models import converted
 
     args = options.parse_args_and_arch(
         options.get_training_parser(),
@@ -117,7 +118,7 @@ def test_an_imported_moe_lm_set_scores_the_same_loss_and_perplexity_in_fairseq_e
 
 @pytest.mark.slow
 def test_a_moe_lm_set_imported_for_two_workers_scores_as_the_original_on_two_workers(lm_data, trained, tmp_path):
-    from multiworker_cli_runs import BIN
+    from support.launch.multiworker_cli_runs import BIN
 
     prefix = as_branch_set(trained, tmp_path / "moe_lm" / "model", 2)
     assert checkpoint_tool(["import-fairseq-moe", str(prefix), str(tmp_path / "imported.pt"), "--world-size", "2"]) == 0

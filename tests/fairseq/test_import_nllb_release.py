@@ -14,8 +14,8 @@ from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
 from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 from fairseq_moe_ext.checkpoint.branch.vocab import read_languages
 from fairseq_moe_ext.checkpoint.progress import Progress
-from fake_checkpoints import fingerprint
-from paths import REPO_ROOT
+from support.inputs.fake_checkpoints import fingerprint
+from support.launch.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 from nllb_tiny_set import EXPERTS, PREFIX, RANKS, write_release_set  # noqa: E402

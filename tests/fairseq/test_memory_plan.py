@@ -15,9 +15,9 @@ import argparse
 
 import pytest
 
-from dist_utils import run_on_workers
-from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
-from memory_counts import KINDS, counted_bytes, cpu_precision_shims
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
+from support.oracles.memory_counts import KINDS, counted_bytes, cpu_precision_shims
 
 pytestmark = pytest.mark.slow
 

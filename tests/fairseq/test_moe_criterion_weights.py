@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fairseq_moe_ext.moe import MoELayer, TopKRouter
-from router_loss_definitions import E, st_moe_z_loss, switch_balance_loss
-from tiny_fairseq_models import translation, translation_batch
+from support.inputs.tiny_fairseq_models import translation, translation_batch
+from support.oracles.router_loss_definitions import E, st_moe_z_loss, switch_balance_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 

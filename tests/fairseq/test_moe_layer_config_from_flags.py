@@ -4,11 +4,11 @@ config these flags describe, written out here field by field; and the model reco
 layout it was built for, which the fairseq hooks read from it."""
 
 import pytest
-from fairseq import utils
 
+from fairseq import utils
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
 from fairseq_moe_ext.parallel.expert_groups import ExpertLayout
-from tiny_fairseq_models import language_model, translation
+from support.inputs.tiny_fairseq_models import language_model, translation
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 

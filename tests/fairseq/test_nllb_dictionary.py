@@ -5,12 +5,12 @@ set's embedding needs, or refuses in one line, writing nothing, when the diction
 
 import pytest
 import torch
-from fairseq import options, tasks
 
-from branch_sets import branch_options, write_branch_set
-from fairseq_helpers import USER_DIR
+from fairseq import options, tasks
 from fairseq_moe_ext.checkpoint.__main__ import main as checkpoint_tool
-from tiny_fairseq_models import translation
+from support.inputs.branch_sets import branch_options, write_branch_set
+from support.inputs.tiny_fairseq_models import translation
+from support.launch.fairseq_helpers import USER_DIR
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 LANGS = ["eng_Latn", "fra_Latn", "deu_Latn"]

@@ -44,7 +44,7 @@ from fairseq_moe_ext.options import (
 from fairseq_moe_ext.options.ranges import CRITERION_RANGES, MODEL_RANGES
 from fairseq_moe_ext.options.record import CHANGES_FUNCTION, CRITERION
 from fairseq_moe_ext.training.resume_policy import POLICY
-from model_namespaces import exportable_options, model_defaults
+from support.inputs.model_namespaces import exportable_options, model_defaults
 
 # The layer-config fields the dense layer's own (fairseq) flags or the layer's build set, not an --moe-* flag.
 NOT_FROM_A_FLAG = {"model_dim", "activation", "activation_dropout", "bias", "routing"}

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_workers_through_faults
-from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
+from support.launch.dist_utils import run_workers_through_faults
+from support.launch.in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 
 COMM_TIMEOUT_S = 20  # what today's code makes the other worker wait; the fix must stop well before
 OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"

@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_on_workers
 from fairseq_moe_ext.moe.balance_bias import balance_biases
-from gradient_overflow import BALANCE_BIAS, PRECISIONS, first_expert_parameter, inject_once, with_adam
-from in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
+from support.inputs.gradient_overflow import BALANCE_BIAS, PRECISIONS, first_expert_parameter, inject_once, with_adam
+from support.launch.dist_utils import run_on_workers
+from support.launch.in_process_trainer import build_trainer, collate, sentence_pairs, training_args, write_dictionaries
 
 pytestmark = pytest.mark.slow
 

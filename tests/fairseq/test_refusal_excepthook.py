@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fairseq_helpers import fairseq_env
+from support.launch.fairseq_helpers import fairseq_env
 
 PROGRAM = """
 import sys

@@ -11,9 +11,8 @@ import argparse
 import logging
 
 import pytest
-from fairseq import tasks
 
-from fairseq_helpers import translation_flags
+from fairseq import tasks
 from fairseq_moe_ext.checkpoint.compat import check_resumable
 from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
 from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
@@ -24,7 +23,8 @@ from fairseq_moe_ext.training.resume_policy import (
     POLICY,
     check_resume_policy,
 )
-from tiny_fairseq_models import train_config
+from support.inputs.tiny_fairseq_models import train_config
+from support.launch.fairseq_helpers import translation_flags
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 PATH = "ck/checkpoint_last.pt"

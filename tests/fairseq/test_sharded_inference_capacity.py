@@ -7,7 +7,7 @@ nothing can be dropped (a factor of 0, a token fraction of 1 or more, which repl
 import pytest
 
 from fairseq_moe_ext.fairseq_integration.inference import moe_layers, refuse_capacity_drops
-from tiny_fairseq_models import translation
+from support.inputs.tiny_fairseq_models import translation
 
 # fmt: off
 CASES = [

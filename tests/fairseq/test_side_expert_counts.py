@@ -9,8 +9,8 @@ from fairseq_moe_ext.checkpoint.hf.config import hf_config
 from fairseq_moe_ext.common.refusal import MoEOptionError
 from fairseq_moe_ext.models.moe_config import check_moe_args
 from fairseq_moe_ext.moe import MoELayer
-from model_namespaces import exportable_options, model_defaults
-from tiny_fairseq_models import language_model, translation
+from support.inputs.model_namespaces import exportable_options, model_defaults
+from support.inputs.tiny_fairseq_models import language_model, translation
 
 
 def experts_by_side(model):

@@ -3,14 +3,14 @@ from an alike composition (same option groups, other values) instead of running 
 composition again, equal fairseq's own ``convert_namespace_to_omegaconf`` for every kind of value."""
 
 import pytest
-from fairseq import options
 from fairseq.dataclass import utils as dataclass_utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from hydra.experimental import compose
 from omegaconf import OmegaConf
 
-import tiny_fairseq_models
-from tiny_fairseq_models import tiny_model_flags, train_config
+from fairseq import options
+from support.inputs import tiny_fairseq_models
+from support.inputs.tiny_fairseq_models import tiny_model_flags, train_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 

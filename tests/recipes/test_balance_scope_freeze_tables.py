@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from paths import REPO_ROOT
+from support.launch.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 from summarize_balance_freeze import main  # noqa: E402

@@ -3,11 +3,11 @@
 import sys
 
 import torch
-from fairseq import tasks
 from omegaconf import OmegaConf
 
-from paths import REPO_ROOT
-from tiny_fairseq_models import tiny_model_flags, train_config
+from fairseq import tasks
+from support.inputs.tiny_fairseq_models import tiny_model_flags, train_config
+from support.launch.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 from checkpoint_flags import MADE_FOR, model_flags  # noqa: E402

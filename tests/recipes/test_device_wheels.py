@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from paths import REPO_ROOT as ROOT
+from support.launch.paths import REPO_ROOT as ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "device"))
 import wheelset  # noqa: E402

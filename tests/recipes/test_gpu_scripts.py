@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from paths import REPO_ROOT as ROOT
+from support.launch.paths import REPO_ROOT as ROOT
 
 ONESHOT = ROOT / "benchmarks" / "gpu_oneshot.sh"
 

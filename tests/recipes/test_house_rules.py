@@ -131,34 +131,61 @@ def test_no_benchmark_or_recipe_imports_from_tests_or_puts_a_tests_folder_on_the
     ]
 
 
-def support_layout_problems(support: Path, import_path: list) -> list:
-    """What breaks tests/support's rule: a folder per kind (oracles/, inputs/, launch/, probes/), each on
-    sys.path (tests/conftest.py), no file loose beside them, and no module name in two of them (the
-    first on sys.path would win silently)."""
+def support_layout_problems(support: Path, import_path: list, importers: list) -> list:
+    """What breaks tests/support's rule: a folder per kind (oracles/, inputs/, launch/, probes/), imported as
+    the package ``support.<kind>`` (so a call site shows the kind), none of them on sys.path, no file loose
+    beside them, no module name in two of them, and no file of ``importers`` importing a support module by
+    its bare name (a probe, a script run by path, imports its own siblings so and is not among them)."""
     kinds = sorted(p for p in support.iterdir() if p.is_dir() and p.name != "__pycache__")
     problems = [
         f"{p.name}: loose in tests/support; move it to the folder of its kind" for p in support.iterdir() if p.is_file()
     ]
-    problems += [f"{k.name}/: not on sys.path (tests/conftest.py)" for k in kinds if str(k) not in import_path]
+    problems += [
+        f"{k.name}/: on sys.path; import its modules as support.{k.name}.<module>"
+        for k in kinds
+        if str(k) in import_path
+    ]
     where: dict = {}
     for kind in kinds:
         for module in sorted(kind.glob("*.py")):
             if module.stem in where:
                 problems.append(f"{module.stem}: in {where[module.stem]}/ and {kind.name}/; one module per name")
             where.setdefault(module.stem, kind.name)
+    for path in importers:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bare = [alias.name for alias in node.names if alias.name.split(".")[0] in where]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                bare = [node.module] if node.module.split(".")[0] in where else []
+            else:
+                bare = []
+            problems += [
+                f"{path.name}:{node.lineno} imports {name} by its bare name: from support.{where[name.split('.')[0]]}."
+                f"{name} import ..."
+                for name in bare
+            ]
     return problems
 
 
-def test_tests_support_holds_one_folder_per_kind_on_sys_path_and_each_name_once(tmp_path):
+def test_tests_support_holds_one_package_per_kind_imported_by_its_kind(tmp_path):
     support = ROOT / "tests" / "support"
     assert len([p for p in support.iterdir() if p.is_dir()]) >= 4 and len(list(support.rglob("*.py"))) > 30
-    assert support_layout_problems(support, sys.path) == []
+    importers = [f for f in (ROOT / "tests").rglob("*.py") if f.parent != support / "probes"]
+    assert len(importers) > 100
+    assert support_layout_problems(support, sys.path, importers) == []
+    fake = tmp_path / "support"
     for kind, module in (("oracles", "moe_math"), ("launch", "runner"), ("launch", "moe_math")):
-        (tmp_path / kind).mkdir(exist_ok=True)
-        (tmp_path / kind / f"{module}.py").write_text("")
-    (tmp_path / "helper.py").write_text("")
-    assert sorted(support_layout_problems(tmp_path, [str(tmp_path / "launch")])) == [
+        (fake / kind).mkdir(parents=True, exist_ok=True)
+        (fake / kind / f"{module}.py").write_text("")
+    (fake / "helper.py").write_text("")
+    (tmp_path / "test_a.py").write_text(
+        "from runner import go\nfrom support.launch.runner import go\nimport moe_math\n"
+    )
+    assert sorted(support_layout_problems(fake, [str(fake / "launch")], [tmp_path / "test_a.py"])) == [
         "helper.py: loose in tests/support; move it to the folder of its kind",
+        "launch/: on sys.path; import its modules as support.launch.<module>",
         "moe_math: in launch/ and oracles/; one module per name",
-        "oracles/: not on sys.path (tests/conftest.py)",
+        "test_a.py:1 imports runner by its bare name: from support.launch.runner import ...",
+        "test_a.py:3 imports moe_math by its bare name: from support.launch.moe_math import ...",
     ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from paths import REPO_ROOT
+from support.launch.paths import REPO_ROOT
 
 RECIPES = REPO_ROOT / "recipes"
 sys.path.insert(0, str(RECIPES))

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from paths import REPO_ROOT
+from support.launch.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
 from model_cost import model_cost  # noqa: E402

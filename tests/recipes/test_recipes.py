@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_helpers import fairseq_env, tail
-from paths import REPO_ROOT as ROOT
+from support.launch.fairseq_helpers import fairseq_env, tail
+from support.launch.paths import REPO_ROOT as ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from suite_order import LONGEST_FIRST, longest_first_rank
+from support.launch.suite_order import LONGEST_FIRST, longest_first_rank
 
 TESTS = Path(__file__).resolve().parents[1]
 

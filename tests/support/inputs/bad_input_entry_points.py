@@ -5,10 +5,10 @@ under torchrun, beside train and generate (bad_input_runner.py). Each refusal ex
 from pathlib import Path
 from typing import Callable
 
-from bad_input_makers import generate_from
-from bad_input_runner import BIN, Make, copy_of, train_args
-from fairseq_helpers import CONFIG_DIR, USER_DIR, run_fairseq, torchrun
-from untrusted_pickles import MARKER, plant, plant_in_set
+from support.inputs.bad_input_makers import generate_from
+from support.inputs.untrusted_pickles import MARKER, plant, plant_in_set
+from support.launch.bad_input_runner import BIN, Make, copy_of, train_args
+from support.launch.fairseq_helpers import CONFIG_DIR, USER_DIR, run_fairseq, torchrun
 
 MISSING_RANK_1 = "checkpoint_last-rank-1-of-2.pt"
 

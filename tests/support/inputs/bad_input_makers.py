@@ -11,8 +11,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from bad_input_runner import Inputs, Make, copy_of, train_args
-from fairseq_helpers import USER_DIR
+from support.launch.bad_input_runner import Inputs, Make, copy_of, train_args
+from support.launch.fairseq_helpers import USER_DIR
 
 # ---------------------------------------------------------------- damage done to a copy
 
@@ -275,7 +275,7 @@ def import_release_lookalike(langs: str) -> Make:
     def make(inputs, work):
         import sys
 
-        from paths import REPO_ROOT
+        from support.launch.paths import REPO_ROOT
 
         sys.path.insert(0, str(REPO_ROOT / "recipes"))
         from nllb_tiny_set import write_release_set

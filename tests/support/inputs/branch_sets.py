@@ -47,8 +47,7 @@ def branch_options(data, experts: int = 4, **changes) -> argparse.Namespace:
     """branch_model_options of a ``moe_transformer_tiny`` translation model with ``experts`` experts on
     the dictionaries in ``data`` (what an import test writes its branch set with)."""
     from fairseq import options as fairseq_options
-
-    from fairseq_helpers import USER_DIR
+    from support.launch.fairseq_helpers import USER_DIR
 
     flags = ["--user-dir", USER_DIR, "--task", "translation", "--arch", "moe_transformer_tiny", "--cpu"]
     flags += ["--source-lang", "src", "--target-lang", "tgt", "--moe-expert-count", str(experts)]

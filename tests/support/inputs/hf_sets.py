@@ -9,11 +9,11 @@ rank files, the format training writes)."""
 from pathlib import Path
 
 import torch
-from fairseq import options, tasks, utils
 from fairseq.data import Dictionary
 
+from fairseq import options, tasks, utils
 from fairseq_moe_ext import checkpoint as moe_ckpt
-from tiny_fairseq_models import converted, tiny_model_flags
+from support.inputs.tiny_fairseq_models import converted, tiny_model_flags
 
 EXPERTS = 4
 # What NllbMoe can express: top-2, gates renormalised, dropless evaluation (fraction 1.0), NllbMoe's

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from pruning_runs import train_tiny_set
+from support.inputs.pruning_runs import train_tiny_set
 
 
 def train_six_expert_set(data, root):

@@ -5,8 +5,8 @@ line with --moe-routing-stats."""
 
 import json
 
-from fairseq_helpers import SPLITS, USER_DIR, run_checkpoint_tool, run_fairseq
-from multiworker_cli_runs import moe_args
+from support.launch.fairseq_helpers import SPLITS, USER_DIR, run_checkpoint_tool, run_fairseq
+from support.launch.multiworker_cli_runs import moe_args
 
 BEAM = ["--beam", "2", "--max-tokens", "2000"]
 

@@ -7,7 +7,6 @@ import copy
 from collections import namedtuple
 
 import torch
-from fairseq import options, tasks, utils
 from fairseq.data import LanguagePairDataset
 from fairseq.data.data_utils import collate_tokens
 from fairseq.dataclass import utils as dataclass_utils
@@ -15,7 +14,8 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import flag_override
 
-from fairseq_helpers import USER_DIR
+from fairseq import options, tasks, utils
+from support.launch.fairseq_helpers import USER_DIR
 
 Built = namedtuple("Built", "task model criterion")
 

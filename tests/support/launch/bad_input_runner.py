@@ -21,9 +21,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
 from fairseq_moe_ext import checkpoint as moe_ckpt
-from paths import PROBES, REPO_ROOT
+from support.launch.fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail, torchrun
+from support.launch.paths import PROBES, REPO_ROOT
 
 BIN = Path(sys.executable).parent
 SET = moe_ckpt.CheckpointSetError.__module__ + ".CheckpointSetError"

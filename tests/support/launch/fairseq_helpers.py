@@ -14,8 +14,8 @@ from typing import Dict, List, Optional
 import pytest
 
 import fairseq_moe_ext
-import warm_fairseq
-from paths import REPO_ROOT
+from support.launch import warm_fairseq
+from support.launch.paths import REPO_ROOT
 
 sys.path.append(str(REPO_ROOT / "recipes"))  # the modules tests share with recipes and benchmarks
 import toy_pair  # noqa: E402
@@ -169,7 +169,7 @@ def torchrun(
     forks of the warm server with torchrun's variables (warm_fairseq.py; ``MOE_TEST_COLD_CLI=1``: a real
     torchrun and fresh interpreters).
     """
-    from dist_utils import free_port
+    from support.launch.dist_utils import free_port
 
     args = [*map(str, args)]
     if workers > 1 and world_size_flag:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq_helpers import translation_flags
+from support.launch.fairseq_helpers import translation_flags
 
 VOCAB = [f"w{i}" for i in range(30)]
 
@@ -71,10 +71,10 @@ def training_args(data_dir, world_size, extra=()):
 
 
 def build_trainer(argv):
-    from fairseq import tasks
     from fairseq.trainer import Trainer
 
-    from tiny_fairseq_models import train_config
+    from fairseq import tasks
+    from support.inputs.tiny_fairseq_models import train_config
 
     cfg = train_config(argv)
     if dist.is_initialized():

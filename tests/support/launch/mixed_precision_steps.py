@@ -10,8 +10,8 @@ from itertools import chain
 
 import torch
 
-from gradient_overflow import inject_once_into_first_experts
-from in_process_trainer import build_trainer, collate, sentence_pairs, training_args
+from support.inputs.gradient_overflow import inject_once_into_first_experts
+from support.launch.in_process_trainer import build_trainer, collate, sentence_pairs, training_args
 
 # fairseq's NAG keeps a momentum buffer per parameter (one fp32 buffer: its bytes are counted), and
 # its first update is proportional to the gradient, so a wrong gradient scale shows.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import USER_DIR, run_fairseq, torchrun
+from support.launch.fairseq_helpers import USER_DIR, run_fairseq, torchrun
 
 BIN = Path(sys.executable).parent
 
@@ -93,8 +93,9 @@ def generate_in_process(args):
     the BLEU line) to its --results-path file."""
     import tempfile
 
-    from fairseq import options
     from fairseq_cli import generate as generate_cli
+
+    from fairseq import options
 
     with tempfile.TemporaryDirectory() as results:
         parsed = options.parse_args_and_arch(options.get_generation_parser(), [*args, "--results-path", results])

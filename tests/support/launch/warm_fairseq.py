@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from warm_server import POLL, STOP_GRACE  # noqa: F401  (STOP_GRACE: for the tests)
+from support.launch.warm_server import POLL, STOP_GRACE  # noqa: F401  (STOP_GRACE: for the tests)
 
 # Variables read when the interpreter, torch or its thread pools start: a request whose values differ from the
 # server's cannot be served by a fork of it and runs in a fresh interpreter instead.

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fairscale_oracle import ORACLE_DIR
+from support.oracles.fairscale_oracle import ORACLE_DIR
 
 
 class _Layer(nn.Module):

@@ -25,9 +25,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from branch_sets import write_branch_parts
-from fairseq_helpers import USER_DIR
-from hf_nllb_moe import EOS, PAD, branch_options, branch_state, hf_model, write_dictionary
+from support.inputs.branch_sets import write_branch_parts
+from support.launch.fairseq_helpers import USER_DIR
+from support.oracles.hf_nllb_moe import EOS, PAD, branch_options, branch_state, hf_model, write_dictionary
 
 SOURCES = [
     "w5 w9 w17 w40 w22 w8",
@@ -67,8 +67,9 @@ def eos_leaning_model(strength: float = 0.7):
 
 def preprocessed(root: Path):
     """(the dictionary's directory, the binarised test split of SOURCES)."""
-    from fairseq import options
     from fairseq_cli import preprocess
+
+    from fairseq import options
 
     data = write_dictionary(root / "dict")
     raw = root / "raw"
@@ -115,8 +116,9 @@ def search_args(beam: int, lenpen: float = 1.0) -> List[str]:
 
 def fairseq_generate(args: Sequence[str], results: Path) -> str:
     """fairseq_cli.generate's own main on ``args``, in this process; what it wrote."""
-    from fairseq import options
     from fairseq_cli import generate
+
+    from fairseq import options
 
     generate.main(options.parse_args_and_arch(options.get_generation_parser(), [*args, "--results-path", str(results)]))
     return (results / "generate-test.txt").read_text()

@@ -22,7 +22,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from branch_sets import BRANCH_MOE_OPTIONS, write_branch_parts
+from support.inputs.branch_sets import BRANCH_MOE_OPTIONS, write_branch_parts
 
 VOCAB = 48
 D_MODEL = 16
@@ -204,10 +204,10 @@ def branch_options(data: Path, **moe) -> argparse.Namespace:
 
 def oracle_task(directory: Path):
     """fairseq's translation task on this file's dictionary (``task.data_dir`` is where it lies)."""
-    from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq_helpers import translation_flags
+    from fairseq import options, tasks
+    from support.launch.fairseq_helpers import translation_flags
 
     data = write_dictionary(directory)
     args = options.parse_args_and_arch(
@@ -239,7 +239,6 @@ def import_hf(tmp_path, task, hf, ranks=2, world=1, **branch_moe):
         tmp_path / "nllb" / "checkpoint_2_300000", shared, experts, branch_options(task.data_dir, **branch_moe), ranks
     )
     from fairseq import checkpoint_utils
-
     from fairseq_moe_ext.checkpoint.branch import importer as branch_import
 
     lines = []

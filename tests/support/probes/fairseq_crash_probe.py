@@ -37,11 +37,11 @@ def die():
 
 
 def main():
-    from fairseq import checkpoint_utils
     from fairseq.optim.fairseq_optimizer import FairseqOptimizer
     from fairseq.trainer import Trainer
     from fairseq_cli import train
 
+    from fairseq import checkpoint_utils
     from fairseq_moe_ext.moe import comm
     from full_precision_logs import log_every_digit
 

@@ -18,9 +18,8 @@ from collections import defaultdict
 
 def main():
     out_dir, runs, common = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
-    from fairseq import checkpoint_utils
-
     import fairseq_moe_ext  # noqa: F401  (its hooks first: the recorder below wraps the plugin's load)
+    from fairseq import checkpoint_utils
 
     rank = int(os.environ.get("RANK", "0"))
     record = {}

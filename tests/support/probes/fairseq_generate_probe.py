@@ -16,8 +16,9 @@ import torch
 
 def main():
     out_dir, runs, argv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
-    from fairseq import checkpoint_utils
     from fairseq_cli import generate
+
+    from fairseq import checkpoint_utils
 
     rank = int(os.environ.get("RANK", "0"))
     loaded = {}

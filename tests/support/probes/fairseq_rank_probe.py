@@ -22,8 +22,9 @@ def main():
         stream=sys.stdout,
         force=True,
     )
-    from fairseq import trainer as trainer_module
     from fairseq_cli import train
+
+    from fairseq import trainer as trainer_module
 
     seen = {}
     original_clip = trainer_module.Trainer.clip_grad_norm
