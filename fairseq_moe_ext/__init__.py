@@ -1,7 +1,7 @@
 """fairseq-moe-ext: Mixture-of-Experts for stock fairseq, loaded with ``--user-dir``.
 
 Tiers, lowest first; a module imports only from its own tier and the ones below
-(``tests/core/test_package_tiers.py`` scans every import):
+(``tests/repo/test_package_tiers.py`` scans every import):
 
 0. ``common/``: helpers of every tier and no one subject, torch only: ``config_value.py`` (the one
    reader of a config value), ``torch_compat.py`` (the private torch APIs of data parallelism).

@@ -15,7 +15,7 @@ import pytest
 # What tests share lives in tests/support, one package per kind (oracles/, inputs/, launch/, probes/; see
 # docs/testing.md), imported by its kind: `from support.launch.fairseq_helpers import ...`. tests/ is what
 # puts `support` on sys.path (pytest puts the folder of this conftest there too; workers inherit sys.path).
-# tests/recipes/test_house_rules.py keeps tests/support to folders and every import of it to its package path.
+# tests/repo/test_house_rules.py keeps tests/support to folders and every import of it to its package path.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)

@@ -9,7 +9,7 @@ dry run, tiny sizes, CUDA-only parts report ``SKIP (cuda)``).
 Importing this module changes nothing: the tree under test is first on PYTHONPATH (gpu_oneshot.sh puts it
 there), a check finds its siblings beside its script, and the two that import from elsewhere in the tree
 put that folder on ``sys.path`` themselves, in sight (oneshot_bench.py: benchmarks/; oneshot_runs.py:
-recipes/). Nothing is imported from tests/ (tests/recipes/test_house_rules.py).
+recipes/). Nothing is imported from tests/ (tests/repo/test_house_rules.py).
 """
 
 import json

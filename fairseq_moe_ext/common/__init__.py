@@ -5,5 +5,5 @@
 state, torch DDP's ignore list, ``_foreach_mul_``), each behind a fallback or a one-line message;
 ``refusal.py`` the one exception type of input the plugin refuses (``MoERefusal``), which every tier raises
 and the fairseq tools print as one ``prog: error:`` line.
-Torch only; imports nothing else of the package (tests/core/test_package_tiers.py).
+Torch only; imports nothing else of the package (tests/repo/test_package_tiers.py).
 """

@@ -4,7 +4,7 @@ Tests compare the real layer against it; nothing here is shared with the impleme
 the parameters it reads. It lives in the package, beside what it checks, so that the tests
 (tests/core) and the GPU one-shot (benchmarks/device/oneshot_layer.py, which imports nothing from
 tests/) share one oracle; no module of the package imports it
-(tests/core/test_package_tiers.py).
+(tests/repo/test_package_tiers.py).
 """
 
 import math

@@ -13,7 +13,7 @@ The tables that used to spell each option out are derived from the records, wher
 * the Hugging Face and nllb-branch names (``HF_NAMES``, ``BRANCH_NAMES``: ``checkpoint/hf/config.py``,
   ``checkpoint/branch/options.py``).
 
-Torch only and fairseq-free (tier 1 in tests/core/test_package_tiers.py: above ``moe/``, whose
+Torch only and fairseq-free (tier 1 in tests/repo/test_package_tiers.py: above ``moe/``, whose
 constants the records name, below ``checkpoint/``). A new option is one record in ``model.py``,
 ``run.py``, ``criterion.py`` or ``inference.py`` (the inference CLIs' flags, which the plugin adds to
 their parsers); tests/fairseq/test_option_records.py checks it reaches every table.

@@ -2,7 +2,7 @@
 renormalisation after dropping, against references written from its ``top2gate.py``: per token with the
 torch generator seeded as the layer's, and by frequency over many draws. Where Hugging Face's NllbMoe differs
 (its random policy compares the draw with the raw second probability even when gates are normalised before
-dropping), the branch's rule is what is checked here; tests/fairseq/test_hf_nllb_moe_routing.py covers the
+dropping), the branch's rule is what is checked here; tests/interop/test_hf_nllb_moe_routing.py covers the
 rest against HF."""
 
 import pytest

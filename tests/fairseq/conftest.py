@@ -1,19 +1,3 @@
-"""Fixtures of the in-process fairseq tests."""
+"""Fixtures of these in-process fairseq tests: ``data``, a directory of dictionaries (shared definition)."""
 
-import pytest
-from fairseq.data import Dictionary
-
-from support.launch.fairseq_helpers import VOCAB
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """A data directory of dictionaries only (dict.src.txt, dict.tgt.txt, dict.txt), enough to build
-    the models of tests/support/inputs/tiny_fairseq_models.py."""
-    root = tmp_path_factory.mktemp("dictionaries")
-    for name, prefix in (("dict.src.txt", "s"), ("dict.tgt.txt", "t"), ("dict.txt", "w")):
-        dictionary = Dictionary()
-        for i in range(VOCAB):
-            dictionary.add_symbol(f"{prefix}{i}")
-        dictionary.save(str(root / name))
-    return root
+from support.inputs.dictionary_dir import data  # noqa: F401  (a fixture)

@@ -1,5 +1,5 @@
 """Tiny translation sets NllbMoe can express, written the way this plugin writes them, for the
-export-hf / import-hf tests (tests/fairseq/test_hf_exchange.py, test_hf_bad_input.py).
+export-hf / import-hf tests (tests/interop/test_hf_exchange.py, test_hf_bad_input.py).
 
 The model is built through fairseq's parser and ``task.build_model`` (as fairseq-train builds it), its
 parameters moved off their initial values (so biases and layer norms matter), and saved as a single

@@ -1,5 +1,5 @@
 """One or two logged training steps in a given precision, read as fp32 master weights, for the
-mixed-precision oracles of ``--ddp-backend fully_sharded`` (tests/fairseq/test_fully_sharded_precision.py).
+mixed-precision oracles of ``--ddp-backend fully_sharded`` (tests/parallel/test_fully_sharded_precision.py).
 
 The weights an optimizer steps are what is compared: fairseq's FP16Optimizer (legacy_ddp and one
 process with ``--bf16`` / ``--fp16``) keeps fp32 copies apart from the low-precision model, while

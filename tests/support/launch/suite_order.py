@@ -8,7 +8,7 @@ alone on one worker while the other idles: the longest slow tests and module gro
 # slowest of the whole suite's --durations 25 (6c02879, 7 Dec 2026, tests/run.sh on 2 workers) and of
 # its module groups, each on one worker since 08ecd64 (set-up on 2 workers, 7 Dec 2026:
 # test_inference_dtype_cli's fixtures 52 s, test_memory_plan's one launch 27 s, test_fully_sharded_cli's 18 s).
-# tests/recipes/test_suite_order.py fails when a fragment stops naming a test.
+# tests/repo/test_suite_order.py fails when a fragment stops naming a test.
 # fmt: off
 LONGEST_FIRST = (
     "test_fault_injection.py::test_eleven_seeded_sigkills",

@@ -1,5 +1,5 @@
 """What a worker holds after a training step through fairseq's Trainer, counted from the tensors
-themselves (for tests/fairseq/test_memory_plan.py, which compares it with ``plan``'s prediction):
+themselves (for tests/parallel/test_memory_plan.py, which compares it with ``plan``'s prediction):
 the model's parameters and gradients, fairseq's fp32 master copies and their gradients
 (FP16Optimizer), and the torch optimizer's per-parameter state, each by shared and expert.
 Sharded tensors count their local slice; a tensor reached twice (a shared storage) counts once."""

@@ -1,7 +1,7 @@
 """The torch-only half of export-hf / import-hf: safetensors files written and read without the
 ``safetensors`` package (which reads and writes the other side here, test-only), parameter names and
 config.json both ways, and the shard writer's size bound. The model-level checks against transformers'
-NllbMoe are tests/fairseq/test_hf_exchange.py."""
+NllbMoe are tests/interop/test_hf_exchange.py."""
 
 import argparse
 import json

@@ -1,6 +1,6 @@
 """The expert-parallel layout: which worker holds which experts, which workers form which group,
 the default expert-parallel size, and the replica gradient sum. Arithmetic and recorded collectives
-only: no worker processes (tests/fairseq/test_fairseq_expert_parallel.py runs the layout on four)."""
+only: no worker processes (tests/parallel/test_fairseq_expert_parallel.py runs the layout on four)."""
 
 import argparse
 import ast

@@ -2,7 +2,7 @@
 threads of this process (tests/support/launch/thread_world.py), two expert shards (P = 2), so every worker has an
 expert-parallel group {0, 1} or {2, 3}, a replica group {0, 2} or {1, 3} and the world, and a
 reduction over the wrong one changes the result. In seconds, without worker processes; the slow
-oracle (tests/fairseq/test_fairseq_expert_parallel.py) runs the same layouts through fairseq's Trainer."""
+oracle (tests/parallel/test_fairseq_expert_parallel.py) runs the same layouts through fairseq's Trainer."""
 
 import argparse
 
