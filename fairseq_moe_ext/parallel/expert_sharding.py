@@ -1,8 +1,10 @@
 """Experts sharded over their replica group: ``--ddp-backend fully_sharded --moe-fully-sharded-experts sharded``.
 
 With W workers and expert-parallel size P < W, the W/P workers of a replica group hold the same E/P
-experts (``ExpertLayout``). Here each MoE layer's ``BatchedExperts`` becomes an FSDP2 unit of its own
-over that group (not over the world, as the shared part is): its stacked tensors are cut along dim 0
+experts (``ExpertLayout``). Here each MoE layer's routed experts (the ``BatchedExperts`` marked
+``expert``; shared experts are shared parameters, sharded over the world with their layer) become an
+FSDP2 unit of their own over that group (not over the world, as the shared part is): its stacked
+tensors are cut along dim 0
 (the local experts, torch.chunk's split), so each worker holds 1/(W/P) of its experts' parameters,
 gradients and optimizer state. FSDP2 gathers one MoE layer's E/P experts for that layer's forward and
 again for its backward, and frees them after each (the fairseq ``nllb`` branch wraps each expert in
@@ -31,7 +33,7 @@ from typing import List
 import torch
 
 from ..common.refusal import MoESetupError
-from ..moe.experts import BatchedExperts
+from ..moe.experts import BatchedExperts, is_expert
 
 SHARDED = "sharded"
 # FSDP2 setters this module needs; newer than fully_shard itself (torch 2.13 has them; whether torch
@@ -49,7 +51,12 @@ def refuse_torch_without_setters(fsdp_module_type) -> None:
 
 
 def expert_modules(model: torch.nn.Module) -> List[BatchedExperts]:
-    return [m for m in model.modules() if isinstance(m, BatchedExperts)]
+    """The MoE layers' routed experts: the ``BatchedExperts`` whose parameters carry the ``expert`` marker.
+    Shared experts (``moe/shared_experts.py``) are a ``BatchedExperts`` too, but shared parameters: every
+    worker holds them and their gradient is averaged over the world, so they stay in their layer's unit,
+    sharded over the world like the rest of it. Taken by their module type they were sharded over the
+    replica group and their gradient summed there, never averaged (W times too large when P = 1)."""
+    return [m for m in model.modules() if isinstance(m, BatchedExperts) and all(map(is_expert, m.parameters()))]
 
 
 def shard_experts(model: torch.nn.Module, replica_group, mp_policy=None) -> int:
@@ -66,7 +73,7 @@ def shard_experts(model: torch.nn.Module, replica_group, mp_policy=None) -> int:
     mesh = DeviceMesh.from_group(replica_group, device.type)
     options = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     for module in modules:
-        marked = {name for name, p in module.named_parameters(recurse=False) if getattr(p, "expert", False)}
+        marked = {name for name, p in module.named_parameters(recurse=False) if is_expert(p)}
         fully_shard(module, reshard_after_forward=True, **options)
         # Summed over the replicas, not averaged: all_reduce_grads scales experts for every backend.
         module.set_gradient_divide_factor(1.0)
