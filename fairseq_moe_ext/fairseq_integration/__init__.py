@@ -87,7 +87,9 @@ HOOKS = (
          "complete set) and shares its answer, and each worker reads only the files holding its share "
          "(checkpoint/share.py), at any layout that divides the experts. With --moe-upcycle-from and no "
          "checkpoint to resume, the model is filled from the dense checkpoint instead (training/upcycling.py), "
-         "as fairseq's --finetune-from-model would be."),
+         "as fairseq's --finetune-from-model would be. Without --reset-optimizer it marks the trainer for hook "
+         "12's optimizer carry, and fairseq's 'Optimizer does not match' assertion (another precision than the "
+         "set's) becomes one line naming --reset-optimizer."),
     Hook(8, "fairseq.checkpoint_utils.load_model_ensemble_and_task", loading.wrap_load_model_ensemble_and_task,
          "generate, interactive, eval-lm, validate, hub: --path dir/checkpoint_best.pt loads a set with no "
          "conversion step; models are built with every expert local, or, in expert-sharded inference "
@@ -115,7 +117,10 @@ HOOKS = (
          "plain --fp16 with experts on several workers builds the non-flattened FP16Optimizer before any "
          "batch runs (flattening drops the expert marker the global norm needs). Under --ddp-backend "
          "fully_sharded, --fp16/--bf16 step the fp32 shards and experts in place (MemoryEfficientFP16Optimizer "
-         "over fp32 parameters, as fairseq's own fully_sharded does; fp16 keeps its dynamic loss scale)."),
+         "over fp32 parameters, as fairseq's own fully_sharded does; fp16 keeps its dynamic loss scale), its "
+         "loading hack off (the state is the fp32 parameters' own). Inside a resume (hook 7), a set saved by the "
+         "other mixed-precision wrapper (FP16Optimizer <-> MemoryEfficientFP16Optimizer: another backend, the "
+         "same precision) is taken as this one's (training/optimizer_layouts.py)."),
     Hook(13, "fairseq.optim.amp_optimizer.AMPOptimizer.clip_grad_norm", precision.wrap_amp_clip_grad_norm,
          "--amp: the global gradient norm decides whether every worker skips the step."),
     Hook(13, "fairseq.optim.amp_optimizer.AMPOptimizer.step", precision.wrap_amp_step,
@@ -164,7 +169,8 @@ HOOKS = (
     Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.load_state_dict",
          sharding.wrap_optimizer_load_state_dict,
          "a checkpoint holds whole optimizer states; under fully_sharded each worker keeps its slice of each "
-         "shared parameter's state (cut locally, no communication), experts' as they are."),
+         "shared parameter's state (cut locally, no communication), experts' as they are. A state of the other "
+         "layout (FP16Optimizer's flat fp32 vector, or per parameter) is cut or joined first."),
     Hook(22, "fairseq.optim.fairseq_optimizer.FairseqOptimizer.multiply_grads", sharding.wrap_optimizer_multiply_grads,
          "its one foreach multiply per device and dtype refuses FSDP2's slices mixed with experts' plain tensors: "
          "under fully_sharded each worker scales its local slices."),

@@ -4,6 +4,7 @@ also starts a --moe-upcycle-from run from its dense checkpoint."""
 import functools
 import logging
 import os
+import re
 
 import torch
 from omegaconf import open_dict
@@ -17,6 +18,7 @@ from ..common.refusal import MoEOptionError
 from ..parallel import expert_grads, expert_groups
 from ..parallel.io_waits import broadcast_from_rank_0, io_wait_group
 from ..parallel.process_state import STATE, LoadTarget
+from ..training import optimizer_layouts
 from ..training.frozen_resume import carry_optimizer_state_over_freeze
 from ..training.restore_choice import resolve_restore
 from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
@@ -24,11 +26,14 @@ from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
 from . import routing_stats
 from .inference import load_sharded
+from .precision import RESUMING
 from .run_dtype import built_for_load, cast_for_inference, check_loaded, dtype_for_load
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
 
 logger = logging.getLogger(__name__)
+# fairseq's Trainer.load_checkpoint asserts that the saved optimizer class is the one it built (a traceback).
+OPTIMIZER_MISMATCH = re.compile(r"Optimizer does not match; .*\(--reset-optimizer\)\. (\S+) vs (\S+)$")
 
 
 def wrap_load_checkpoint_to_cpu(original):
@@ -111,6 +116,19 @@ def names_a_rank_file(path) -> bool:
 def wrap_trainer_load_checkpoint(original):
     @functools.wraps(original)
     def load_checkpoint(self, filename, *args, **kwargs):
+        reset_optimizer = kwargs.get("reset_optimizer", args[0] if args else False)
+        setattr(self, RESUMING, None if reset_optimizer else filename)  # hook 12 carries the optimizer over
+        try:
+            return load_moe_or_dense(self, filename, *args, **kwargs)
+        except AssertionError as refused:
+            mismatch = OPTIMIZER_MISMATCH.match(str(refused))
+            if mismatch is None:
+                raise
+            raise optimizer_layouts.optimizer_mismatch(filename, *mismatch.groups()) from None
+        finally:
+            setattr(self, RESUMING, None)
+
+    def load_moe_or_dense(self, filename, *args, **kwargs):
         check_training_setup(self)  # fairseq-train calls this first, before any batch is read
         checkpoint_cfg = self.cfg.checkpoint
         claim_save_dir(

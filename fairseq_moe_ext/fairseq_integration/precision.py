@@ -38,6 +38,7 @@ from ..common.torch_compat import scaler_optimizer_state
 from ..parallel import expert_grads
 from ..parallel.fully_sharded import is_sharded, local_part
 from ..parallel.process_state import STATE
+from ..training import optimizer_layouts
 from . import sharding
 from .inference import add_inference_experts_flag, decide_sharded_inference
 from .routing_stats import decide_routing_stats
@@ -91,7 +92,8 @@ def wrap_build_optimizer(original):
     def _build_optimizer(self):
         common = self.cfg.common
         if (common.fp16 or common.bf16) and sharding.is_fully_sharded_backend(self.cfg.distributed_training):
-            return build_fully_sharded_mixed_precision_optimizer(self)
+            build_fully_sharded_mixed_precision_optimizer(self)
+            return carry_saved_wrapper_name(self)
         flattens = common.fp16 and not (common.memory_efficient_fp16 or common.bf16 or common.fp16_no_flatten_grads)
         if flattens and needs_expert_marker(self):
             with open_dict(common):
@@ -100,9 +102,32 @@ def wrap_build_optimizer(original):
                 "--fp16 with experts on several workers: fp16 gradients are kept per parameter "
                 "(--fp16-no-flatten-grads) so the gradient norm can count every worker's experts"
             )
-        return original(self)
+        original(self)
+        return carry_saved_wrapper_name(self)
 
     return _build_optimizer
+
+
+# Set on the Trainer by hook 7 while Trainer.load_checkpoint runs without --reset-optimizer: the path resumed.
+RESUMING = "moe_resuming_optimizer_of"
+
+
+def carry_saved_wrapper_name(trainer) -> None:
+    """Inside Trainer.load_checkpoint, which rebuilds the optimizer and then asserts that the saved class
+    name is the built one's: a set saved by the other mixed-precision wrapper (another backend, the same
+    precision) is taken as this one's, its state converted where the layouts differ (hook 22,
+    training/optimizer_layouts.py)."""
+    path = getattr(trainer, RESUMING, None)
+    history = trainer._optim_history
+    if path is None or not history or not isinstance(history[-1], dict):
+        return
+    saved, built = history[-1].get("optimizer_name"), type(trainer._optimizer).__name__
+    if saved == built or not optimizer_layouts.carries_over(saved, built):
+        return  # the same class, or fairseq's refusal (reworded in one line by hook 7)
+    history[-1] = dict(history[-1], optimizer_name=built)
+    logger.info(
+        f"resuming: {path} was saved by {saved}; {built} takes its optimizer state over (--ddp-backend changed)"
+    )
 
 
 def build_fully_sharded_mixed_precision_optimizer(trainer) -> None:
@@ -119,6 +144,9 @@ def build_fully_sharded_mixed_precision_optimizer(trainer) -> None:
     params = [p for p in chain(trainer.model.parameters(), trainer.criterion.parameters()) if p.requires_grad]
     fp32_optimizer = optim.build_optimizer(trainer.cfg.optimizer, params)
     trainer._optimizer = optim.MemoryEfficientFP16Optimizer(trainer.cfg, params, fp32_optimizer, allow_unsupported=True)
+    # fairseq's loading "hack" puts the saved (whole) state back after the wrapped optimizer loaded it, to undo
+    # torch's cast to fp16 parameters; these parameters are fp32, and hook 22 cut each worker's slices.
+    fp32_optimizer.optimizer.disable_mem_eff_fp16_loading_hack = True
     trainer._lr_scheduler = lr_scheduler.build_lr_scheduler(trainer.cfg.lr_scheduler, trainer.optimizer)
     trainer._lr_scheduler.step_update(0)
 

@@ -18,6 +18,7 @@ from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import foreach_mul_
 from ..parallel import expert_grads, expert_groups, expert_sharding, fully_sharded
+from ..training import optimizer_layouts
 
 
 def is_fully_sharded_backend(cfg) -> bool:
@@ -68,6 +69,9 @@ def wrap_optimizer_load_state_dict(original):
     @functools.wraps(original)
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         params = list(self.params)
+        # A set of the other mixed-precision wrapper (FP16Optimizer's flat fp32 vector, or per parameter);
+        # a DTensor's shape is the whole tensor's, as saved.
+        state_dict = optimizer_layouts.to_layout(state_dict, [p.shape for p in params])
         if any(fully_sharded.is_sharded(p) for p in params) and "state" in state_dict:
             state_dict = fully_sharded.sharded_optimizer_state(state_dict, params)
         return original(self, state_dict, optimizer_overrides)
