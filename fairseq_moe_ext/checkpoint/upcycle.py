@@ -23,8 +23,9 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 # The routers' default initial std: --moe-upcycle-router-std's record says why 0.01.
+from ..moe.balance_bias import BIAS_KEY_SUFFIX
 from ..moe.placement import is_moe_layer
-from ..options import moe_freq
+from ..options import moe_freq, option_value
 from ..options.run import DEFAULT_ROUTER_STD
 from .contents import check_is_checkpoint, is_dense
 from .errors import CheckpointSetError
@@ -93,9 +94,10 @@ def check_upcyclable(state, path: str, options: UpcycleOptions) -> Dict:
 
 
 def upcycle_model_state(
-    model_state: Dict, options: UpcycleOptions, moe_layer: Callable[[str, int], bool]
+    model_state: Dict, options: UpcycleOptions, moe_layer: Callable[[str, int], bool], balance_bias: bool = False
 ) -> Tuple[Dict, List[str]]:
-    """The MoE model state and its expert keys; ``moe_layer(side, index)``: is that layer MoE?"""
+    """The MoE model state and its expert keys; ``moe_layer(side, index)``: is that layer MoE?
+    ``balance_bias``: the model balances with a bias (--moe-balance bias), a buffer every run starts at zero."""
     chosen = [(side, index) for side, index in dense_ffn_layers(model_state) if moe_layer(side, index)]
     if not chosen:
         raise CheckpointSetError(
@@ -119,6 +121,8 @@ def upcycle_model_state(
         if options.router_std > 0:
             router = torch.randn(router.shape, generator=generator) * options.router_std
         out[f"{prefix}.{ROUTER_WEIGHT}"] = router.to(model_state[f"{prefix}.fc1.weight"].dtype)
+        if balance_bias:
+            out[f"{prefix}.fc1.router{BIAS_KEY_SUFFIX}"] = torch.zeros(options.experts, dtype=torch.float32)
     return out, expert_keys
 
 
@@ -128,7 +132,10 @@ def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, model_cfg, cf
     progress (fairseq then starts at epoch 1, update 0)."""
     dense = check_upcyclable(dense, path, options)
     freqs = {side: moe_freq(model_cfg, side) for side in ("encoder", "decoder")}
-    model, expert_keys = upcycle_model_state(dense["model"], options, lambda side, i: is_moe_layer(i, freqs[side]))
+    bias = str(option_value(model_cfg, "moe_balance")) == "bias"
+    model, expert_keys = upcycle_model_state(
+        dense["model"], options, lambda side, i: is_moe_layer(i, freqs[side]), balance_bias=bias
+    )
     meta = moe_metadata([], expert_keys, world_size=1, rank=0, num_updates=0, experts_per_worker=options.experts)
     meta["upcycled_from"] = path
     return {

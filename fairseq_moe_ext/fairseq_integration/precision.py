@@ -91,7 +91,8 @@ def wrap_build_optimizer(original):
     @functools.wraps(original)
     def _build_optimizer(self):
         common = self.cfg.common
-        if (common.fp16 or common.bf16) and sharding.is_fully_sharded_backend(self.cfg.distributed_training):
+        sharded = sharding.is_fully_sharded_backend(self.cfg.distributed_training) and self.use_distributed_wrapper
+        if (common.fp16 or common.bf16) and sharded:  # one worker: no shards, fairseq's fp32 copies
             build_fully_sharded_mixed_precision_optimizer(self)
             return carry_saved_wrapper_name(self)
         flattens = common.fp16 and not (common.memory_efficient_fp16 or common.bf16 or common.fp16_no_flatten_grads)

@@ -96,7 +96,7 @@ MODEL_OPTIONS = (
            "prune --encoder-decoder-ratio keeps another number of experts on each side",
            CHANGES_PARAMETERS, "another number of decoder experts and router rows",
            range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=INT64_MAX, holder=SIZE,
-                        optional=True)),
+                        optional=True), matrix=("2",)),
     Option("moe_top_k", int, 2, "experts per token (default 2)",
            CHANGES_FUNCTION, "a token is sent to another number of experts",
            range=within(True, "an integer >= 1", "use 1 <= --moe-top-k <= {experts}", low=1, high=INT64_MAX,
@@ -107,7 +107,9 @@ MODEL_OPTIONS = (
            "k*int(cf*ceil(N/E)) slots per expert and drops the rest; 0 is dropless; < 0 is "
            "dropless up to k*int(|cf|*ceil(N/E)) (default 0)",
            MAY_CHANGE, "which slots training drops; " + TRAINING_ONLY,
-           range=within(False, "a finite number", CAPACITY_FIX), field="capacity_factor"),
+           range=within(False, "a finite number", CAPACITY_FIX), field="capacity_factor",
+           # batch order differs between one process and W workers: the matrix serves by priority
+           matrix=("0.5 --moe-batch-prioritized-routing",)),
     Option("moe_eval_capacity_factor", float, 0.0,
            "capacity factor in validation and inference (default 0: dropless, so outputs "
            "do not depend on batch composition)",
@@ -131,14 +133,15 @@ MODEL_OPTIONS = (
            f"router: {router_choices()} (default top)",
            CHANGES_FUNCTION, "top and sigmoid score the experts differently from the same weights; "
                              "cosine has other parameters",
-           choices=tuple(ROUTER_TYPES), field="routing.router_type"),
+           choices=tuple(ROUTER_TYPES), field="routing.router_type",
+           matrix=tuple(name for name in ROUTER_TYPES if name != "top")),
     Option("moe_shared_expert_count", int, 0,
            "shared experts (DeepSeek-MoE) per MoE layer: always active, run as one dense FFN beside "
            "the routed experts and added to their output; replicated like shared parameters (default 0)",
            CHANGES_PARAMETERS, "another number of shared experts",
            range=within(True, "an integer >= 0", "use 0 for no shared experts", low=0, high=INT64_MAX,
                         holder=SIZE),
-           field="shared_expert_count"),
+           field="shared_expert_count", matrix=("1",)),
     Option("moe_shared_expert_ffn_dim", Optional[int], None,
            "hidden size of each shared expert (default: the routed experts' hidden size)",
            CHANGES_PARAMETERS, "shared experts of another hidden size",
@@ -150,7 +153,8 @@ MODEL_OPTIONS = (
            "routing scores for choosing experts only, moved by --moe-bias-update-rate after each update "
            "towards the mean global load; the balance loss still applies unless --moe-gate-loss-wt 0 "
            "(default none)",
-           CHANGES_PARAMETERS, "the balance bias is a saved buffer of its own", choices=BALANCE_CHOICES),
+           CHANGES_PARAMETERS, "the balance bias is a saved buffer of its own", choices=BALANCE_CHOICES,
+           matrix=("bias",)),
     Option("moe_bias_update_rate", Optional[float], None,
            f"with --moe-balance bias: b_i += rate * sign(mean load - load_i) after each update "
            f"(default {DEFAULT_BIAS_UPDATE_RATE})",
@@ -166,7 +170,7 @@ MODEL_OPTIONS = (
            "micro-batch's router probabilities do); needs --moe-gate-loss-wt > 0 (default micro-batch)",
            MAY_CHANGE, "which tokens' load the balance loss weighs; " + TRAINING_ONLY
            + " (its counts live within one update, never in a checkpoint)",
-           choices=BALANCE_SCOPES, field="balance_scope"),
+           choices=BALANCE_SCOPES, field="balance_scope", matrix=("global-batch",)),
     Option("moe_freeze", Optional[str], None,
            f"fine-tuning: the parts that do not train, any of {', '.join(FREEZABLE_PARTS)} but not "
            "all, comma-separated: router (every MoE router, and its balance bias), experts (the routed "
@@ -174,7 +178,7 @@ MODEL_OPTIONS = (
            "gradient, no optimizer state and no all-reduce; with the router frozen the balance loss and "
            "z-loss are logged, not added to the loss (default: nothing frozen)",
            MAY_CHANGE, "which parameters train, not what they compute; a changed set starts a fresh "
-           "optimizer state", effective=frozen_parts),
+           "optimizer state", effective=frozen_parts, matrix=("router", "experts")),
     Option("moe_expert_ffn_dim", Optional[int], None, "hidden size of each expert (default: the layer's ffn dim)",
            CHANGES_PARAMETERS, "experts of another hidden size",
            range=within(True, "a positive integer", "drop it to use the layer's ffn dim", low=1, high=INT64_MAX,
@@ -192,7 +196,7 @@ MODEL_OPTIONS = (
            CHANGES_FUNCTION, "inference multiplies every expert output by 1 - p",
            range=within(False, "a probability in [0, 1)", "use 0 (off) or a rate such as 0.2 (NLLB-200's)", low=0,
                         high=0.999999, holder="a masking rate below 1"),
-           field="expert_output_masking", hf="moe_token_dropout"),
+           field="expert_output_masking", hf="moe_token_dropout", matrix=("0.2",)),
     Option("moe_normalize_gate", bool, False, "renormalise each token's k gate values to sum to 1",
            CHANGES_FUNCTION, "the gates a token's expert outputs are weighted with", field="routing.normalize_gates"),
     # The fairseq nllb branch's routing semantics, which import-fairseq-moe sets (docs/interop.md).

@@ -74,6 +74,10 @@ class Option:
     launch_only: bool = False  # read from the command line when a run starts; architectures never set it
     hf: Optional[str] = None  # the NllbMoeConfig field carried over one to one (export-hf, import-hf)
     branch: Optional[str] = None  # the fairseq nllb/moe branch's option carried over one to one
+    # The values the combination matrix crosses with every layout and precision (tests/parallel/
+    # test_combination_matrix.py), as the command line gives them: the option changes parameters, gradients or
+    # routing. "{dense}" stands for a dense checkpoint the matrix writes; further words are flags it needs.
+    matrix: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.range is not None and not self.range.flag:
@@ -105,6 +109,8 @@ class Option:
             found.append(f"{self.name}: where must be one of {WHERE}, not {self.where!r}")
         if self.choices and self.default not in self.choices:
             found.append(f"{self.name}: the default {self.default!r} is not one of its choices {self.choices}")
+        if self.choices and any(value not in self.choices for value in self.matrix):
+            found.append(f"{self.name}: the matrix values {self.matrix} are not all among its choices {self.choices}")
         if self.to_field is not None and self.field is None:
             found.append(f"{self.name}: to_field without the field it converts to")
         if self.where in (CRITERION, INFERENCE) and (self.field or self.hf or self.branch):

@@ -71,7 +71,7 @@ RUN_OPTIONS = (
            "when --save-dir has no checkpoint_last: every expert a copy of its layer's dense FFN, the "
            "router at zero, a fresh optimizer (needs --moe-normalize-gate; then the model starts as the "
            "dense one)",
-           FIRST_LAUNCH),
+           FIRST_LAUNCH, matrix=("{dense} --moe-normalize-gate",)),
     launch_option("moe_upcycle_noise", float, 0.0,
            "with --moe-upcycle-from: std of Gaussian noise added to each expert's "
            "copy (seeded by --seed; default 0: exact copies)",

@@ -142,6 +142,12 @@ def load_upcycled(trainer, path: str) -> None:
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
             "upcycled model does not start as the dense one; add --moe-normalize-gate"
         )
+    if moe_option(model_cfg, "moe_shared_expert_count"):
+        raise MoEOptionError(
+            f"--moe-upcycle-from starts the model as the dense one (every routed expert a copy of its FFN), and "
+            f"--moe-shared-expert-count {moe_option(model_cfg, 'moe_shared_expert_count')} would add a fresh FFN to "
+            f"it: drop --moe-shared-expert-count"
+        )
     for side in ("encoder", "decoder"):
         own = moe_option(model_cfg, f"{side}_moe_expert_count")
         if own is not None and own != model_cfg.moe_expert_count:
