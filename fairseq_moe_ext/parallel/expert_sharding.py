@@ -33,6 +33,7 @@ from typing import List
 import torch
 
 from ..common.refusal import MoESetupError
+from ..common.torch_compat import forget_forward_records
 from ..moe.experts import BatchedExperts, is_expert
 
 SHARDED = "sharded"
@@ -97,12 +98,6 @@ def forget_forward_order(modules) -> None:
     a backward. Generation runs forwards with no backward, a different number on each worker, and a
     worker done early runs only the MoE layers (joining the others' calls): left recorded, the next
     training backward prefetches a different unit on each worker and waits forever (seen: --eval-bleu
-    with experts sharded). Called when generation ends; torch 2.13's FSDP2 state has no public reset."""
-    for module in modules:
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; older FSDP2 has one group
-        if groups is None:
-            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
-            group.comm_ctx.post_forward_order.clear()
-            group._post_forward_indices.clear()
+    with experts sharded). Called when generation ends; torch 2.13's FSDP2 state has no public reset: the
+    private record is reached through common/torch_compat.py (checked before generation starts)."""
+    forget_forward_records(modules)

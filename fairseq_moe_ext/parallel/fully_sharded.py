@@ -38,6 +38,12 @@ import torch.distributed as dist
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
+from ..common.torch_compat import (
+    RESHARD_AFTER_FORWARD,
+    check_forward_records,
+    reshards_after_forward,
+    set_reshard_after_forward,
+)
 from ..moe.experts import is_expert
 from .expert_sharding import forget_forward_order
 
@@ -181,8 +187,10 @@ def shard_model(
     for unit in units:
         experts = {p for p in unit.parameters() if is_expert(p)}
         fully_shard(unit, ignored_params=experts, reshard_after_forward=reshard_after_forward, **options)
+        setattr(unit, RESHARD_AFTER_FORWARD, reshard_after_forward)  # torch_compat.reshards_after_forward's fallback
     experts = {p for p in model.parameters() if is_expert(p)}
     fully_shard(model, ignored_params=experts, reshard_after_forward=False, **options)
+    setattr(model, RESHARD_AFTER_FORWARD, False)
     # Checkpoints hold whole tensors: the root's pre-hook (run before any module loads) cuts them.
     model.register_load_state_dict_pre_hook(_whole_tensors_sliced)
     return model
@@ -219,22 +227,18 @@ def gathered_for_inference(model: torch.nn.Module):
     if not modules:
         yield
         return
-    saved = [_reshards_after_forward(m) for m in modules]
+    check_forward_records(modules, "generation inside training under --ddp-backend fully_sharded (--eval-bleu)")
+    saved = [reshards_after_forward(m) for m in modules]
     for module in modules:
-        module.set_reshard_after_forward(False, recurse=False)
+        set_reshard_after_forward(module, False)
         module.unshard()
     try:
         yield
     finally:
         for module, reshards in zip(modules, saved):
             module.reshard()
-            module.set_reshard_after_forward(reshards, recurse=False)
+            set_reshard_after_forward(module, reshards)
         forget_forward_order(modules)  # no backward follows these forwards
-
-
-def _reshards_after_forward(module) -> bool:
-    groups = module._get_fsdp_state()._fsdp_param_groups  # torch 2.13's FSDP2 state: no public getter
-    return any(g.post_forward_mesh_info is not None for g in groups)
 
 
 def _whole_tensors_sliced(module, state_dict, prefix, *args):

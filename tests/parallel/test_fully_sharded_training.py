@@ -50,6 +50,7 @@ def counting_reduce_scatters():
 
 
 def training_cases_worker(rank, world, data_dir):
+    from fairseq_moe_ext.common.torch_compat import reshards_after_forward
     from fairseq_moe_ext.parallel import fully_sharded
 
     calls = counting_reduce_scatters()
@@ -67,7 +68,7 @@ def training_cases_worker(rank, world, data_dir):
         result["units"] = len(fully_sharded.fsdp_modules(trainer.get_model()))
         result["params"] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in result["params"].items()}
         modules = fully_sharded.fsdp_modules(trainer.get_model())
-        result["reshards"] = [fully_sharded._reshards_after_forward(m) for m in modules]
+        result["reshards"] = [reshards_after_forward(m) for m in modules]
         results[name] = result
     return results
 
