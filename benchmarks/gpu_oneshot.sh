@@ -18,7 +18,8 @@
 # the GPU machine's packages (benchmarks/device/device_site); CUDA-only parts say SKIP (cuda).
 # ONESHOT_TIME_SCALE=F (dry run only, default 1): every limit and the deadline times F, for a CPU shared
 # with other work (tests/recipes/test_gpu_scripts.py sets it from the load average).
-# ONESHOT_ONLY=env,layer,... runs some checks; ONESHOT_WORK keeps the scratch folder.
+# ONESHOT_ONLY=env,layer,... runs some checks; ONESHOT_WORK keeps the scratch folder. ONESHOT_PLANT=run=fault,...
+# (dry run only) plants a fault in fairseq runs (benchmarks/device/oneshot_plant.py) to show the verdicts fail.
 set -uo pipefail
 
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then

@@ -152,6 +152,44 @@ def private_api_line():
     )
 
 
+def fsdp_and_gloo_line():
+    """What the two-rank verdicts rest on, probed on this torch with a one-rank gloo group on the CPU (no device
+    time): FSDP2's setters and private state the plugin reads (common/torch_compat.py), and which reductions
+    gloo takes (AVG: FSDP2's average; SUM: the plugin's replica sums; reduce-scatter: FSDP2's gradients)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from fairseq_moe_ext.common import torch_compat
+    from fairseq_moe_ext.parallel.expert_sharding import NEEDED_SETTERS
+    from fairseq_moe_ext.parallel.fully_sharded import fsdp_modules, shard_model
+
+    store = dist.FileStore(str(WORK / "env_gloo_store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        shard_model(model)
+        model.layers[0](torch.ones(1, 4))
+        unit = next(m for m in fsdp_modules(model) if torch_compat.fsdp_param_groups(m))
+        found = {**torch_compat.fsdp_private_state(unit), **{s: hasattr(FSDPModule, s) for s in NEEDED_SETTERS}}
+        for op in ("AVG", "SUM"):
+            for collective in ("all_reduce", "reduce_scatter_tensor"):
+                try:
+                    x = torch.ones(2)
+                    if collective == "all_reduce":
+                        dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+                    else:
+                        dist.reduce_scatter_tensor(torch.empty(2), x, op=getattr(dist.ReduceOp, op))
+                    found[f"gloo {collective} {op}"] = True
+                except (RuntimeError, ValueError):
+                    found[f"gloo {collective} {op}"] = False
+    finally:
+        dist.destroy_process_group()
+    missing = [name for name, ok in found.items() if not ok]
+    emit("INFO", "env_fsdp_and_gloo", "all present" if not missing else f"missing: {missing}", found=found)
+
+
 def write_dictionaries(folder: Path, vocab: int = 40) -> Path:
     from fairseq.data import Dictionary
 
@@ -272,7 +310,7 @@ def main():
     result = run_guarded("env_plugin_model", plugin_and_model, False)  # first: nothing else matters if it fails
     if result is not None:
         verdict("env_plugin_model", *result)
-    for line in (torch_line, nvidia_smi_line, imports_line, plugin_wheel_line, private_api_line):
+    for line in (torch_line, nvidia_smi_line, imports_line, plugin_wheel_line, private_api_line, fsdp_and_gloo_line):
         run_guarded(line.__name__, line)
 
 

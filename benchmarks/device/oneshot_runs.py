@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from report import DRY_RUN, LOGS, ROOT, WORK, emit, left, sized
+from report import DRY_RUN, HERE, LOGS, ROOT, WORK, emit, left, sized
 
 sys.path.insert(0, str(ROOT / "recipes"))  # toy_pair: the toy language pair the tests train on too
 import toy_pair  # noqa: E402
@@ -44,14 +44,27 @@ def train_flags(data, save_dir, *extra, seed=1):
     return [
         *[str(data), "--user-dir", fairseq_moe_ext.PACKAGE_DIR, *fixed, "--save-dir", str(save_dir)],
         *["--max-tokens", str(sized(2000, 400)), "--max-update", str(UPDATES), "--seed", str(seed)],
-        *["--log-interval", str(sized(20, 4)), *(["--cpu"] if DRY_RUN else []), *extra],
+        # every update logged: the verdicts compare runs update by update (loss and gradient norm)
+        *["--log-interval", "1", *(["--cpu"] if DRY_RUN else []), *extra],
     ]
+
+
+# The dry run's planted faults (oneshot_plant.py), by run name: ONESHOT_PLANT=two_ranks_gloo_c10d=wrong_scale,...
+PLANTED = dict(p.split("=", 1) for p in os.environ.get("ONESHOT_PLANT", "").split(",") if "=" in p) if DRY_RUN else {}
+
+
+def planted(name, command):
+    """``command`` (``... -m fairseq_cli.train ...``), or with a planted fault: oneshot_plant.py in its place."""
+    if name not in PLANTED:
+        return command
+    at = command.index("fairseq_cli.train")
+    return [*command[: at - 1], str(HERE / "oneshot_plant.py"), PLANTED[name], *command[at + 1 :]]
 
 
 def start(name, command):
     log = open(LOGS / "fairseq" / f"{name}.log", "w")
     process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=str(WORK), start_new_session=True
+        planted(name, command), stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=str(WORK), start_new_session=True
     )
     log.close()  # the child holds its own descriptor
     STARTED.append((name, process))
@@ -87,6 +100,12 @@ def read_log(name):
 def records(text, tag):
     pattern = re.compile(rf"\| {tag} \| (\{{.*\}})\s*$")
     return [json.loads(m.group(1)) for line in text.splitlines() if (m := pattern.search(line))]
+
+
+def by_update(name):
+    """{update: (train loss, gradient norm)} of a run logged at every update."""
+    text = read_log(name)
+    return {int(r["num_updates"]): (float(r["loss"]), float(r["gnorm"])) for r in records(text, "train_inner")}
 
 
 def outcome(name, status):

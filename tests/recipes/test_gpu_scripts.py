@@ -4,6 +4,7 @@ rest, keeps to the deadline and to what $OUT may hold, and a missing python or t
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,13 +203,15 @@ def test_a_oneshot_stopped_mid_check_kills_the_check_and_still_writes_its_figure
     assert (out / "logs.tar.gz").exists() and (out / "summary.txt").read_text().splitlines()[-1].startswith("DONE")
 
 
-def test_a_two_rank_run_refused_by_the_plugin_is_read_as_its_refusal_line_not_a_failure():
-    # The plugin's refusals print "<prog>: error: rank r of W: ..." (fairseq_integration/cli.py), older
-    # builds a ValueError; a log that trained has no refusal. oneshot_ranks is imported in a child, as
-    # the one-shot imports it (benchmarks/device on sys.path), so no benchmark module enters this process.
+def test_only_the_plugins_one_line_refusal_is_read_as_a_two_rank_runs_refusal():
+    # The plugin's refusals print "<prog>: error: rank r of W: ..." (fairseq_integration/cli.py); a ValueError
+    # naming a flag is a crash like any other, and argparse's own error names no rank. A log that trained has
+    # no refusal. oneshot_ranks is imported in a child, as the one-shot imports it (benchmarks/device on
+    # sys.path), so no benchmark module enters this process.
     logs = {
         "plugin": "x\nfairseq-train: error: rank 1 of 2: --moe-fully-sharded-experts sharded needs a newer torch\n",
-        "old": "Traceback\nValueError: --bf16 is refused under fully_sharded\n",
+        "value_error": "Traceback\nValueError: --bf16 is refused under fully_sharded\n",
+        "argparse": "train.py: error: argument --arch: invalid choice: 'x'\n",
         "trained": "| train_inner | epoch 001\nfairseq-train: error: rank 0 of 2: late\n",
         "crash": "Traceback\nRuntimeError: CUDA error\n",
     }
@@ -221,7 +224,36 @@ def test_a_two_rank_run_refused_by_the_plugin_is_read_as_its_refusal_line_not_a_
     )
     assert json.loads(done.stdout) == {
         "plugin": "--moe-fully-sharded-experts sharded needs a newer torch",
-        "old": "--bf16 is refused under fully_sharded",
+        "value_error": None,
+        "argparse": None,
         "trained": None,
         "crash": None,
     }
+
+
+# The dry run's planted faults (benchmarks/device/oneshot_plant.py): a gradient twice too large in the c10d
+# two-rank run and in the bf16 run, and a ValueError naming a flag that stops the fully_sharded two-rank run.
+PLANTED = "two_ranks_gloo_c10d=wrong_scale,two_ranks_gloo_fully_sharded_bf16=crash,bf16=wrong_scale"
+
+
+@pytest.mark.slow
+def test_the_dry_runs_verdicts_fail_on_a_planted_wrong_scale_gradient_and_a_planted_crash(tmp_path):
+    scale = load_scale()
+    env = dict(ONESHOT_DRY_RUN="1", ONESHOT_ONLY="fairseq", ONESHOT_PLANT=PLANTED, ONESHOT_TIME_SCALE=f"{scale:.2f}")
+    done, summary, _ = oneshot(tmp_path, timeout=400 * scale, **env)
+    assert done.returncode == 1, "\n".join(summary) + done.stderr[-3000:]
+    status = status_of(summary)
+    line = {s.split(" ")[1].rstrip(":"): s for s in summary if " " in s}
+    # Adam trains on with a doubled gradient: the loss fell as far as legacy_ddp's, which passed the old verdict.
+    c10d = line["fairseq_two_ranks_gloo_c10d"]
+    assert status["fairseq_two_ranks_gloo_c10d"] == "FAIL" and "gradient norm within 10" in c10d, c10d
+    first, last = map(float, re.search(r"train ([\d.]+) -> ([\d.]+)", c10d).groups())
+    assert last < 0.95 * first, c10d
+    assert status["fairseq_bf16"] == "FAIL" and "gradient norm within 10" in line["fairseq_bf16"], line["fairseq_bf16"]
+    # A ValueError naming a flag is a crash, not the plugin's refusal.
+    assert status["fairseq_two_ranks_gloo_fully_sharded_bf16"] == "FAIL", line[
+        "fairseq_two_ranks_gloo_fully_sharded_bf16"
+    ]
+    # A planted dry run starts the planted runs and their references (which pass) only.
+    assert status["fairseq_two_ranks_gloo"] == status["fairseq_fp32"] == "PASS", summary
+    assert "fairseq_two_ranks_gloo_fully_sharded_bf16_experts_sharded" not in status, summary

@@ -13,6 +13,7 @@ alone on one worker while the other idles: the longest slow tests and module gro
 LONGEST_FIRST = (
     "test_fault_injection.py::test_eleven_seeded_sigkills",
     "test_gpu_scripts.py::test_the_cpu_dry_run",
+    "test_gpu_scripts.py::test_the_dry_runs_verdicts_fail_on_a_planted",
     "test_recipes.py::test_expert_pruning_tiny_mode",
     "test_recipes.py::test_nllb_moe_dry_run",
     "test_inference_dtype_cli.py",
