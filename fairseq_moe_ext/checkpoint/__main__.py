@@ -12,7 +12,7 @@ import sys
 import torch
 
 from ..common.config_value import config_value
-from ..moe.expert_layout import default_expert_parallel_size
+from ..moe.expert_layout import default_expert_parallel_size, divides_layout, valid_parallel_sizes
 from .branch.importer import import_branch_set
 from .contents import experts_held
 from .errors import CheckpointError, CheckpointSetError
@@ -166,9 +166,9 @@ def expert_parallel_size(full, workers: int, given) -> int:
     counts = sorted(set(experts_per_key(full).values())) or [1]
     if given is None:
         return default_expert_parallel_size(workers, *counts)
-    if given < 1 or workers % given or any(e % given for e in counts):
+    if not divides_layout(given, workers, *counts):
         experts = " and ".join(map(str, counts))
-        choices = [p for p in range(1, workers + 1) if workers % p == 0 and all(e % p == 0 for e in counts)]
+        choices = valid_parallel_sizes(workers, *counts)
         raise CheckpointSetError(
             f"--expert-parallel-size {given} must divide both --world-size {workers} and the {experts} experts: use "
             f"one of {choices}"

@@ -2,6 +2,7 @@
 
 import math
 
+from ..moe.expert_layout import divides_layout, valid_parallel_sizes
 from .errors import CheckpointSetError
 from .names import base_of
 from .prune import METRIC_NAMES, prune
@@ -67,8 +68,8 @@ def prune_command(args) -> int:
     )
     kept = pruned["moe"]["pruned"]["kept"]
     counts = sorted({len(ids) for ids in kept.values()})
-    if any(n % args.world_size for n in counts):
-        divisors = [d for d in range(1, counts[0] + 1) if all(n % d == 0 for n in counts)]
+    if not divides_layout(args.world_size, args.world_size, *counts):
+        divisors = valid_parallel_sizes(counts[0], *counts)  # each set's workers hold E/W experts: W = P
         experts = " and ".join(map(str, counts))
         raise CheckpointSetError(
             f"--world-size {args.world_size} does not divide the {experts} experts kept: use one of {divisors}"

@@ -238,9 +238,8 @@ def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int
     precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
     optimizer, options = optimizer_of(cfg)
     shapes = model_shapes(model)
-    sharded = asked.get("--moe-fully-sharded-experts") == "sharded"
-    experts_sharded = sharded and backend == "fully_sharded" and world_size > parallel_size
-    layout = mp.Layout(backend, world_size, parallel_size, experts_sharded)
+    experts = "sharded" if asked.get("--moe-fully-sharded-experts") == "sharded" else "whole"
+    layout = mp.Layout(world_size, parallel_size, backend=backend, experts=experts)
     return worker_bytes(shapes, layout, precision, optimizer, options, rank)
 
 

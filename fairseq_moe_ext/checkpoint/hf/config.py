@@ -13,8 +13,8 @@ training only comes back as NOTE lines. Torch-free: plain dicts and Namespaces.
 import argparse
 from typing import Dict, List, Tuple
 
-from ...moe.placement import side_moe_freq
-from ...options import HF_NAMES, OPTIONS, expert_count
+from ...options import HF_NAMES, OPTIONS, expert_count, moe_options
+from ...options.sides import sides_of
 from ..errors import CheckpointSetError
 from .fields import check_numeric_fields
 from .routing import exported_routing, imported_routing
@@ -153,10 +153,10 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             "NllbMoe has no such activation",
             f"export a model with one of {', '.join(ACTIVATIONS)}",
         )
-    freq = int(_get(options, "moe_freq", 2))
-    steps = {side: side_moe_freq(freq, _get(options, f"{side}_moe_freq")) for side in SIDES}
+    values = moe_options(options)
+    steps = {side.name: side.moe_freq for side in sides_of(options, SIDES)}
     ffn = {side: int(_get(options, f"{side}_ffn_embed_dim")) for side in SIDES}
-    expert_dim = _get(options, "moe_expert_ffn_dim")
+    expert_dim = values.moe_expert_ffn_dim
     for side in SIDES:
         dense = [
             i
@@ -176,7 +176,7 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             ffn[side] = int(expert_dim)
     routing, routing_notes = exported_routing(options, path)  # policy, normalisation order, eval capacity
     notes += routing_notes
-    eom = float(_get(options, "moe_eom", 0.0))
+    eom = float(values.moe_eom or 0.0)
     if eom:
         notes.append(
             f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
@@ -196,7 +196,7 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "dropout": float(_get(options, "dropout", 0.1)),
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
-        **{hf: OPTIONS[name].type(_get(options, name, OPTIONS[name].default)) for name, hf in HF_NAMES.items()},
+        **{hf: OPTIONS[name].type(OPTIONS[name].read(options)) for name, hf in HF_NAMES.items()},
         "num_experts": experts["encoder"],  # --moe-expert-count, or both sides' own (equal) counts
         "expert_capacity": None,
         "router_bias": False,
