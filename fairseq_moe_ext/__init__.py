@@ -10,7 +10,8 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 2. ``options/``: every ``--moe-*`` option as one record, from which the tables that name options are
    derived, and ``ranges.py`` (a numeric option checked against its record's range). Torch only.
 3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports the tiers below and itself. Its
-   ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
+   ``__main__`` (an alias of ``fairseq-moe``) reaches up once, lazily, for the registry of subcommands
+   (``console.py``, at the top beside this file), which imports a subcommand's module only to run it.
 4. ``parallel/``: the distributed glue: ``process_state.py`` (the plugin's state, one object),
    ``plan.py`` (``ParallelPlan``: W, P, the backend and the groups of a model), ``expert_grads.py`` and
    ``grad_norm.py`` (gradient scaling, the gradient norm), ``fully_sharded.py`` and ``expert_sharding.py``

@@ -1,4 +1,5 @@
-"""The checkpoint tool's ``prune`` subcommand (prune.py does the work)."""
+"""The checkpoint tool's ``prune`` subcommand, a row of fairseq_moe_ext/console.py's registry (prune.py does the
+work)."""
 
 import math
 
@@ -7,13 +8,10 @@ from .errors import CheckpointSetError
 from .names import base_of
 from .prune import METRIC_NAMES, prune
 from .reshard import load_full, save_set
+from .sets_cli import refuse_overwrite, refusing
 
 
-def add_prune_parser(sub) -> None:
-    p = sub.add_parser(
-        "prune",
-        help="keep the experts routing statistics rank highest (per language or domain) and write a smaller set",
-    )
+def add_prune_parser(p) -> None:
     p.add_argument("checkpoint", help="the set or file to prune, e.g. save_dir/checkpoint_best.pt")
     p.add_argument("output", help="output name, e.g. pruned/checkpoint_best.pt (a new name)")
     how_many = p.add_mutually_exclusive_group(required=True)
@@ -52,7 +50,9 @@ def add_prune_parser(sub) -> None:
     )
 
 
+@refusing
 def prune_command(args) -> int:
+    refuse_overwrite(args.output)
     if args.world_size < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {args.world_size}")
     full = load_full(args.checkpoint)

@@ -1,6 +1,6 @@
 """``--moe-routing-stats FILE`` for fairseq-generate and fairseq-validate: which experts each group of
 sentences (a language, a domain) uses, counted over real tokens only, written as the JSON that
-``python -m fairseq_moe_ext.checkpoint prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
+``fairseq-moe prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
 
 Where fairseq meets it: the command line is read when it is parsed (``decide_routing_stats``, from the
 parse_args_and_arch hook), the model's MoE layers get a tally and its encoder a row tracker when it is

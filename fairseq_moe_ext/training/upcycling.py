@@ -4,7 +4,7 @@ A dense checkpoint's architecture decides the MoE one (``transformer*`` -> ``moe
 ``transformer_lm*`` -> ``moe_transformer_lm``; the dense config's sizes are kept), its criterion the
 MoE criterion, and the MoE flags given decide which layers become MoE. Two ways in:
 
-* ``python -m fairseq_moe_ext.checkpoint upcycle DENSE OUT --moe-expert-count E ...`` writes the
+* ``fairseq-moe upcycle DENSE OUT --moe-expert-count E ...`` writes the
   upcycled checkpoint (``upcycled_checkpoint``), which ``fairseq-train --restore-file`` continues
   (``--finetune-from-model`` too, for a single file) and ``fairseq-validate``/``-generate`` load;
 * ``fairseq-train --arch moe_transformer* --moe-upcycle-from DENSE ...`` (``load_upcycled``) builds the

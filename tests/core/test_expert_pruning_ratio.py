@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fairseq_moe_ext.checkpoint.__main__ import expert_parallel_size as set_parallel_size
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
 from fairseq_moe_ext.checkpoint.prune import split_by_ratio, with_expert_count
+from fairseq_moe_ext.checkpoint.sets_cli import expert_parallel_size as set_parallel_size
 from fairseq_moe_ext.moe.expert_layout import default_expert_parallel_size
 from fairseq_moe_ext.options import expert_count
 from fairseq_moe_ext.parallel.plan import resolve_parallel_size as expert_parallel_size

@@ -1,4 +1,4 @@
-"""Hugging Face NLLB-MoE out and in (``python -m fairseq_moe_ext.checkpoint export-hf|import-hf``).
+"""Hugging Face NLLB-MoE out and in (``fairseq-moe export-hf|import-hf``).
 
 Modules:
     config.py           our options <-> NllbMoeConfig (config.json), from the option records' HF names
