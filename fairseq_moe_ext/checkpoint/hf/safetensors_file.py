@@ -136,6 +136,11 @@ class SafetensorsFile:
     def shape(self, name: str) -> List[int]:
         return self.entries[name][1]
 
+    def release(self) -> None:
+        """Nothing to let go of: each tensor is read by seeking and held by its reader alone."""
+
+    close = release
+
     def read(self, name: str) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[name]
         with open(self.path, "rb") as f:
