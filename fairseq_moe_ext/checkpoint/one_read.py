@@ -97,7 +97,8 @@ def load_skipping(
         if not isinstance(state, dict):
             return state
         state = {k: v for k, v in state.items() if k not in set(skip)}
-        return _map_tensors(state, opened.materialise) if tensors else state
+        held: Dict[str, torch.UntypedStorage] = {}
+        return _map_tensors(state, lambda t: opened.materialise(t, held)) if tensors else state
     except (zipfile.BadZipFile, EOFError, ValueError) as error:
         raise _damaged(path, error) from None
     finally:
@@ -113,8 +114,8 @@ class NotOneRead(Exception):
 class OpenCheckpoint:
     """A torch zip checkpoint opened once: its pickle read (``state``, every tensor on the ``meta`` device, the
     restricted types of ``safe_load``), each tensor's bytes read from its archive member when ``materialise``d,
-    every read counted (``reader``). A storage is read once while it is held (``release`` lets go of them), so
-    tensors asked for once each are read once each, and tensors never asked for not at all."""
+    every read counted (``reader``): tensors asked for once each are read once each, and tensors never asked for
+    not at all."""
 
     def __init__(self, path: str, on_read: Optional[Callable[[int], None]] = None):
         self.path, self.reader = path, CountingReader(path, on_read)
@@ -132,23 +133,35 @@ class OpenCheckpoint:
             self.close()
             raise
         self._key_of = {storage._cdata: key for key, (storage, _) in self._storages.items()}
-        self._loaded: Dict[str, torch.UntypedStorage] = {}
 
-    def materialise(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (a ``meta`` tensor of ``state``) with its bytes, read from its member (CRC-32 checked)."""
+    def materialise(self, tensor: torch.Tensor, held: Optional[Dict[str, torch.UntypedStorage]] = None) -> torch.Tensor:
+        """``tensor`` (a ``meta`` tensor of ``state``) with its bytes, read from its member (CRC-32 checked). ``held``:
+        storages already read, by key (tensors sharing a storage read it once); None: read it, keep nothing."""
         key = self._key_of[tensor.untyped_storage()._cdata]
-        if key not in self._loaded:
+        storage = None if held is None else held.get(key)
+        if storage is None:
             try:
-                self._loaded[key] = _read_member(
-                    self.archive, self._root + "data/" + key, self._storages[key][0].nbytes()
-                )
+                storage = _read_member(self.archive, self._root + "data/" + key, self._storages[key][0].nbytes())
             except (zipfile.BadZipFile, EOFError, ValueError) as error:
                 raise _damaged(self.path, error) from None
-        out = torch.empty(0, dtype=tensor.dtype)
-        return out.set_(self._loaded[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+            if held is not None:
+                held[key] = storage
+        return torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
 
-    def release(self) -> None:
-        self._loaded = {}
+    def read_into(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous, ``tensor``'s shape) with ``tensor``'s values: straight from its member when
+        ``tensor`` is the whole of its storage in ``out``'s dtype (no other copy is made), else through
+        ``materialise`` (cast or cut from a larger storage)."""
+        key = self._key_of[tensor.untyped_storage()._cdata]
+        whole = self._storages[key][0].nbytes() == out.numel() * out.element_size()
+        if not (whole and tensor.dtype == out.dtype and tensor.storage_offset() == 0 and tensor.is_contiguous()):
+            out.copy_(self.materialise(tensor))
+            return
+        if out.numel():
+            try:
+                _read_member_into(self.archive, self._root + "data/" + key, byte_view(out))
+            except (zipfile.BadZipFile, EOFError, ValueError) as error:
+                raise _damaged(self.path, error) from None
 
     def close(self) -> None:
         archive = getattr(self, "archive", None)
@@ -194,7 +207,15 @@ def _unpickle(archive: zipfile.ZipFile, path: str):
 def _read_member(archive: zipfile.ZipFile, name: str, size: int) -> torch.UntypedStorage:
     """The member's bytes as a storage, read once; zipfile checks its CRC-32 when the read reaches its end."""
     buffer = bytearray(size)
-    view = memoryview(buffer)
+    _read_member_into(archive, name, memoryview(buffer))
+    if not size:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _read_member_into(archive: zipfile.ZipFile, name: str, view: memoryview) -> None:
+    """The member's bytes into ``view`` (its size), once; zipfile checks the CRC-32 when the read reaches its end."""
+    size = len(view)
     with archive.open(name) as member:
         done = 0
         while done < size:
@@ -204,9 +225,11 @@ def _read_member(archive: zipfile.ZipFile, name: str, size: int) -> torch.Untype
             done += count
         if member.read(1):
             raise ValueError(f"{name} holds more than its {size} bytes")
-    if not size:
-        return torch.UntypedStorage(0)
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _map_tensors(value, function):

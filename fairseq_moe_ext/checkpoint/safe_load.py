@@ -48,7 +48,7 @@ def _other_numpy_names(allowed):
         module = getattr(obj, "__module__", "") or ""
         for ours, theirs in (("numpy._core.", "numpy.core."), ("numpy.core.", "numpy._core.")):
             if module.startswith(ours):
-                aliases.append((obj, f"{theirs}{module[len(ours):]}.{obj.__qualname__}"))
+                aliases.append((obj, f"{theirs}{module[len(ours) :]}.{obj.__qualname__}"))
     return aliases
 
 

@@ -6,13 +6,11 @@ writes), or else ``pytorch_model.bin`` or ``pytorch_model-*.bin`` shards listed 
 (the older format, and the hub's ``facebook/nllb-moe-54b``; ``torch_bin_file.py``: read through the restricted
 unpickler). Tensor names with or without the ``model.`` prefix (keys.py). Every shard's header (a .bin shard's
 pickle) is read and checked first (present, complete, every tensor the config implies there with its shape), so
-bad input is refused before a file is written. Then the reader ``HfShards`` yields output file r of the set in
-turn and the set writer (set_writer.py) saves it: its tensors are read grouped by the shard that holds them, each
-by seeking (a safetensors tensor, a .bin shard's archive member), so each byte of every shard is read once for
-all the output files (a legacy pre-zip .bin shard is loaded whole, once per output file that needs it); rank 0
-also takes every non-expert parameter; each file takes the stacked experts ``r*E/P ...`` of every MoE layer.
-Peak memory is one output file (plus one legacy .bin shard), not the model. Written staged and atomically, as
-the other tools.
+bad input is refused before a file is written. Then the reader ``HfShards`` (reader.py) yields output file r of
+the set in turn and the set writer (set_writer.py) saves it: each tensor read on its own, by seeking, straight
+into the output file's stacked experts, so each byte of every shard is read once for all the output files and
+peak memory is one output file (plus one legacy pre-zip .bin shard, which is loaded whole), not the model.
+Written staged and atomically, as the other tools.
 """
 
 import json
@@ -24,11 +22,11 @@ import torch
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
 from ..names import base_of
-from ..rank_state import moe_metadata
 from ..set_writer import write_shards
 from .config import SIDES, imported_options
 from .dtype import import_dtypes
-from .keys import EMBEDDING, HF_EMBEDDING, HF_EMBEDDINGS, HF_TIED, TIED_HERE, VERSION, hf_expert, our_key
+from .keys import EMBEDDING, HF_EMBEDDING, HF_EMBEDDINGS, HF_TIED, hf_expert, our_key
+from .reader import HfShards
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
 
@@ -248,79 +246,3 @@ def _import(hf_dir, output, workers, report, dtype, options, notes, where) -> st
     written = write_shards(reader, base, single=output if single else None, workers=workers)
     report(f"wrote {written}")
     return written
-
-
-class HfShards:
-    """The reader of a checked NllbMoe directory (set_writer.py): output rank file s of ``shards`` takes the
-    stacked experts ``s*E/P ...`` of every MoE layer (and rank 0 every non-expert tensor), its tensors read
-    grouped by the file that holds them, each on its own (a safetensors tensor or a zip ``.bin`` shard's member by
-    seeking: each byte of every shard read once for all output files; a legacy ``.bin`` shard whole, once per output
-    file that needs it), in ``dtype`` (None: as stored). ``names`` (our key -> HF name, (layer, tensor, expert) ->
-    HF name), ``expert_layers``: ``plan``'s."""
-
-    def __init__(self, hf_dir: str, options, where, names, expert_layers, dtype, shards: int, single: bool):
-        self.hf_dir, self.options, self.where = hf_dir, options, where
-        self.names, self.expert_names = names
-        self.expert_layers, self.dtype, self.shards, self.single = expert_layers, dtype, shards, single
-        self.expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
-        self.num_updates = 0
-        self.experts = dict.fromkeys(self.expert_keys, options.moe_expert_count)
-        self.order = {shard: i for i, shard in enumerate(dict.fromkeys(where.values()))}
-
-    def read_grouped(self, wanted) -> Dict[str, torch.Tensor]:
-        """{HF name: tensor}, read file by file (a .bin shard is held one at a time)."""
-        got = {}
-        for name in sorted(wanted, key=lambda n: self.order[self.where[n]]):
-            tensor = self.where[name].read(name)
-            got[name] = tensor if self.dtype is None else tensor.to(self.dtype)
-        return got
-
-    def pieces(self, set_id: Optional[str]):
-        names, expert_layers, per = self.names, self.expert_layers, self.options.moe_expert_count // self.shards
-        for shard in range(self.shards):
-            model = {}
-            ids = range(shard * per, (shard + 1) * per)
-            got = self.read_grouped(
-                [
-                    *(names.values() if shard == 0 else ()),
-                    *(self.expert_names[(*lt, j)] for lt in expert_layers for j in ids),
-                ]
-            )
-            if shard == 0:
-                model = {key: got[name] for key, name in names.items()}
-                for key in TIED_HERE:  # one tensor: torch.save stores it once, fairseq ties them again
-                    model[key] = model[EMBEDDING]
-                for side in SIDES:
-                    model[f"{side}.version"] = torch.tensor([VERSION])
-            for (layer, tensor), key in zip(expert_layers, self.expert_keys):
-                first = got[self.expert_names[(layer, tensor, ids[0])]]
-                stacked = first.new_empty((per, *first.shape))
-                for j in ids:
-                    stacked[j - ids[0]] = got.pop(self.expert_names[(layer, tensor, j)])
-                model[key] = stacked
-            for held in self.order:
-                held.release()
-            meta = moe_metadata(
-                [],
-                self.expert_keys,
-                world_size=1 if self.single else self.shards,
-                rank=shard,
-                num_updates=0,
-                set_id=set_id,
-                experts_per_worker=per,
-            )
-            meta["imported_from"] = self.hf_dir
-            state = {
-                "args": self.options,
-                "cfg": None,
-                "model": model,
-                "criterion": {},
-                "task_state": {},
-                "extra_state": {},
-                "moe": meta,
-                "optimizer_history": [
-                    {"optimizer_name": "none", "lr_scheduler_state": {"best": None}, "num_updates": 0}
-                ],
-            }
-            yield shard, state
-            del state, model, got

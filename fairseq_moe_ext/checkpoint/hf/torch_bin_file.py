@@ -67,11 +67,17 @@ class TorchBinFile:
             _Current.loaded = (self.path, self._legacy_tensors(tensors=True))
         return _Current.loaded[1][name]
 
-    def release(self) -> None:
-        """Let go of what was read for one output file (this shard's storages, or the legacy shard held)."""
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """``out`` (contiguous, the tensor's shape) filled with ``name``'s values, cast to its dtype; from a zip shard
+        straight from the tensor's member (no other copy where the dtypes agree)."""
         if self._opened is not None:
-            self._opened.release()
-        elif _Current.loaded is not None and _Current.loaded[0] == self.path:
+            self._opened.read_into(self._meta[name], out)
+        else:
+            out.copy_(self.read(name))
+
+    def release(self) -> None:
+        """Let go of the legacy shard held, if it is this one (a zip shard's tensors are held by their reader alone)."""
+        if _Current.loaded is not None and _Current.loaded[0] == self.path:
             _Current.loaded = None
 
     def close(self) -> None:
