@@ -92,15 +92,23 @@ def measure_one(prefix: str, output: str, workers: int, loader: str) -> None:
 
     if loader == "safe_load":  # the reader before one_read: CRC pass, then torch.load of everything
         branch_import.load_skipping = lambda path, on_read=None: safe_load(path)
-    # Not ru_maxrss: it survives fork + exec, so this child would report the parent's peak (the parent
-    # wrote the set). Reset this process's high-water mark (Linux: 5 > clear_refs) and read VmHWM.
+    peak, elapsed, cpu = measured(
+        lambda: branch_import.import_branch_set(prefix, output, workers, report=lambda _: None)
+    )
+    print(f"{peak:.1f} {elapsed:.3f} {cpu:.3f}")
+
+
+def measured(run):
+    """(peak RSS growth in MiB, wall seconds, CPU seconds) of ``run()`` in this process. Not ru_maxrss: it survives
+    fork + exec, so a child would report the parent's peak (the parent wrote the set). This process's high-water
+    mark is reset (Linux: 5 > clear_refs) and VmHWM read."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status_kib("VmRSS")
     start, cpu = time.perf_counter(), time.process_time()
-    branch_import.import_branch_set(prefix, output, workers, report=lambda line: None)
+    run()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    print(f"{(_status_kib('VmHWM') - before) / 1024:.1f} {elapsed:.3f} {cpu:.3f}")
+    return (_status_kib("VmHWM") - before) / 1024, elapsed, cpu
 
 
 def _status_kib(field: str) -> int:
@@ -108,17 +116,17 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def run_one(prefix: str, root: str, workers: int, loader: str):
+def run_one(prefix: str, root: str, workers: int, loader: str, mode: str = "--measure"):
+    """The numbers a fresh process measuring one import (``mode``: ``--measure`` or ``--measure-hub``) prints."""
     out = os.path.join(root, f"out-{loader}-{workers}")
     os.mkdir(out)
     run = subprocess.run(
-        [sys.executable, __file__, "--measure", prefix, os.path.join(out, "imported.pt"), str(workers), loader],
+        [sys.executable, __file__, mode, prefix, os.path.join(out, "imported.pt"), str(workers), loader],
         capture_output=True,
         text=True,
         check=True,
     )
-    peak, seconds, cpu = (float(x) for x in run.stdout.strip().splitlines()[-1].split())
-    return peak, seconds, cpu
+    return tuple(float(x) for x in run.stdout.strip().splitlines()[-1].split())
 
 
 def write_hub_set(out: str, experts: int, layers: int, dim: int, hidden: int, shard_mb: int, vocab: int = 8000):
@@ -160,13 +168,8 @@ def measure_hub_one(hub: str, output: str, workers: int, reader: str) -> None:
             return count
 
     one_read.CountingReader = Counting
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kib("VmRSS")
-    start, cpu = time.perf_counter(), time.process_time()
-    importer.import_hf(hub, output, workers, report=lambda line: None)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    print(f"{(_status_kib('VmHWM') - before) / 1024:.1f} {elapsed:.3f} {cpu:.3f} {read[0]}")
+    peak, elapsed, cpu = measured(lambda: importer.import_hf(hub, output, workers, report=lambda line: None))
+    print(f"{peak:.1f} {elapsed:.3f} {cpu:.3f} {read[0]}")
 
 
 def hub_main(args) -> None:
@@ -189,15 +192,7 @@ def hub_main(args) -> None:
             output = shared + expert * args.layers * max(1, args.experts // workers)  # rank 0's output file
             bound = (largest + output) / MB
             for reader in ("seek", "whole"):
-                out = os.path.join(root, f"out-{reader}-{workers}")
-                os.mkdir(out)
-                run = subprocess.run(
-                    [sys.executable, __file__, "--measure-hub", hub, os.path.join(out, "ck.pt"), str(workers), reader],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
-                peak, _, cpu, read = (float(x) for x in run.stdout.strip().splitlines()[-1].split())
+                peak, _, cpu, read = run_one(hub, root, workers, reader, mode="--measure-hub")
                 print(
                     f"{workers:>3} {reader:>6} {peak:>9.1f} {bound:>10.1f} {peak / bound:>10.2f} {read / total:>11.2f} "
                     f"{weights / 1e6 / cpu:>15.1f}"
