@@ -13,6 +13,10 @@ outside the skipped top-level keys is read from its archive member, once, and ``
 that member's CRC-32 as it reads it; the skipped keys' tensors are never read and are dropped. So
 each byte of a file is read at most once, the members it skips not at all, and a damaged member is
 still refused (in the one line ``safe_load`` uses). Legacy (pre-zip) files go through ``safe_load``.
+
+``OpenCheckpoint`` is that reader kept open: the pickle read once, each tensor read when asked for (or straight
+into a tensor of the caller's, ``read_into``). ``import-hf`` reads Hugging Face ``.bin`` shards so, each tensor
+once for all the output files it writes.
 """
 
 import io
