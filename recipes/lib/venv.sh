@@ -15,8 +15,10 @@ requirements=$repo_root/requirements.txt
 test_requirements=$repo_root/tests/requirements-oracle.txt
 # fairscale, the FSDP shard oracle, goes beside site-packages (see the file): fairseq must not find it.
 fairscale_requirements=$repo_root/tests/requirements-fairscale.txt
-# The stamp holds both files as installed: editing either one reinstalls.
-wanted=$(cat "$requirements" "$test_requirements" "$fairscale_requirements")
+# transformers' NLLB-MoE converter (the script that wrote the hub's copy): one file out of an older wheel (see it).
+converter_requirements=$repo_root/tests/requirements-converter.txt
+# The stamp holds these files as installed: editing any one reinstalls.
+wanted=$(cat "$requirements" "$test_requirements" "$fairscale_requirements" "$converter_requirements")
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   echo "[venv] installing pinned dependencies into $venv (first use only)" >&2
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -25,6 +27,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
   "$venv/bin/python" -m pip uninstall -q -y fairscale >/dev/null 2>&1 || true  # an older venv had it in site-packages
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --upgrade \
       --target "$venv/oracles/fairscale" -r "$fairscale_requirements" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  converter_wheel=$(mktemp -d)
+  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps -d "$converter_wheel" \
+      -r "$converter_requirements" >&2 || true
+  "$venv/bin/python" "$repo_root/recipes/lib/wheel_member.py" "$converter_wheel" \
+      transformers/models/nllb_moe/convert_nllb_moe_sharded_original_checkpoint_to_pytorch.py \
+      "$venv/oracles/nllb_moe_converter" >&2 || true
+  rm -rf "$converter_wheel"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$repo_root" \
       2>&1 | grep -v "is ignored: it is neither" >&2 || true
   "$venv/bin/python" -c "import fairseq, torch, fairseq_moe_ext" >/dev/null

@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 from ...options import HF_NAMES, OPTIONS, expert_count, moe_options
 from ...options.sides import sides_of
 from ..errors import CheckpointSetError
-from .fields import check_numeric_fields
+from .fields import MODEL_TYPE, check_model_kind, check_numeric_fields
 from .routing import exported_routing, imported_routing
 
 # fmt: off
@@ -30,8 +30,6 @@ ACTIVATIONS_BACK = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_accurate",
 # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3; the decoder starts from </s>, as NLLB's does.
 BOS, PAD, EOS = 0, 1, 2
 SIDES = ("encoder", "decoder")
-# transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
-MODEL_TYPE = "nllb-moe"
 # NllbMoeConfig's defaults (transformers 4.57.1): save_pretrained leaves out what equals them.
 # fmt: off
 HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder_layerdrop=0.05,
@@ -230,11 +228,7 @@ def _need(config, path, name, wanted, why, fix):
 
 def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[str]]:
     """(``moe_transformer`` model options, NOTE lines) for an NllbMoe ``config.json``."""
-    if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
-        raise CheckpointSetError(
-            f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
-            f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
-        )
+    check_model_kind(config, path)
     check_numeric_fields(config, path)
     config = {**HF_DEFAULTS, **config}
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")
