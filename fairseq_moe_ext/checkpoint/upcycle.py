@@ -25,8 +25,9 @@ import torch
 # The routers' default initial std: --moe-upcycle-router-std's record says why 0.01.
 from ..moe.balance_bias import BIAS_KEY_SUFFIX
 from ..moe.placement import is_moe_layer
-from ..options import moe_freq, option_value
+from ..options import moe_options
 from ..options.run import DEFAULT_ROUTER_STD
+from ..options.sides import sides_of
 from .contents import check_is_checkpoint, is_dense
 from .errors import CheckpointSetError
 from .rank_state import moe_metadata
@@ -131,8 +132,8 @@ def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, model_cfg, cf
     placed by ``model_cfg``'s MoE frequencies: a fresh start, so no optimizer state, no training
     progress (fairseq then starts at epoch 1, update 0)."""
     dense = check_upcyclable(dense, path, options)
-    freqs = {side: moe_freq(model_cfg, side) for side in ("encoder", "decoder")}
-    bias = str(option_value(model_cfg, "moe_balance")) == "bias"
+    freqs = {side.name: side.moe_freq for side in sides_of(model_cfg)}
+    bias = moe_options(model_cfg).moe_balance == "bias"
     model, expert_keys = upcycle_model_state(
         dense["model"], options, lambda side, i: is_moe_layer(i, freqs[side]), balance_bias=bias
     )

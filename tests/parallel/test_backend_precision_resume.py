@@ -93,9 +93,9 @@ def saved_optimizer_state(trainer, names):
     """What the set saved for this worker's parameters (the shared state and its experts' share)."""
     from fairseq_moe_ext.checkpoint import resolve
     from fairseq_moe_ext.checkpoint.share import load_share
-    from fairseq_moe_ext.parallel.expert_groups import model_layout
+    from fairseq_moe_ext.parallel.plan import plan_of
 
-    layout = model_layout(trainer.get_model())
+    layout = plan_of(trainer.get_model()).layout
     manifest = resolve(f"{trainer.cfg.checkpoint.save_dir}/checkpoint_last.pt", fallback=False).path
     share = load_share(manifest, layout.ep_rank, layout.parallel_size, lambda f: torch.load(f, weights_only=False))
     optimizer = share["last_optimizer_state"]

@@ -1,5 +1,6 @@
-"""The numeric fields of an NllbMoe ``config.json`` that import-hf reads: each there (where NllbMoe has
-no default) and a number, or one line naming the file and the field, before anything is read or written."""
+"""What import-hf checks of an NllbMoe ``config.json`` before anything is read or written, each refused in one line
+naming the file and the field: the model it describes (``model_type``, ``architectures``), and the numeric fields
+it reads, each there (where NllbMoe has no default) and a number."""
 
 from typing import Dict
 
@@ -11,6 +12,29 @@ REQUIRED_INTEGERS = ("d_model", "num_experts", "encoder_layers", "decoder_layers
 OPTIONAL_INTEGERS = ("max_position_embeddings", "encoder_sparse_step", "decoder_sparse_step", "expert_capacity")
 OPTIONAL_NUMBERS = ("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop", "decoder_layerdrop",
                     "moe_eval_capacity_token_fraction", "moe_token_dropout")  # fmt: skip
+
+
+# transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
+MODEL_TYPE = "nllb-moe"
+# The NllbMoe classes whose weights import-hf reads: the base model (the hub's facebook/nllb-moe-54b, saved by
+# transformers' converter) and the one with the language-model head (save_pretrained of the usual class).
+ARCHITECTURES = ("NllbMoeModel", "NllbMoeForConditionalGeneration")
+
+
+def check_model_kind(config: Dict, path: str) -> None:
+    if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
+        raise CheckpointSetError(
+            f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
+            f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
+        )
+    architectures = config.get("architectures")
+    if architectures is not None and (
+        not isinstance(architectures, list) or not architectures or set(architectures) - set(ARCHITECTURES)
+    ):
+        raise CheckpointSetError(
+            f"{path} has architectures {architectures!r}: import-hf reads the weights of "
+            f"{' or '.join(ARCHITECTURES)} (nothing was written)"
+        )
 
 
 def check_numeric_fields(config: Dict, path: str) -> None:
