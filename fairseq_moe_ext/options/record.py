@@ -46,6 +46,7 @@ class Range:
     holder: str = ""  # ... and what holds it
     smallest: Optional[float] = None  # a nonzero value below this is 0 in the holder
     optional: bool = False  # None is allowed (the option then follows another one)
+    sized_from: str = ""  # what ``high`` is sized from (the largest real model), said instead of the holder
 # fmt: on
 
 
