@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from support.inputs.bad_input_makers import fresh_training, import_release_lookalike, resume
+from support.inputs.bad_input_makers import fresh_lm_training, fresh_training, import_release_lookalike, resume
 from support.launch.bad_input_runner import (
     TRAIN,
     Case,
@@ -100,6 +100,20 @@ CASES = [
          "plan: error", "--device-memory 'infGB' is not a size", "e.g. 80GiB, 80GB or 141GB"),
     Case("plan-with-a-memory-beyond-any-device", plan_tool, planning("--world-size", "2", "--device-memory", "80TB"),
          "plan: error", "--device-memory '80TB' is beyond 4 x the largest accelerator's memory", "e.g. 80GB"),
+    # -- an option of one backend under another, which would ignore it
+    Case("experts-sharded-under-legacy-ddp", fairseq_train,
+         fresh_training("--ddp-backend", "legacy_ddp", "--moe-fully-sharded-experts", "sharded"), TRAIN,
+         "--moe-fully-sharded-experts sharded shards each MoE layer's experts over the workers holding the same ones "
+         "under --ddp-backend fully_sharded only, and this run has --ddp-backend legacy_ddp, which would ignore it",
+         "add --ddp-backend fully_sharded, or drop --moe-fully-sharded-experts"),
+    Case("language-model-experts-sharded-under-c10d", fairseq_train,
+         fresh_lm_training("--ddp-backend", "c10d", "--moe-fully-sharded-experts", "sharded"), TRAIN,
+         "--moe-fully-sharded-experts sharded shards each MoE layer's experts", "and this run has --ddp-backend c10d"),
+    Case("one-fully-sharded-unit-under-the-default-backend", fairseq_train,
+         fresh_training("--moe-fully-sharded-unit", "model"), TRAIN,
+         "--moe-fully-sharded-unit model makes the whole shared part one FSDP2 unit under --ddp-backend fully_sharded "
+         "only, and this run has --ddp-backend pytorch_ddp", "add --ddp-backend fully_sharded, or drop "
+         "--moe-fully-sharded-unit"),
     # -- numeric options outside the range of what holds them (every option: tests/fairseq/test_option_ranges.py)
     Case("bias-update-rate-beyond-fp32", fairseq_train,
          fresh_training("--moe-balance", "bias", "--moe-bias-update-rate", "1e39"), TRAIN,
