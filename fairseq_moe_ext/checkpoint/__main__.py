@@ -12,10 +12,12 @@ import sys
 import torch
 
 from ..common.config_value import config_value
+from ..common.refusal import MoERefusal
 from ..moe.expert_layout import default_expert_parallel_size
+from ..options.ranges import CHECKPOINT_TOOL_RANGES, check_options
 from .branch.importer import import_branch_set
 from .contents import experts_held
-from .errors import CheckpointError, CheckpointSetError
+from .errors import CheckpointSetError
 from .hf.dtype import cast_dtype
 from .hf.exporter import export_hf, shard_size
 from .hf.importer import import_hf
@@ -23,7 +25,7 @@ from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .prune_cli import add_prune_parser, prune_command
 from .reshard import experts_per_key, load_full, save_set
-from .staging import write_all_or_nothing
+from .staging import check_output_directory, write_all_or_nothing
 
 
 def main(argv=None) -> int:
@@ -111,8 +113,17 @@ def main(argv=None) -> int:
     add_prune_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command == "prune":
+        check_options(CHECKPOINT_TOOL_RANGES, lambda name: getattr(args, name, None))
+        # Every output is checked before the work that fills it (loading a set can take minutes).
+        if args.command == "export-hf":
+            out = args.output_dir
+            check_output_directory(
+                out if os.path.isdir(out) else os.path.dirname(out), f"the Hugging Face checkpoint {out}"
+            )
+        elif args.command != "inspect":
             _refuse_overwrite(args.output)
+            check_output_directory(os.path.dirname(args.output), args.output)
+        if args.command == "prune":
             return prune_command(args)
         if args.command == "export-hf":
             export_hf(
@@ -124,24 +135,15 @@ def main(argv=None) -> int:
             )
             return 0
         if args.command == "import-hf":
-            _refuse_overwrite(args.output)
             import_hf(args.hf_dir, args.output, args.world_size, dtype=cast_dtype(args.dtype, "import-hf"))
             return 0
         if args.command == "import-fairseq-moe":
-            _refuse_overwrite(args.output)
             import_branch_set(args.prefix, args.output, args.world_size, dictionary=args.dictionary, langs=args.langs)
             return 0
         if args.command == "inspect":
             lines = inspect_checkpoint(args.checkpoint)
             print("\n".join(lines))
             return 1 if any(line.startswith("VERDICT PROBLEM") for line in lines) else 0
-        # Everything that can be checked before loading is checked before loading.
-        _refuse_overwrite(args.output)
-        if args.command in ("reshard", "upcycle") and args.world_size < 1:
-            raise CheckpointSetError(
-                f"--world-size must be a positive number of workers, got {args.world_size}: use the number of "
-                f"workers that will resume from the set"
-            )
         if args.command == "upcycle":
             full = upcycle(args)
             if args.world_size == 1:
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
             shards = expert_parallel_size(full, args.world_size, config_value(args, "expert_parallel_size"))
             print(f"wrote {save_set(full, base_of(args.output), shards, workers=args.world_size)}")
         return 0
-    except CheckpointError as e:
+    except MoERefusal as e:  # a checkpoint's, an option's range
         print(f"error: {e}", file=sys.stderr)
         return 2
 

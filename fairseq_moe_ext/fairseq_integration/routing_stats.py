@@ -27,7 +27,7 @@ from ..common.config_value import config_value
 from ..common.input_file import check_line_count, read_lines
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
-from ..moe.routing_stats import RoutingTally, statistics_document, statistics_json
+from ..moe.routing_stats import RoutingTally, holds_statistics, statistics_document, statistics_json
 from ..parallel.process_state import STATE
 
 GROUPS = "--moe-routing-stats-groups"
@@ -74,10 +74,14 @@ def decide_routing_stats(args) -> None:
         )
     # Checked before any work (loading the model, generating): what writing the file would meet at the end.
     check_output_file(output, f"--moe-routing-stats {output}")
-    # fairseq-generate counts --gen-subset, fairseq-validate every subset of --valid-subset (both tools'
-    # namespaces hold both flags; only generation's has --beam).
-    generating = config_value(args, "beam") is not None
-    subset = str(config_value(args, "gen_subset" if generating else "valid_subset"))
+    if os.path.isfile(output) and not holds_statistics(output):  # a checkpoint, a groups file named by mistake
+        raise MoEOptionError(
+            f"--moe-routing-stats {output} exists and holds no routing statistics, which the file would replace: "
+            f"choose a new file name (nothing was written)"
+        )
+    # fairseq-validate counts every subset of --valid-subset, the other tools --gen-subset (each tool's
+    # namespace holds both flags).
+    subset = str(config_value(args, "valid_subset" if "validate" in tool else "gen_subset"))
     keys = None
     if groups is not None:
         if "," in subset:

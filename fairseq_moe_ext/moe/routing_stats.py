@@ -109,6 +109,15 @@ def statistics_json(document: Dict) -> str:
     return json.dumps(document, indent=1) + "\n"
 
 
+def holds_statistics(path: str) -> bool:
+    """Whether the file at ``path`` begins as a statistics file does (what an output may replace)."""
+    try:
+        with open(path, "rb") as f:
+            return STATS_FORMAT.encode() in f.read(4096)
+    except OSError:
+        return False
+
+
 def read_statistics(path: str, flag: str = "--stats") -> Dict:
     """The statistics at ``path`` (named by ``flag``) if they are well-formed, else RoutingStatsError
     naming the field."""

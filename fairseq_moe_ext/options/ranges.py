@@ -30,8 +30,10 @@ from .record import (  # noqa: F401
     FP32_MAX,
     FP32_SMALLEST,
     INT64_MAX,
+    MOST_WORKERS,
     SIZE,
     TIMEDELTA_MAX_S,
+    WORKERS_SIZED_FROM,
     Range,
 )
 
@@ -39,10 +41,10 @@ from .record import (  # noqa: F401
 MODEL_RANGES = {o.name: o.range for o in MODEL_OPTIONS if o.range is not None}
 CRITERION_RANGES = {o.name: o.range for o in CRITERION_OPTIONS if o.range is not None}
 
-# Workers: about 10 x the largest training jobs reported (some 100,000 GPUs); symbols: 4 x the largest vocabulary of
-# a released model (NLLB-200's 256,206; Gemma's 256,000); bytes of one device: 4 x the largest accelerator's (288 GB).
-LARGEST_WORLD, LARGEST_VOCABULARY, LARGEST_DEVICE = 2**20, 2**20, 2**40
-WORLD_SIZED_FROM = "10 x the largest training jobs run (some 100,000 GPUs)"
+# Workers: the records' bound (record.MOST_WORKERS); symbols: 4 x the largest vocabulary of a released model
+# (NLLB-200's 256,206; Gemma's 256,000); bytes of one device: 4 x the largest accelerator's (288 GB).
+LARGEST_WORLD, LARGEST_VOCABULARY, LARGEST_DEVICE = MOST_WORKERS, 2**20, 2**40
+WORLD_SIZED_FROM = WORKERS_SIZED_FROM
 
 # fmt: off
 PLAN_TOOL_RANGES = {
@@ -52,6 +54,13 @@ PLAN_TOOL_RANGES = {
                              "give the dictionary's size: the lines of the dict.txt fairseq-train will read, plus 4",
                              low=5, high=LARGEST_VOCABULARY, optional=True,
                              sized_from="4 x the largest vocabulary of a released model (NLLB-200's 256,206 symbols)"),
+}
+CHECKPOINT_TOOL_RANGES = {  # every subcommand's that has them (python -m fairseq_moe_ext.checkpoint)
+    "world_size": Range("--world-size", True, "a positive number of workers", "use the number of workers that will "
+                        "resume from the set", low=1, high=LARGEST_WORLD, sized_from=WORLD_SIZED_FROM, optional=True),
+    "expert_parallel_size": Range("--expert-parallel-size", True, "a positive integer", "use a P dividing both "
+                                  "--world-size and the experts, or drop it for the default", low=1,
+                                  high=LARGEST_WORLD, sized_from=WORLD_SIZED_FROM, optional=True),
 }
 UPCYCLE_TOOL_RANGES = {
     "noise": Range("--noise", False, "a finite number >= 0", "use 0 (exact copies) or a small standard deviation "

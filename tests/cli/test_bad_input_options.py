@@ -11,7 +11,13 @@ import re
 
 import pytest
 
-from support.inputs.bad_input_makers import fresh_lm_training, fresh_training, import_release_lookalike, resume
+from support.inputs.bad_input_makers import (
+    checkpoint_tool_on,
+    fresh_lm_training,
+    fresh_training,
+    import_release_lookalike,
+    resume,
+)
 from support.launch.bad_input_runner import (
     TRAIN,
     Case,
@@ -155,6 +161,12 @@ CASES = [
     # -- the language list of an NLLB import (NLLB's langs.txt is one comma line; one code per line works too)
     Case("import-with-an-empty-language-list", checkpoint_tool, import_release_lookalike(" ,\n"), "error",
          "langs.txt: no language in it", "pass the language list the model was trained with"),
+    Case("import-with-a-language-list-in-latin-1", checkpoint_tool,
+         import_release_lookalike("eng_Latn,fra_Latn\n# fran\u00e7ais\n".encode("latin-1")), "error",
+         "langs.txt is not UTF-8 text (byte 0xe7 on line 2)", "save it as UTF-8"),
+    Case("reshard-to-a-world-beyond-any-job", checkpoint_tool, checkpoint_tool_on("reshard", "--world-size", str(10**12)),
+         "error", "--world-size 1000000000000 is beyond 10 x the largest training jobs run (some 100,000 GPUs) (at most "
+         "1048576)", "use the number of workers that will resume from the set"),
     Case("import-with-a-language-listed-twice", checkpoint_tool,
          import_release_lookalike("eng_Latn,fra_Latn\ndeu_Latn,eng_Latn\n"), "error",
          "eng_Latn is listed twice (codes 1 and 4)", "pass the list the model was trained with, each code once"),

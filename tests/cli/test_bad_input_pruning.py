@@ -175,6 +175,10 @@ CASES = [
     Case("routing-statistics-into-a-missing-directory", fairseq_generate,
          generate_with_groups(groups(SPLITS["test"]), output="missing/stats.json"), GENERATE,
          "missing does not exist", "create it first, or choose another output name (nothing was written)"),
+    Case("routing-statistics-onto-the-checkpoint-counted", fairseq_generate,
+         generate_with_groups(groups(SPLITS["test"]), output="ck/checkpoint_last.pt"), GENERATE,
+         "checkpoint_last.pt exists and holds no routing statistics, which the file would replace",
+         "choose a new file name (nothing was written)"),
     Case("routing-statistics-groups-for-two-validation-subsets", refused_by("validate"),
          validate_two_subsets_with_groups, "validate.py: error",
          "--moe-routing-stats-groups labels the sentences of one subset by their ids, and --valid-subset valid,test "
