@@ -58,9 +58,10 @@ PLAN_TOOL_RANGES = {
 CHECKPOINT_TOOL_RANGES = {  # every subcommand's that has them (python -m fairseq_moe_ext.checkpoint)
     "world_size": Range("--world-size", True, "a positive number of workers", "use the number of workers that will "
                         "resume from the set", low=1, high=LARGEST_WORLD, sized_from=WORLD_SIZED_FROM, optional=True),
-    "expert_parallel_size": Range("--expert-parallel-size", True, "a positive integer", "use a P dividing both "
-                                  "--world-size and the experts, or drop it for the default", low=1,
-                                  high=LARGEST_WORLD, sized_from=WORLD_SIZED_FROM, optional=True),
+    # No lower bound here: a P below 1 gets the line that lists the P that divide (__main__.expert_parallel_size).
+    "expert_parallel_size": Range("--expert-parallel-size", True, "an integer", "use a P dividing both --world-size "
+                                  "and the experts, or drop it for the default", high=LARGEST_WORLD,
+                                  sized_from=WORLD_SIZED_FROM, optional=True),
 }
 UPCYCLE_TOOL_RANGES = {
     "noise": Range("--noise", False, "a finite number >= 0", "use 0 (exact copies) or a small standard deviation "
