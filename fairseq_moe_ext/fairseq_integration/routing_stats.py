@@ -1,6 +1,6 @@
 """``--moe-routing-stats FILE`` for fairseq-generate and fairseq-validate: which experts each group of
 sentences (a language, a domain) uses, counted over real tokens only, written as the JSON that
-``python -m fairseq_moe_ext.checkpoint prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
+``fairseq-moe prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
 
 Where fairseq meets it: the command line is read when it is parsed (``decide_routing_stats``, from the
 parse_args_and_arch hook), the model's MoE layers get a tally and its encoder a row tracker when it is
@@ -28,7 +28,7 @@ from ..common.input_file import check_line_count, read_lines
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.routing_stats import RoutingTally, holds_statistics, statistics_document, statistics_json
-from ..parallel.process_state import STATE
+from ..options import moe_options
 
 GROUPS = "--moe-routing-stats-groups"
 GROUPS_HOLD = "one key per line of the subset, in the order of its sentence ids"
@@ -56,17 +56,16 @@ class RoutingStatsRun:
 # fmt: on
 
 
-def decide_routing_stats(args) -> None:
-    """At parse time: record --moe-routing-stats in STATE, or refuse it in one line."""
-    STATE.routing_stats = None
-    output = config_value(args, "moe_routing_stats")
-    groups = config_value(args, "moe_routing_stats_groups")
+def decide_routing_stats(args) -> Optional[RoutingStatsRun]:
+    """At parse time: the run --moe-routing-stats asks for (None without it), or its refusal in one line."""
+    output = moe_options(args).moe_routing_stats
+    groups = moe_options(args).moe_routing_stats_groups
     if output is None:
         if groups is not None:
             raise MoEOptionError(
                 "--moe-routing-stats-groups needs --moe-routing-stats FILE: add it, or drop the groups"
             )
-        return
+        return None
     tool = os.path.basename(sys.argv[0]) or "python"
     if not config_value(args, "path") or config_value(args, "input") is not None:
         raise MoEOptionError(
@@ -96,7 +95,7 @@ def decide_routing_stats(args) -> None:
                 f"{GROUPS} {groups}: line {empty} holds no key (every line must hold one); give {GROUPS_HOLD}"
             )
     source, target = config_value(args, "source_lang"), config_value(args, "target_lang")
-    STATE.routing_stats = RoutingStatsRun(
+    return RoutingStatsRun(
         output=output,
         path=str(config_value(args, "path")).split(os.pathsep)[0],
         keys=keys,
@@ -115,10 +114,9 @@ def group_index(run: RoutingStatsRun, key: str) -> int:
     return run.names.index(key)
 
 
-def attach(model, task=None) -> None:
+def attach(run: RoutingStatsRun, model, task=None) -> None:
     """Give ``model``'s MoE layers the run's tally, and its encoder the rows the decoder follows; the
     language pair is read off the set-up ``task`` (translation infers it from the data directory)."""
-    run = STATE.routing_stats
     run.task = task
     for holder in (getattr(task, "cfg", None), getattr(task, "args", None)):
         source, target = config_value(holder, "source_lang"), config_value(holder, "target_lang")

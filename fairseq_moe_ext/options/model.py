@@ -31,7 +31,7 @@ from .record import (
     within,
 )
 
-EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")  # parallel.expert_grads.expert_grad_factor
+EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")  # parallel.plan.ParallelPlan.expert_grad_factor
 BALANCE_CHOICES = ("none", "bias")
 FREQ_FIX = "use N for an MoE layer every N layers, or 0 for none"
 CAPACITY_FIX = "use 0 for dropless routing, > 0 for a fixed capacity, < 0 for a bounded dropless one"
@@ -179,7 +179,7 @@ MODEL_OPTIONS = (
            "gradient, no optimizer state and no all-reduce; with the router frozen the balance loss and "
            "z-loss are logged, not added to the loss (default: nothing frozen)",
            MAY_CHANGE, "which parameters train, not what they compute; a changed set starts a fresh "
-           "optimizer state", effective=frozen_parts),
+           "optimizer state", effective=frozen_parts, parse=parse_frozen_parts),
     Option("moe_expert_ffn_dim", Optional[int], None, "hidden size of each expert (default: the layer's ffn dim)",
            CHANGES_PARAMETERS, "experts of another hidden size",
            range=within(True, "a positive integer", "drop it to use the layer's ffn dim", low=1, high=WIDEST_FFN,

@@ -1,4 +1,4 @@
-"""``python -m fairseq_moe_ext plan <fairseq-train arguments> --world-size W [--device-memory 80GiB]``:
+"""``fairseq-moe plan <fairseq-train arguments> --world-size W [--device-memory 80GiB]``:
 what one worker holds, per backend and expert-parallel size, before any GPU is rented.
 
 The model is built from the same arguments as fairseq-train builds it, on the ``meta`` device (shapes
@@ -44,11 +44,32 @@ class PlanError(ValueError):
     """A bad argument: printed as one line."""
 
 
-def split_argv(argv: List[str]):
-    parser = argparse.ArgumentParser(prog="python -m fairseq_moe_ext plan", add_help=False)
-    parser.add_argument("--world-size", type=int)
-    parser.add_argument("--device-memory", default=None)
-    parser.add_argument("--dictionary-size", type=int, default=None)
+def add_plan_parser(p) -> None:
+    """plan's own flags, on the parser that picks them out of fairseq-train's arguments (and answers --help)."""
+    p.usage = "%(prog)s <fairseq-train arguments> --world-size W [--device-memory SIZE[,...]] [--dictionary-size N]"
+    p.epilog = (
+        "Every other argument is fairseq-train's (the data directory, --arch, --task, ...): the model is built from "
+        f"them on the meta device. plan shows every choice of {', '.join(DECIDED_HERE)}, so it sets those aside."
+    )
+    p.add_argument("--world-size", type=int, metavar="W", help="the number of GPUs (workers) to plan for")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE[,...]",
+        help="one worker's memory, e.g. 80GiB or 80GiB,141GB: a column says whether each layout fits each size",
+    )
+    p.add_argument(
+        "--dictionary-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="build the model with N-entry dictionaries, before the data directory exists",
+    )
+
+
+def split_argv(argv: List[str], prog: str = "python -m fairseq_moe_ext plan"):
+    parser = argparse.ArgumentParser(prog=prog, add_help=False)
+    add_plan_parser(parser)
     own, rest = parser.parse_known_args(argv)
     if own.world_size is None:
         raise PlanError("plan needs --world-size W, the number of GPUs (workers) to plan for, e.g. --world-size 8")
@@ -273,20 +294,19 @@ def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int
     precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
     optimizer, options = optimizer_of(cfg)
     shapes = model_shapes(model)
-    sharded = asked.get("--moe-fully-sharded-experts") == "sharded"
-    experts_sharded = sharded and backend == "fully_sharded" and world_size > parallel_size
-    layout = mp.Layout(backend, world_size, parallel_size, experts_sharded)
+    experts = "sharded" if asked.get("--moe-fully-sharded-experts") == "sharded" else "whole"
+    layout = mp.Layout(world_size, parallel_size, backend=backend, experts=experts)
     return worker_bytes(shapes, layout, precision, optimizer, options, rank)
 
 
-def main(argv: List[str]) -> int:
+def main(argv: List[str], prog: str = "python -m fairseq_moe_ext plan") -> int:
     from ..parallel.fully_sharded import refused_options
     from .activation_bound import activation_bytes
 
     logging.disable(logging.INFO)  # fairseq's and hydra's start-up notes: the table is the output
     warnings.filterwarnings("ignore")  # hydra's and torch's deprecation notes: the table is the output
     try:
-        own, memory, asked, fairseq_argv = split_argv(argv)
+        own, memory, asked, fairseq_argv = split_argv(argv, prog)
         cfg, args, model = build_on_meta(fairseq_argv, own.dictionary_size)
         shapes = model_shapes(model)
         precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))

@@ -14,7 +14,6 @@ import torch
 
 from fairseq_moe_ext.fairseq_integration import routing_stats
 from fairseq_moe_ext.models.moe_layers import MoEFeedForward
-from fairseq_moe_ext.parallel.process_state import STATE
 from support.inputs.tiny_fairseq_models import translation, translation_batch
 
 LENGTHS = (7, 3, 5, 9, 4, 6)
@@ -53,7 +52,7 @@ def counted_by_hand(layer, x, padding_mask, keys_of_rows):
 
 
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_a_batch_mixing_groups_credits_each_layer_s_tokens_to_their_own_sentence_s_key(data, monkeypatch, layout):
+def test_a_batch_mixing_groups_credits_each_layer_s_tokens_to_their_own_sentence_s_key(data, layout):
     flags = ["--moe-expert-count", "4", "--moe-top-k", "2"]
     built = translation(data, *flags, *(["--moe-batch-major-routing"] if layout == "batch-major" else []))
     model = built.model.eval()
@@ -61,8 +60,7 @@ def test_a_batch_mixing_groups_credits_each_layer_s_tokens_to_their_own_sentence
         output="unused.json", path="unused.pt", keys=KEYS, grouped_by="file groups.txt", encoder_key="src",
         decoder_key="tgt", subset="test", tool="test",
     )  # fmt: skip
-    monkeypatch.setattr(STATE, "routing_stats", run)
-    routing_stats.attach(model)
+    routing_stats.attach(run, model)
     inputs = layer_inputs(model)
     sample = translation_batch(built.task, lengths=LENGTHS)
     sample["id"] = torch.tensor(IDS)  # the rows' ids (the collater sorted the rows by source length)

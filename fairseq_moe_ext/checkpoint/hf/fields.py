@@ -1,7 +1,7 @@
-"""The numeric fields of an NllbMoe ``config.json`` that import-hf reads: each there (where NllbMoe has
-no default), a number, and within its range (``RANGES``: a size at least 1 and at most a few times the
-largest real model's, a probability within 0..1), or one line naming the file, the field and the range,
-before anything is read or written."""
+"""What import-hf checks of an NllbMoe ``config.json`` before anything is read or written, each refused in one line
+naming the file and the field: the model it describes (``model_type``, ``architectures``), and the numeric fields
+it reads, each there (where NllbMoe has no default), a number, and within its range (``RANGES``: a size at least 1
+and at most a few times the largest real model's, a probability within 0..1)."""
 
 import math
 from typing import Dict
@@ -27,6 +27,29 @@ RANGES = {
     "moe_token_dropout": (0, 0.999999),  # --moe-eom's range: a masking rate below 1
     "moe_eval_capacity_token_fraction": (-math.inf, math.inf),  # <= 0: the training capacity; >= 1: dropless
 }
+
+
+# transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
+MODEL_TYPE = "nllb-moe"
+# The NllbMoe classes whose weights import-hf reads: the base model (the hub's facebook/nllb-moe-54b, saved by
+# transformers' converter) and the one with the language-model head (save_pretrained of the usual class).
+ARCHITECTURES = ("NllbMoeModel", "NllbMoeForConditionalGeneration")
+
+
+def check_model_kind(config: Dict, path: str) -> None:
+    if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
+        raise CheckpointSetError(
+            f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
+            f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
+        )
+    architectures = config.get("architectures")
+    if architectures is not None and (
+        not isinstance(architectures, list) or not architectures or set(architectures) - set(ARCHITECTURES)
+    ):
+        raise CheckpointSetError(
+            f"{path} has architectures {architectures!r}: import-hf reads the weights of "
+            f"{' or '.join(ARCHITECTURES)} (nothing was written)"
+        )
 
 
 def check_numeric_fields(config: Dict, path: str) -> None:
