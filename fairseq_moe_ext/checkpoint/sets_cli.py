@@ -43,8 +43,8 @@ def check_shared_arguments(args) -> None:
     """Before any work: --world-size and --expert-parallel-size within their ranges, and an output (``output``, or
     export-hf's ``output_dir``) that can be written (a missing or read-only directory, a full filesystem: refused
     now, not once a set that can take minutes to load was read)."""
-    check_options(CHECKPOINT_TOOL_RANGES, lambda name: getattr(args, name, None))
-    output_dir, output = getattr(args, "output_dir", None), getattr(args, "output", None)
+    check_options(CHECKPOINT_TOOL_RANGES, lambda name: config_value(args, name))
+    output_dir, output = config_value(args, "output_dir"), config_value(args, "output")
     if output_dir is not None:  # a new (or empty) directory: its parent must take it
         where = output_dir if os.path.isdir(output_dir) else os.path.dirname(output_dir)
         check_output_directory(where, f"the Hugging Face checkpoint {output_dir}")
