@@ -1,7 +1,8 @@
 """The checkpoint tool's ``merge``, ``reshard`` and ``inspect`` subcommands (rows of fairseq_moe_ext/console.py's
-registry), and what every subcommand of the tool shares: a refusal printed as one ``error:`` line with exit
-status 2 (``refusing``), an output name that must be free (``refuse_overwrite``), a whole checkpoint written as
-one file (``write_merged``) and a set's expert-parallel size (``expert_parallel_size``)."""
+registry), and what every subcommand of the tool shares: its shared arguments checked before any work and a refusal
+printed as one ``error:`` line with exit status 2 (``refusing``), an output name that must be free
+(``refuse_overwrite``), a whole checkpoint written as one file (``write_merged``) and a set's expert-parallel size
+(``expert_parallel_size``)."""
 
 import functools
 import glob
@@ -11,27 +12,44 @@ import sys
 import torch
 
 from ..common.config_value import config_value
+from ..common.refusal import MoERefusal
 from ..moe.expert_layout import default_expert_parallel_size, divides_layout, valid_parallel_sizes
+from ..options.ranges import CHECKPOINT_TOOL_RANGES, check_options
 from .contents import experts_held
-from .errors import CheckpointError, CheckpointSetError
+from .errors import CheckpointSetError
 from .inspection import inspect_checkpoint
 from .names import base_of, manifest_path
 from .reshard import experts_per_key, load_full, save_set
-from .staging import write_all_or_nothing
+from .staging import check_output_directory, write_all_or_nothing
 
 
 def refusing(run):
-    """``run(args)``, with a CheckpointError printed as one ``error:`` line on stderr and exit status 2."""
+    """``run(args)`` once what every subcommand shares is checked (``check_shared_arguments``), with every refusal
+    of the plugin (a checkpoint's, an option's range) printed as one ``error:`` line on stderr and exit status 2."""
 
     @functools.wraps(run)
     def refused_in_one_line(args) -> int:
         try:
+            check_shared_arguments(args)
             return run(args)
-        except CheckpointError as e:
+        except MoERefusal as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
     return refused_in_one_line
+
+
+def check_shared_arguments(args) -> None:
+    """Before any work: --world-size and --expert-parallel-size within their ranges, and an output (``output``, or
+    export-hf's ``output_dir``) that can be written (a missing or read-only directory, a full filesystem: refused
+    now, not once a set that can take minutes to load was read)."""
+    check_options(CHECKPOINT_TOOL_RANGES, lambda name: config_value(args, name))
+    output_dir, output = config_value(args, "output_dir"), config_value(args, "output")
+    if output_dir is not None:  # a new (or empty) directory: its parent must take it
+        where = output_dir if os.path.isdir(output_dir) else os.path.dirname(output_dir)
+        check_output_directory(where, f"the Hugging Face checkpoint {output_dir}")
+    elif output is not None:
+        check_output_directory(os.path.dirname(output), output)
 
 
 def add_merge_parser(p) -> None:

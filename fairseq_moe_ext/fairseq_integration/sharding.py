@@ -17,6 +17,7 @@ import torch
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import foreach_mul_
+from ..models.moe_runtime import options_without_effect
 from ..parallel import expert_sharding, fully_sharded, sharded_training
 from ..training import optimizer_layouts
 
@@ -43,6 +44,10 @@ def wrap_is_fsdp(original_fget):
     def is_fsdp(self):
         if original_fget(self):  # fully_sharded: FSDP2 through hook 3, never fairscale's paths
             check_options(self.cfg.distributed_training, self.cfg.common, self.cfg.ema, optimizers(self.cfg.optimizer))
+        else:  # fairseq-hydra-train's model options, which no command line brought to check_ddp_backend
+            ignored = options_without_effect(self.cfg.model, config_value(self.cfg.distributed_training, "ddp_backend"))
+            if ignored:
+                raise MoEOptionError(ignored[0])
         return False
 
     return is_fsdp

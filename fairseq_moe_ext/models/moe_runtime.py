@@ -16,6 +16,32 @@ from ..parallel.fully_sharded import refused_options, zero_sharding_error
 logger = logging.getLogger(__name__)
 
 
+# The options that act under --ddp-backend fully_sharded only, one row each: (option, the value that does
+# nothing, what any other value does there). Another value under another backend would be ignored: refused.
+# fmt: off
+FULLY_SHARDED_ONLY = (
+    ("moe_fully_sharded_experts", "whole", "shards each MoE layer's experts over the workers holding the same ones"),
+    ("moe_fully_sharded_unit", "layer", "makes the whole shared part one FSDP2 unit"),
+)
+# fmt: on
+
+
+def options_without_effect(args, backend) -> list:
+    """One line per option of ``args`` (the model's) that ``backend`` would ignore (None: not known here)."""
+    if backend is None or str(backend) == "fully_sharded":
+        return []
+    lines = []
+    for name, inactive, does in FULLY_SHARDED_ONLY:
+        value = config_value(args, name)
+        if value is not None and str(value) != inactive:
+            flag = "--" + name.replace("_", "-")
+            lines.append(
+                f"{flag} {value} {does} under --ddp-backend fully_sharded only, and this run has --ddp-backend "
+                f"{backend}, which would ignore it: add --ddp-backend fully_sharded, or drop {flag}"
+            )
+    return lines
+
+
 def check_ddp_backend(args) -> None:
     """fairseq builds fully_sharded models differently before any MoE code runs, so the backend is
     checked while the command line is parsed (the architecture functions see every flag)."""
@@ -24,7 +50,7 @@ def check_ddp_backend(args) -> None:
         raise unsupported_backend_error(str(backend))
     if str(config_value(args, "zero_sharding")) == "os":
         raise zero_sharding_error()
-    refused = refused_options(args) if str(backend) == "fully_sharded" else []
+    refused = refused_options(args) if str(backend) == "fully_sharded" else options_without_effect(args, backend)
     if refused:
         raise MoEOptionError(refused[0])
 

@@ -21,6 +21,14 @@ FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below half 
 INT64_MAX = 2**63 - 1
 TIMEDELTA_MAX_S = float(timedelta.max.days * 86400)  # whole days: total_seconds() of the max rounds past it
 SIZE = "the int64 tensor sizes it becomes"
+# The counts and sizes that become tensor shapes are bounded by the largest real models, with room (an int64 size
+# holds far more: 10**9 experts fail in the allocator, 10**18 in torch's size arithmetic, each with a traceback).
+MOST_EXPERTS = 2**20
+EXPERTS_SIZED_FROM = "PEER's 1,048,576 experts per layer, the most of any published MoE"
+WIDEST_FFN = 2**20
+FFN_SIZED_FROM = "14 x PaLM's 73,728-wide FFN, the widest of a published model"
+MOST_WORKERS = 2**20
+WORKERS_SIZED_FROM = "10 x the largest training jobs run (some 100,000 GPUs)"
 FP32_LOSS = "the fp32 loss it multiplies"
 
 # What a change of the option does when a run resumes (training/resume_policy.py).
@@ -51,6 +59,7 @@ class Range:
     holder: str = ""  # ... and what holds it
     smallest: Optional[float] = None  # a nonzero value below this is 0 in the holder
     optional: bool = False  # None is allowed (the option then follows another one)
+    sized_from: str = ""  # what ``high`` is sized from (the largest real model), said instead of the holder
 # fmt: on
 
 

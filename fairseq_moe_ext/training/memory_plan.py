@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..moe.expert_layout import valid_parallel_sizes
+from ..options.ranges import LARGEST_DEVICE
 from ..parallel.plan import ParallelPlan
 
 Shape = Tuple[int, ...]
@@ -201,9 +202,14 @@ def parse_size(text: str) -> int:
         amount = float(number)
     except ValueError:
         amount = None
-    if amount is None or unit not in units or amount <= 0:
+    if amount is None or unit not in units or not 0 < amount < math.inf:
         raise ValueError(
             f"--device-memory {text!r} is not a size: give a number with a unit, e.g. 80GiB, 80GB or 141GB"
+        )
+    if amount * units[unit] > LARGEST_DEVICE:
+        raise ValueError(
+            f"--device-memory {text!r} is beyond 4 x the largest accelerator's memory (288 GB) (at most 1 TiB): "
+            f"give one device's memory, e.g. 80GB"
         )
     return int(amount * units[unit])
 

@@ -97,18 +97,22 @@ def run_fairseq(
     expect_failure: bool = False,
     cwd: Optional[Path] = None,
     expect_status: Optional[int] = None,
+    probe: Optional[Path] = None,
 ) -> str:
     """Run ``fairseq_cli.<tool>`` with ``args`` as ``python -m`` would and return its combined output: forked
     from a process that has imported fairseq (warm_fairseq.py; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter).
+    With ``probe``, ``python PROBE tool args`` (a probe that runs the tool itself, having changed something first).
 
     The test fails with the output's tail if the exit status is not the expected one (zero, or
     non-zero when ``expect_failure``; ``expect_status`` when given) or the run outlives ``timeout`` seconds.
     """
-    command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    args = [*map(str, args)]
+    target, argv = ({"module": f"fairseq_cli.{tool}"}, args) if probe is None else ({"path": str(probe)}, [tool, *args])
+    command = [sys.executable, *(["-m", target["module"]] if probe is None else [target["path"]]), *argv]
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
     if warm is not None:  # a fork of a process that has imported fairseq: see warm_fairseq.py
-        done = subprocess.CompletedProcess(command, *warm.run(f"fairseq_cli.{tool}", args, env, cwd, input, timeout))
+        done = subprocess.CompletedProcess(command, *warm.launch(target, argv, [{"env": env}], cwd, input, timeout))
     else:
         done = fresh_interpreter(command, env, timeout, input=input, cwd=cwd)
     if done.returncode is None:
