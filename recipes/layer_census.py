@@ -1,0 +1,89 @@
+"""The MoE layer's census by mode: the collectives and host syncs of one layer call on each worker.
+
+Shared by the census test (tests/core/test_collective_census.py, workers as threads) and the layer
+benchmark (benchmarks/moe_layer.py --census, gloo worker processes); counted by
+``fairseq_moe_ext.moe.census.Census`` after a warm-up call (the layer's one-off set-up check is not
+part of a steady-state call).
+"""
+
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
+from fairseq_moe_ext.moe.census import Census
+from fairseq_moe_ext.moe.lockstep import LockStep
+
+D, H, E = 8, 16, 4
+# name: (layer config, training, lock-step)
+# fmt: off
+MODES = {
+    "training, dropless": (dict(k=2), True, False),
+    "training, capacity": (dict(k=2, capacity_factor=0.5), True, False),
+    "training, batch-prioritised": (dict(k=2, capacity_factor=0.5, batch_prioritized=True), True, False),
+    "inference forward": (dict(k=2), False, False),
+    "generation, lock-step": (dict(k=2), False, True),
+}
+# fmt: on
+
+
+@dataclass
+class Counted:
+    forward: int  # collectives of one forward
+    backward: int  # collectives of its backward
+    forward_syncs: int  # host syncs of the forward
+    backward_syncs: int
+    sites: str  # where each was issued, for a failure message
+
+
+def tokens(rank: int, seed: int = 0):
+    """Uneven batches (2 + 3 * rank sentences of 5 tokens), the first sentence partly padding."""
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(2 + 3 * rank, 5, D, generator=g, requires_grad=True)
+    mask = torch.zeros(2 + 3 * rank, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    return x, mask
+
+
+def census_of_mode(mode: str, group, rank: int) -> Counted:
+    """One call of ``mode``'s layer on this worker (every worker of ``group`` must run the same mode)."""
+    config, training, lockstep = MODES[mode]
+    torch.manual_seed(0)
+    cache = MoEAuxCache()
+    layer = MoELayer(MoELayerConfig.of(D, H, E, **config), cache=cache, seed=5, group=group).train(training)
+    stepper = LockStep([[layer]], group) if lockstep else None
+    found = None
+    for _ in range(2):  # the first call is a warm-up (the layer's set-up check runs once)
+        x, mask = tokens(rank)
+        with Census() as forward:
+            with torch.set_grad_enabled(training):
+                if stepper is not None:
+                    with stepper.session():
+                        stepper.before(0)
+                        y = layer(x, mask)
+                        done = forward.collective_count, forward.count
+                else:
+                    y = layer(x, mask)
+        if stepper is not None:  # the session's end (a round to leave it together) is not the call's
+            forward.collectives, forward.sites = forward.collectives[: done[0]], forward.sites[: done[1]]
+        (record,) = cache.collect()
+        with Census() as backward:
+            if training:
+                aux = record.aux
+                ((y * y).sum() + aux.balance_loss + aux.z_loss).backward()
+        sites = f"forward:\n{forward.collective_summary()}\n{forward.summary()}\nbackward:\n"
+        sites += f"{backward.collective_summary()}\n{backward.summary()}"
+        found = Counted(forward.collective_count, backward.collective_count, forward.count, backward.count, sites)
+    return found
+
+
+def census_of_modes(group, rank: int) -> Dict[str, Counted]:
+    return {mode: census_of_mode(mode, group, rank) for mode in MODES}
+
+
+def census_table(counts: Dict[str, Counted]) -> str:
+    lines = [f"{'mode':<30}{'collectives fwd':>16}{'bwd':>5}{'host syncs fwd':>16}{'bwd':>5}"]
+    for mode, c in counts.items():
+        lines.append(f"{mode:<30}{c.forward:>16}{c.backward:>5}{c.forward_syncs:>16}{c.backward_syncs:>5}")
+    return "\n".join(lines)
