@@ -101,6 +101,65 @@ def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
+class _SummedOverRanks(torch.autograd.Function):
+    """``rows.sum(0)``, the sum over ranks of ``local`` (rows gathered in the forward); its backward sums the
+    gradient over ranks as ``_AllReduceSum``'s does, or is the identity where the caller sums instead."""
+
+    @staticmethod
+    def forward(ctx, local, rows, group, sums_in_backward):
+        ctx.group, ctx.sums_in_backward = group, sums_in_backward
+        return rows.sum(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.sums_in_backward:
+            return grad, None, None, None
+        return _all_reduce(grad.contiguous().clone(), ctx.group), None, None, None
+
+
+def summed_over_ranks(local: torch.Tensor, rows: torch.Tensor, group=None, sums_in_backward: bool = True):
+    """The sum over ``group``'s ranks of ``local``, given every rank's ``local`` as ``rows`` (``all_gather_row``):
+    the forward needs no collective of its own. Differentiable as ``all_reduce_sum``: each rank adds a loss of the
+    sum to its objective, so the gradient is the sum of the ranks' gradients, summed here in backward
+    (``sums_in_backward``) or, with False, by the caller, which makes every rank's upstream gradient that sum
+    already (the MoE criterions do: each worker's weight of the losses summed once per step, not once per layer)."""
+    if group is None:
+        return local
+    if not local.requires_grad:
+        return rows.sum(0)
+    return _SummedOverRanks.apply(local, rows, group, sums_in_backward)
+
+
+def all_gather_row(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``[W, *x.shape]``: every rank's ``x`` (the same shape on every rank), in rank order; not differentiable."""
+    if group is None:
+        return x.detach().unsqueeze(0)
+    mine = on_group_device(x.detach(), group).contiguous()
+    out = mine.new_empty((dist.get_world_size(group),) + tuple(mine.shape))
+    with collective("all-gather of routing counts and sums", group, [out, mine]):
+        dist.all_gather(list(out.unbind(0)), mine, group=group)
+    return out.to(x.device)
+
+
+def ranks_within(group, statistics_group):
+    """Where each member of ``group`` is among ``statistics_group``'s ranks (which include them), in ``group``'s
+    order: a ``slice`` where they are consecutive (every layout of this plugin), else a list."""
+    if group is statistics_group:
+        return slice(0, group_size(group))
+    everyone = dist.get_process_group_ranks(statistics_group)
+    ranks = [everyone.index(member) for member in dist.get_process_group_ranks(group)]
+    consecutive = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+    return slice(ranks[0], ranks[0] + len(ranks)) if consecutive else ranks
+
+
+def rows_of_group(rows: torch.Tensor, where) -> torch.Tensor:
+    """The rows of ``rows`` (one per rank of a statistics group) of the members ``where`` (``ranks_within``) names;
+    a list is copied to the device as an index (a host-to-device copy: no layout of this plugin needs one)."""
+    if isinstance(where, slice):
+        return rows[where]
+    return rows.index_select(0, torch.tensor(where, device=rows.device))
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows ``input[sum(send[:r]) : sum(send[:r+1])]`` go to rank ``r``; rows from rank ``r`` land
     at ``output[sum(recv[:r]) : ...]``. The backward sends gradients the reverse way."""

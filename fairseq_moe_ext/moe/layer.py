@@ -14,10 +14,11 @@ holding the same experts), which makes a W-worker forward equal to one process h
 experts and the concatenated batch.
 
 ``route_tokens`` reads as its steps, each in its own file: the router chooses (``router.py``, given the
-layer's balance bias), the batch's counts and sums are totalled in one all-reduce (``batch_totals.py``), the
-router losses (``losses.py``) and the capacity (``capacity.py``) follow from them, the bias counts the load
-(``balance_bias.py``), slots are dispatched to the experts and combined (``dispatch.through_experts``), and
-the statistics for the logs are kept (``routing_log.py``).
+layer's balance bias), every worker's counts and sums are exchanged in one all-gather (``batch_totals.py``:
+their totals, and what each worker sends to each expert), the router losses (``losses.py``) and the capacity
+(``capacity.py``) follow from them, the bias counts the load (``balance_bias.py``), slots are dispatched to
+the experts and combined (``dispatch.through_experts``), and the statistics for the logs are kept
+(``routing_log.py``).
 """
 
 from typing import List, Optional, Tuple
@@ -29,7 +30,7 @@ from ..common.refusal import MoEOptionError
 from . import comm
 from .balance_bias import BalanceBias
 from .balance_scope import UpdateLoad
-from .batch_totals import BatchTotals, batch_totals
+from .batch_totals import BatchTotals, batch_totals, sent_per_expert
 from .cache import MoEAux, MoEAuxCache, inside_backward
 from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
 from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
@@ -86,6 +87,8 @@ class MoELayer(nn.Module):
         self.cache = cache
         self.name = name
         self._group_checked = False
+        # The rank in the statistics group of each expert-parallel peer (a slice where they are consecutive).
+        self._peers = comm.ranks_within(group, self.statistics_group) if group is not None else None
         # The most rows this worker's experts computed in one call since rows_received.take_peak
         # last read it: with dropless routing nothing bounds it, and it is what runs a GPU out of memory.
         self.rows_received_peak = 0
@@ -190,8 +193,7 @@ class MoELayer(nn.Module):
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
         if self.routing_tally is not None and not self.training:
             self.routing_tally(self, expert_index, routing.gates)
-        by_fraction = not self.training and self.eval_capacity_token_fraction > 0
-        totals = batch_totals(routing, expert_index, real, self.statistics_group, count_positions=by_fraction)
+        totals = batch_totals(routing, expert_index, real, self.statistics_group)
         aux_balance, aux_z = self._router_losses(totals)
         capacity = self._capacity(totals)
         # The real tokens' choices before capacity (token-major slots: token t's choice j is slot t * k + j):
@@ -202,7 +204,7 @@ class MoELayer(nn.Module):
         slot_expert, gates = self._serve_within(capacity, routing, expert_index)
         order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        loads, exchange = self._read_counts(expert_load)
+        loads, exchange = self._read_counts(expert_load, totals if capacity is None else None)
         served = sum(loads)
         self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
 
@@ -245,8 +247,8 @@ class MoELayer(nn.Module):
 
     def _capacity(self, totals: BatchTotals) -> Optional[torch.Tensor]:
         """Slots per expert (None: every slot is served), from the statistics group's batch (capacity.py)."""
-        if totals.positions is not None:  # the nllb branch's evaluation capacity ceil(f * S)
-            return token_fraction_capacity(totals.positions, self.eval_capacity_token_fraction)
+        if not self.training and self.eval_capacity_token_fraction > 0:  # the nllb branch's evaluation capacity
+            return token_fraction_capacity(totals.positions, self.eval_capacity_token_fraction)  # ceil(f * S)
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return expert_capacity_tensor(totals.tokens, self.num_experts, self.k, capacity_factor)
 
@@ -273,13 +275,21 @@ class MoELayer(nn.Module):
         score, group = routing.priority_score, self.statistics_group
         return slots_within_capacity_of_batch(expert_index, self.num_experts, capacity, score, group)
 
-    def _read_counts(self, expert_load: torch.Tensor) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
+    def _read_counts(
+        self, expert_load: torch.Tensor, totals: Optional[BatchTotals] = None
+    ) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
         """The layer's one host read per forward: rows per (global) expert sent from here, and with
-        expert parallelism the rows each rank sends to this one's experts, ``[P, L]`` (exchanged
-        on the device first), as one ``tolist`` of their concatenation."""
+        expert parallelism the rows each rank sends to this one's experts, ``[P, L]``, as one ``tolist`` of
+        their concatenation. Every slot served (``totals`` given): the latter are the other workers' rows of
+        the exchange; under a capacity they are exchanged on the device first."""
         if self.group is None:
             return expert_load.tolist(), None
-        recv_counts = comm.exchange_counts(expert_load.view(self.parallel_size, self.num_local_experts), self.group)
+        if totals is None:
+            recv_counts = comm.exchange_counts(expert_load.view(self.parallel_size, self.num_local_experts), self.group)
+        else:
+            sent = comm.rows_of_group(sent_per_expert(totals.rows, self.num_experts, self.k), self._peers)
+            mine = comm.group_rank(self.group) * self.num_local_experts
+            recv_counts = sent[:, mine : mine + self.num_local_experts].to(expert_load.device)
         both = torch.cat([expert_load, recv_counts.reshape(-1)]).tolist()
         return both[: self.num_experts], (recv_counts, both[self.num_experts :])
 

@@ -22,11 +22,11 @@ from layer_census import MODES, census_of_modes  # noqa: E402
 # mode: (collectives in forward, in backward, host syncs in forward, in backward), on each worker
 # fmt: off
 CENSUS = {
-    "training, dropless": (4, 3, 1, 0),
+    "training, dropless": (3, 3, 1, 0),
     "training, capacity": (6, 3, 2, 0),
     "training, batch-prioritised": (7, 3, 2, 0),
-    "inference forward": (4, 0, 1, 0),
-    "generation, lock-step": (5, 0, 3, 0),
+    "inference forward": (3, 0, 1, 0),
+    "generation, lock-step": (4, 0, 3, 0),
 }
 # fmt: on
 
