@@ -9,7 +9,7 @@ rank has no tokens at all) and autograd replays the mirror sequence in backward.
 """
 
 from contextlib import contextmanager
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -200,39 +200,19 @@ def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], 
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
 
 
-def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
-    """``counts`` is ``[W, L]`` (rows for each destination rank); returns ``[W, L]`` whose row
-    ``r`` is what rank ``r`` sent to this rank."""
+def all_gather_rows(x: torch.Tensor, sizes: List[int], group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 in rank order, rank ``r`` holding ``sizes[r]`` rows (known
+    from an earlier exchange, so one collective). Not differentiable: for routing decisions only."""
     if group is None:
-        return counts
-    mine = on_group_device(counts, group).contiguous()
-    out = torch.empty_like(mine)
-    with collective("all-to-all of expert loads", group, [out, mine]):
-        dist.all_to_all_single(out, mine, group=group)
-    return out.to(counts.device)
-
-
-def all_gather_rows(x: torch.Tensor, group=None, sizes: Optional[List[int]] = None) -> Tuple[torch.Tensor, List[int]]:
-    """Concatenate every rank's ``x`` along dim 0 in rank order; ranks may hold different row
-    counts, which are returned too (pass them back as ``sizes`` to gather another tensor with the
-    same rows without gathering and reading them again). Not differentiable: for routing
-    decisions only."""
-    if group is None:
-        return x, [x.shape[0]]
+        return x
     world = dist.get_world_size(group)
     rows = on_group_device(x, group)
-    if sizes is None:
-        n = torch.full((1,), x.shape[0], dtype=torch.long, device=rows.device)  # no host-to-device copy
-        gathered_sizes = [torch.empty_like(n) for _ in range(world)]
-        with collective("all-gather of routing decisions", group, [n]):
-            dist.all_gather(gathered_sizes, n, group=group)
-        sizes = torch.cat(gathered_sizes).tolist()  # one host read: the padding below needs the sizes
     padded = rows.new_zeros((max(sizes),) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in range(world)]
     with collective("all-gather of routing decisions", group, [padded]):
         dist.all_gather(gathered, padded, group=group)
-    return torch.cat([g[:s] for g, s in zip(gathered, sizes)]).to(x.device), sizes
+    return torch.cat([g[:s] for g, s in zip(gathered, sizes)]).to(x.device)
 
 
 def check_same_on_every_rank(values: List[int], names: List[str], what: str, group=None) -> None:

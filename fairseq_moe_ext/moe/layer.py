@@ -30,9 +30,14 @@ from ..common.refusal import MoEOptionError
 from . import comm
 from .balance_bias import BalanceBias
 from .balance_scope import UpdateLoad
-from .batch_totals import BatchTotals, batch_totals, sent_per_expert
+from .batch_totals import BatchTotals, batch_totals, choice_counts, sent_per_expert
 from .cache import MoEAux, MoEAuxCache, inside_backward
-from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
+from .capacity import (
+    expert_capacity_tensor,
+    slots_within_capacity_of_batch,
+    slots_within_capacity_of_counts,
+    token_fraction_capacity,
+)
 from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
 from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
@@ -201,10 +206,10 @@ class MoELayer(nn.Module):
         routed_load = bucket_counts(expert_index.reshape(-1), num_experts + 1)[:num_experts]
         if self.balance_bias is not None:
             self.balance_bias.observe(routed_load)
-        slot_expert, gates = self._serve_within(capacity, routing, expert_index)
+        slot_expert, gates, sent = self._serve_within(capacity, routing, expert_index, totals)
         order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        loads, exchange = self._read_counts(expert_load, totals if capacity is None else None)
+        loads, exchange = self._read_counts(expert_load, sent)
         served = sum(loads)
         self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
 
@@ -252,45 +257,48 @@ class MoELayer(nn.Module):
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return expert_capacity_tensor(totals.tokens, self.num_experts, self.k, capacity_factor)
 
-    def _serve_within(self, capacity: Optional[torch.Tensor], routing, expert_index: torch.Tensor):
-        """(each slot's expert, the id ``num_experts`` for a slot over ``capacity`` or a pad's; the gates):
-        renormalised over the slots kept when the layer does so after dropping (second_expert.py)."""
+    def _serve_within(self, capacity: Optional[torch.Tensor], routing, expert_index: torch.Tensor, totals):
+        """(each slot's expert, the id ``num_experts`` for a slot over ``capacity`` or a pad's; the gates; every
+        worker's served slots per expert ``[W, E]``, from the exchange): the gates renormalised over the slots kept
+        when the layer does so after dropping (second_expert.py)."""
         n, k, num_experts = expert_index.shape[0], self.k, self.num_experts
         slot_expert = expert_index.reshape(-1)
-        if capacity is not None:
-            keep = self._slots_within_capacity(routing, capacity, expert_index)
+        if capacity is None:
+            sent = sent_per_expert(totals.rows, num_experts, k)
+        else:
+            keep, sent = self._slots_within_capacity(routing, capacity, expert_index, totals)
             slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
         gates = routing.gates
         if self.normalize_gates_after_dropping:
             served = (slot_expert < num_experts).view(n, k)
             gates = gates_renormalised_over_served(routing.probs, routing.expert_index, served)
-        return slot_expert, gates
+        return slot_expert, gates, sent
 
     def _mask_expert_outputs(self, expert_out: torch.Tensor) -> torch.Tensor:
         return mask_expert_outputs(expert_out, self.expert_output_masking, self.training)
 
-    def _slots_within_capacity(self, routing, capacity, expert_index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``expert_index`` (default the router's) may send pad slots to the id ``num_experts``."""
-        expert_index = routing.expert_index if expert_index is None else expert_index
-        score, group = routing.priority_score, self.statistics_group
-        return slots_within_capacity_of_batch(expert_index, self.num_experts, capacity, score, group)
+    def _slots_within_capacity(self, routing, capacity, expert_index: torch.Tensor, totals: BatchTotals):
+        """``(keep [N, k], every worker's served slots per expert [W, E])`` (capacity.py): in batch order from the
+        exchanged counts alone; by priority score over the gathered decisions (their sizes read first)."""
+        group, num_experts, k = self.statistics_group, self.num_experts, self.k
+        score = routing.priority_score
+        if score is None:
+            counts = choice_counts(totals.rows, num_experts, k)
+            return slots_within_capacity_of_counts(expert_index, num_experts, capacity, counts, comm.group_rank(group))
+        sizes = totals.rows[:, k * num_experts].round().long().tolist() if group is not None else None
+        return slots_within_capacity_of_batch(expert_index, num_experts, capacity, score, group, sizes)
 
     def _read_counts(
-        self, expert_load: torch.Tensor, totals: Optional[BatchTotals] = None
+        self, expert_load: torch.Tensor, sent: torch.Tensor
     ) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
         """The layer's one host read per forward: rows per (global) expert sent from here, and with
-        expert parallelism the rows each rank sends to this one's experts, ``[P, L]``, as one ``tolist`` of
-        their concatenation. Every slot served (``totals`` given): the latter are the other workers' rows of
-        the exchange; under a capacity they are exchanged on the device first."""
+        expert parallelism the rows each rank sends to this one's experts, ``[P, L]`` (from every worker's
+        served slots per expert, ``sent``, known from the exchange), as one ``tolist`` of their concatenation."""
         if self.group is None:
             return expert_load.tolist(), None
-        if totals is None:
-            recv_counts = comm.exchange_counts(expert_load.view(self.parallel_size, self.num_local_experts), self.group)
-        else:
-            sent = comm.rows_of_group(sent_per_expert(totals.rows, self.num_experts, self.k), self._peers)
-            mine = comm.group_rank(self.group) * self.num_local_experts
-            recv_counts = sent[:, mine : mine + self.num_local_experts].to(expert_load.device)
-        both = torch.cat([expert_load, recv_counts.reshape(-1)]).tolist()
+        mine = comm.group_rank(self.group) * self.num_local_experts
+        recv_counts = comm.rows_of_group(sent, self._peers)[:, mine : mine + self.num_local_experts]
+        both = torch.cat([expert_load, recv_counts.to(expert_load.device).reshape(-1)]).tolist()
         return both[: self.num_experts], (recv_counts, both[self.num_experts :])
 
     def _run_experts(self, dispatched, loads: List[int], expert_load: torch.Tensor, exchange) -> torch.Tensor:

@@ -23,8 +23,8 @@ from layer_census import MODES, census_of_modes  # noqa: E402
 # fmt: off
 CENSUS = {
     "training, dropless": (3, 3, 1, 0),
-    "training, capacity": (6, 3, 2, 0),
-    "training, batch-prioritised": (7, 3, 2, 0),
+    "training, capacity": (3, 3, 1, 0),
+    "training, batch-prioritised": (4, 3, 2, 0),
     "inference forward": (3, 0, 1, 0),
     "generation, lock-step": (4, 0, 3, 0),
 }
