@@ -3,7 +3,10 @@
 Shared by the census test (tests/core/test_collective_census.py, workers as threads) and the layer
 benchmark (benchmarks/moe_layer.py --census, gloo worker processes); counted by
 ``fairseq_moe_ext.moe.census.Census`` after a warm-up call (the layer's one-off set-up check is not
-part of a steady-state call).
+part of a steady-state call). A training call is counted as fairseq's MoE criterions run it: its forward
+inside the cache's ``summing_collector``, so the layer's backward leaves the sum over workers of its losses'
+gradients to the criterion, which takes it once per forward for every layer (the row ``criterion, per
+forward``).
 """
 
 from dataclasses import dataclass
@@ -13,6 +16,7 @@ import torch
 
 from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.census import Census
+from fairseq_moe_ext.moe.comm import weight_summed_over_ranks
 from fairseq_moe_ext.moe.lockstep import LockStep
 
 D, H, E = 8, 16, 4
@@ -49,14 +53,14 @@ def tokens(rank: int, seed: int = 0):
 def census_of_mode(mode: str, group, rank: int) -> Counted:
     """One call of ``mode``'s layer on this worker (every worker of ``group`` must run the same mode)."""
     config, training, lockstep = MODES[mode]
-    torch.manual_seed(0)
-    cache = MoEAuxCache()
+    torch.manual_seed(0)  # on threads (the census test) the workers share torch's generator: the counts never
+    cache = MoEAuxCache()  # depend on the values it draws
     layer = MoELayer(MoELayerConfig.of(D, H, E, **config), cache=cache, seed=5, group=group).train(training)
     stepper = LockStep([[layer]], group) if lockstep else None
     found = None
     for _ in range(2):  # the first call is a warm-up (the layer's set-up check runs once)
         x, mask = tokens(rank)
-        with Census() as forward:
+        with cache.summing_collector(), Census() as forward:
             with torch.set_grad_enabled(training):
                 if stepper is not None:
                     with stepper.session():
@@ -78,8 +82,22 @@ def census_of_mode(mode: str, group, rank: int) -> Counted:
     return found
 
 
+def census_of_collector(group) -> Counted:
+    """What the MoE criterion adds per forward (every layer's losses at once): the workers' weights of the
+    losses summed in its backward (moe_criterions.add_moe_losses)."""
+    losses = torch.ones((), requires_grad=True)
+    with Census() as forward:
+        aux = weight_summed_over_ranks(losses * 0.5, 3, group)
+    with Census() as backward:
+        aux.backward()
+    sites = f"backward:\n{backward.collective_summary()}\n{backward.summary()}"
+    return Counted(forward.collective_count, backward.collective_count, forward.count, backward.count, sites)
+
+
 def census_of_modes(group, rank: int) -> Dict[str, Counted]:
-    return {mode: census_of_mode(mode, group, rank) for mode in MODES}
+    counts = {mode: census_of_mode(mode, group, rank) for mode in MODES}
+    counts["criterion, per forward"] = census_of_collector(group)
+    return counts
 
 
 def census_table(counts: Dict[str, Counted]) -> str:

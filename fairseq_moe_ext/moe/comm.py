@@ -130,6 +130,33 @@ def summed_over_ranks(local: torch.Tensor, rows: torch.Tensor, group=None, sums_
     return _SummedOverRanks.apply(local, rows, group, sums_in_backward)
 
 
+class _WeightSummedOverRanks(torch.autograd.Function):
+    """``weight * x``; the backward returns every rank's ``upstream * weight`` summed (in fp64), the same on
+    every rank: ``x`` is a loss of statistics summed over ranks, so that is the gradient of the ranks'
+    objectives together with respect to it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.weight, ctx.group = weight, group
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.weight.double() if torch.is_tensor(ctx.weight) else float(ctx.weight)
+        total = on_group_device((grad.double() * weight).reshape(1), ctx.group)
+        return _all_reduce(total, ctx.group).to(grad.device).reshape(grad.shape).to(grad.dtype), None, None
+
+
+def weight_summed_over_ranks(x: torch.Tensor, weight, group=None) -> torch.Tensor:
+    """``weight * x``, where ``x`` is a loss of statistics summed over ``group``'s ranks and every rank weighs it by
+    its own ``weight`` (a fairseq worker: its sample size): one all-reduce in backward, in place of one per
+    statistic (``summed_over_ranks(..., sums_in_backward=False)``), so with W workers the gradient is that of
+    one process weighing the loss by the weights' sum."""
+    if group is None or not x.requires_grad:
+        return weight * x
+    return _WeightSummedOverRanks.apply(x, weight, group)
+
+
 def all_gather_row(x: torch.Tensor, group=None) -> torch.Tensor:
     """``[W, *x.shape]``: every rank's ``x`` (the same shape on every rank), in rank order; not differentiable."""
     if group is None:

@@ -198,7 +198,9 @@ class MoELayer(nn.Module):
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
         if self.routing_tally is not None and not self.training:
             self.routing_tally(self, expert_index, routing.gates)
-        totals = batch_totals(routing, expert_index, real, self.statistics_group)
+        # Whoever adds the losses may sum their gradients over the workers once for every layer (cache.py).
+        sum_over = self.statistics_group if self.cache is not None and self.cache.collector_sums else None
+        totals = batch_totals(routing, expert_index, real, self.statistics_group, sums_in_backward=sum_over is None)
         aux_balance, aux_z = self._router_losses(totals)
         capacity = self._capacity(totals)
         # The real tokens' choices before capacity (token-major slots: token t's choice j is slot t * k + j):
@@ -218,7 +220,7 @@ class MoELayer(nn.Module):
 
         y = through_experts(tokens, order, slot_expert, gates, served, num_experts, experts)
         stats = routing_log(totals.local_tokens, k, expert_load, routed_load, totals.local_probs)
-        return y, MoEAux(aux_balance, aux_z, stats)
+        return y, MoEAux(aux_balance, aux_z, stats, collector_sums_over=sum_over)
 
     def _check_group_once(self) -> None:
         """Workers built with different flags would exchange rows of different shapes (at best a transport
