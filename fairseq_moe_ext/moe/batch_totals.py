@@ -17,6 +17,7 @@ an fp16 count overflows at 65,504 tokens and bf16 counts 1001 as 1000. fp64 hold
 """
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 
@@ -35,6 +36,7 @@ class BatchTotals:
     local_tokens: torch.Tensor  # [1] int64: this worker's real tokens
     local_probs: torch.Tensor  # [N, E]: this worker's probabilities, zero at pad tokens
     rows: torch.Tensor  # [W, width] fp64, no gradient: every worker's row (W = 1 in one process)
+    host_counts: Optional[List[List[float]]]  # rows[:, :k * E] on the host, where the exchange read them already
 # fmt: on
 
 
@@ -52,11 +54,14 @@ def sent_per_expert(rows: torch.Tensor, num_experts: int, k: int) -> torch.Tenso
     return choice_counts(rows, num_experts, k).sum(1)
 
 
-def batch_totals(routing, expert_index: torch.Tensor, real, group, sums_in_backward: bool = True) -> BatchTotals:
+def batch_totals(
+    routing, expert_index: torch.Tensor, real, group, sums_in_backward: bool = True, exchange=None
+) -> BatchTotals:
     """``routing``: the router's decision for ``N`` tokens; ``expert_index`` its choices with pad tokens sent
     to the id ``E``; ``real`` (``[N]`` bool or None) the tokens that count; ``group``: whose batches are
     totalled (None: this process); ``sums_in_backward``: False where the loss's collector sums each worker's
-    weight of the losses itself (``comm.summed_over_ranks``)."""
+    weight of the losses itself (``comm.summed_over_ranks``); ``exchange``: ``row -> (rows, host_counts or
+    None)`` in place of the all-gather over ``group`` (a lock-step round rides on it, lockstep.py)."""
     num_experts, k = routing.probs.shape[1], expert_index.shape[1]
     per_choice = [bucket_counts(expert_index[:, j], num_experts + 1)[:num_experts] for j in range(k)]
     num_real = per_choice[0].sum().view(1)
@@ -69,11 +74,19 @@ def batch_totals(routing, expert_index: torch.Tensor, real, group, sums_in_backw
     positions = torch.full((1,), float(expert_index.shape[0]), dtype=torch.float64, device=probs.device)
     row = torch.cat([*(c.double() for c in per_choice), positions, num_real.double(), prob_sum.double()])
     row = torch.cat([row, lse_square.sum().double().view(1)])
-    rows = comm.all_gather_row(row, group)
+    rows, host_counts = (comm.all_gather_row(row, group), None) if exchange is None else exchange(row)
     totals = comm.summed_over_ranks(row, rows, group, sums_in_backward)
     counts = totals[: k * num_experts + 2].round().long()
     sums = totals[k * num_experts + 2 :].float()
     first_choices = counts[:num_experts]
     return BatchTotals(
-        first_choices, counts[-1], sums[:num_experts], sums[num_experts], counts[-2], num_real, probs, rows.detach()
+        first_choices,
+        counts[-1],
+        sums[:num_experts],
+        sums[num_experts],
+        counts[-2],
+        num_real,
+        probs,
+        rows.detach(),
+        host_counts,
     )

@@ -100,6 +100,8 @@ class MoELayer(nn.Module):
         # Called as routing_tally(layer, expert_index, gates) after each evaluation-mode routing, pads
         # already sent to the id num_experts (routing_stats.py's counts; None: nothing is counted).
         self.routing_tally = None
+        # (LockStep, stack) where a lock-step round rides on this layer's next exchange (lockstep.py), else None.
+        self.lockstep_round = None
         routing = config.routing
         # Loss-free balancing (balance_bias.py; None keeps the routing as it was): the layer's own, counted
         # and passed to the router by the layer. The module sits in the router's place of the module tree
@@ -181,9 +183,12 @@ class MoELayer(nn.Module):
         y, aux = self.route_tokens(flat, real=~padding_mask.reshape(-1).bool())
         return _plus(y.view_as(x), shared), aux
 
-    def route_tokens(self, tokens: torch.Tensor, real: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+    def route_tokens(
+        self, tokens: torch.Tensor, real: Optional[torch.Tensor] = None, *, exchanged=None
+    ) -> Tuple[torch.Tensor, MoEAux]:
         """The MoE function on ``[N, model_dim]`` tokens; ``real`` (``[N]`` bool, default all) marks
-        the tokens that are routed and counted: the others' output is zero.
+        the tokens that are routed and counted: the others' output is zero. ``exchanged``: the exchange's
+        ``(rows, host_counts)`` already made (a lock-step round's, for a mirrored call; lockstep.py).
 
         One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
         the all-to-all need as sizes; everything else stays on the tokens' device (see docs/performance.md,
@@ -200,7 +205,8 @@ class MoELayer(nn.Module):
             self.routing_tally(self, expert_index, routing.gates)
         # Whoever adds the losses may sum their gradients over the workers once for every layer (cache.py).
         sum_over = self.statistics_group if self.cache is not None and self.cache.collector_sums else None
-        totals = batch_totals(routing, expert_index, real, self.statistics_group, sums_in_backward=sum_over is None)
+        exchange = self._lockstep_exchange() if exchanged is None else (lambda row: exchanged)
+        totals = batch_totals(routing, expert_index, real, self.statistics_group, sum_over is None, exchange)
         aux_balance, aux_z = self._router_losses(totals)
         capacity = self._capacity(totals)
         # The real tokens' choices before capacity (token-major slots: token t's choice j is slot t * k + j):
@@ -211,7 +217,7 @@ class MoELayer(nn.Module):
         slot_expert, gates, sent = self._serve_within(capacity, routing, expert_index, totals)
         order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        loads, exchange = self._read_counts(expert_load, sent)
+        loads, exchange = self._read_counts(expert_load, sent, totals.host_counts if capacity is None else None)
         served = sum(loads)
         self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
 
@@ -221,6 +227,14 @@ class MoELayer(nn.Module):
         y = through_experts(tokens, order, slot_expert, gates, served, num_experts, experts)
         stats = routing_log(totals.local_tokens, k, expert_load, routed_load, totals.local_probs)
         return y, MoEAux(aux_balance, aux_z, stats, collector_sums_over=sum_over)
+
+    def _lockstep_exchange(self):
+        """The exchange of a lock-step round armed on this layer (``LockStep.before``; None: a plain all-gather)."""
+        armed, self.lockstep_round = self.lockstep_round, None
+        if armed is None:
+            return None
+        lockstep, stack = armed
+        return lambda row: lockstep.exchange(row, stack)
 
     def _check_group_once(self) -> None:
         """Workers built with different flags would exchange rows of different shapes (at best a transport
@@ -291,15 +305,21 @@ class MoELayer(nn.Module):
         return slots_within_capacity_of_batch(expert_index, num_experts, capacity, score, group, sizes)
 
     def _read_counts(
-        self, expert_load: torch.Tensor, sent: torch.Tensor
+        self, expert_load: torch.Tensor, sent: torch.Tensor, host_counts=None
     ) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
         """The layer's one host read per forward: rows per (global) expert sent from here, and with
         expert parallelism the rows each rank sends to this one's experts, ``[P, L]`` (from every worker's
-        served slots per expert, ``sent``, known from the exchange), as one ``tolist`` of their concatenation."""
+        served slots per expert, ``sent``, known from the exchange), as one ``tolist`` of their concatenation;
+        none where the exchange read every worker's counts already (``host_counts``, a lock-step round's)."""
         if self.group is None:
             return expert_load.tolist(), None
-        mine = comm.group_rank(self.group) * self.num_local_experts
-        recv_counts = comm.rows_of_group(sent, self._peers)[:, mine : mine + self.num_local_experts]
+        local, mine = self.num_local_experts, comm.group_rank(self.group) * self.num_local_experts
+        recv_counts = comm.rows_of_group(sent, self._peers)[:, mine : mine + local]
+        if host_counts is not None:
+            sent_host = [[int(sum(w[e :: self.num_experts])) for e in range(self.num_experts)] for w in host_counts]
+            peers = sent_host[self._peers] if isinstance(self._peers, slice) else [sent_host[p] for p in self._peers]
+            loads = sent_host[comm.group_rank(self.statistics_group)]
+            return loads, (recv_counts, [n for peer in peers for n in peer[mine : mine + local]])
         both = torch.cat([expert_load, recv_counts.to(expert_load.device).reshape(-1)]).tolist()
         return both[: self.num_experts], (recv_counts, both[self.num_experts :])
 
