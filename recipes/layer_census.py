@@ -15,6 +15,7 @@ from typing import Dict
 import torch
 
 from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
+from fairseq_moe_ext.moe.balance_bias import update_balance_biases
 from fairseq_moe_ext.moe.census import Census
 from fairseq_moe_ext.moe.comm import weight_summed_over_ranks
 from fairseq_moe_ext.moe.lockstep import LockStep
@@ -94,9 +95,21 @@ def census_of_collector(group) -> Counted:
     return Counted(forward.collective_count, backward.collective_count, forward.count, backward.count, sites)
 
 
+def census_of_bias_update(group, rank: int) -> Counted:
+    """``--moe-balance bias``: the bias moved after an optimizer step (per layer; counted as a forward)."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=2, balance_bias_rate=1e-3), seed=5, group=group)
+    layer(tokens(rank)[0].detach())
+    with Census() as update:
+        update_balance_biases(layer)
+    sites = f"update:\n{update.collective_summary()}\n{update.summary()}"
+    return Counted(update.collective_count, 0, update.count, 0, sites)
+
+
 def census_of_modes(group, rank: int) -> Dict[str, Counted]:
     counts = {mode: census_of_mode(mode, group, rank) for mode in MODES}
     counts["criterion, per forward"] = census_of_collector(group)
+    counts["balance-bias update, per step"] = census_of_bias_update(group, rank)
     return counts
 
 

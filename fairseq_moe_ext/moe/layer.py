@@ -212,8 +212,8 @@ class MoELayer(nn.Module):
         # The real tokens' choices before capacity (token-major slots: token t's choice j is slot t * k + j):
         # logged, and the load behind the balance bias.
         routed_load = bucket_counts(expert_index.reshape(-1), num_experts + 1)[:num_experts]
-        if self.balance_bias is not None:
-            self.balance_bias.observe(routed_load)
+        if self.balance_bias is not None:  # every worker's load, from the exchange
+            self.balance_bias.observe(sent_per_expert(totals.rows, num_experts, k).sum(0))
         slot_expert, gates, sent = self._serve_within(capacity, routing, expert_index, totals)
         order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]

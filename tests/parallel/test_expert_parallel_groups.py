@@ -212,7 +212,7 @@ def test_every_collective_of_a_four_worker_step_runs_over_the_group_the_docs_nam
             "check of shared parameters": {WORLD},
             # The losses' sums, the capacity decision, every worker's rows for each expert (the receive counts).
             "all-gather of routing counts and sums": {WORLD},
-            "all-reduce of routing statistics": {WORLD},  # the losses' backward, the bias's load
+            "all-reduce of routing statistics": {WORLD},  # the criterion: the losses' weights, once per forward
             "all-to-all of token rows": {row},
             "all-reduce of expert gradients over their replicas": {column},
             "all-reduce of expert gradient norms": {row},
