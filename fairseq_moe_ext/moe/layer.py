@@ -21,7 +21,7 @@ the experts and combined (``dispatch.through_experts``), and the statistics for 
 (``routing_log.py``).
 """
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,11 +38,12 @@ from .capacity import (
     slots_within_capacity_of_counts,
     token_fraction_capacity,
 )
-from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
+from .dispatch import bucket_counts, through_experts
 from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
+from .remote_experts import rows_per_expert, through_their_workers
 from .router import TopKRouter
 from .routing_log import routing_log
 from .second_expert import gates_renormalised_over_served
@@ -190,7 +191,7 @@ class MoELayer(nn.Module):
         the tokens that are routed and counted: the others' output is zero. ``exchanged``: the exchange's
         ``(rows, host_counts)`` already made (a lock-step round's, for a mirrored call; lockstep.py).
 
-        One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
+        One host read per call (``remote_experts.rows_per_expert``): the rows per expert, which the expert GEMMs and
         the all-to-all need as sizes; everything else stays on the tokens' device (see docs/performance.md,
         "Host syncs: one per layer forward, none in backward")."""
         k, num_experts = self.k, self.num_experts
@@ -217,12 +218,18 @@ class MoELayer(nn.Module):
         slot_expert, gates, sent = self._serve_within(capacity, routing, expert_index, totals)
         order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        loads, exchange = self._read_counts(expert_load, sent, totals.host_counts if capacity is None else None)
+        host_counts = totals.host_counts if capacity is None else None
+        loads, exchange = rows_per_expert(
+            expert_load, sent, host_counts, self.group, self.statistics_group, self._peers, self.num_local_experts
+        )
         served = sum(loads)
         self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
 
         def experts(rows):
-            return self._mask_expert_outputs(self._run_experts(rows, loads, expert_load, exchange))
+            if self.group is None:
+                return self._mask_expert_outputs(self.experts(rows, loads, expert_load))
+            out = through_their_workers(rows, loads, exchange, self.experts, self.group, self.num_local_experts)
+            return self._mask_expert_outputs(out)
 
         y = through_experts(tokens, order, slot_expert, gates, served, num_experts, experts)
         stats = routing_log(totals.local_tokens, k, expert_load, routed_load, totals.local_probs)
@@ -303,46 +310,6 @@ class MoELayer(nn.Module):
             return slots_within_capacity_of_counts(expert_index, num_experts, capacity, counts, comm.group_rank(group))
         sizes = totals.rows[:, k * num_experts].round().long().tolist() if group is not None else None
         return slots_within_capacity_of_batch(expert_index, num_experts, capacity, score, group, sizes)
-
-    def _read_counts(
-        self, expert_load: torch.Tensor, sent: torch.Tensor, host_counts=None
-    ) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
-        """The layer's one host read per forward: rows per (global) expert sent from here, and with
-        expert parallelism the rows each rank sends to this one's experts, ``[P, L]`` (from every worker's
-        served slots per expert, ``sent``, known from the exchange), as one ``tolist`` of their concatenation;
-        none where the exchange read every worker's counts already (``host_counts``, a lock-step round's)."""
-        if self.group is None:
-            return expert_load.tolist(), None
-        local, mine = self.num_local_experts, comm.group_rank(self.group) * self.num_local_experts
-        recv_counts = comm.rows_of_group(sent, self._peers)[:, mine : mine + local]
-        if host_counts is not None:
-            sent_host = [[int(sum(w[e :: self.num_experts])) for e in range(self.num_experts)] for w in host_counts]
-            peers = sent_host[self._peers] if isinstance(self._peers, slice) else [sent_host[p] for p in self._peers]
-            loads = sent_host[comm.group_rank(self.statistics_group)]
-            return loads, (recv_counts, [n for peer in peers for n in peer[mine : mine + local]])
-        both = torch.cat([expert_load, recv_counts.to(expert_load.device).reshape(-1)]).tolist()
-        return both[: self.num_experts], (recv_counts, both[self.num_experts :])
-
-    def _run_experts(self, dispatched, loads: List[int], expert_load: torch.Tensor, exchange) -> torch.Tensor:
-        if self.group is None:
-            return self.experts(dispatched, loads, expert_load)
-        parallel, local = self.parallel_size, self.num_local_experts
-        recv_counts, recv_flat = exchange  # [source rank, local expert], on the device and the host
-        send_splits = [sum(loads[r * local : (r + 1) * local]) for r in range(parallel)]
-        recv_splits = [sum(recv_flat[r * local : (r + 1) * local]) for r in range(parallel)]
-        received = comm.all_to_all(dispatched, send_splits, recv_splits, self.group)
-        # Rows arrive grouped by source rank; experts want them grouped by local expert.
-        row_expert = torch.repeat_interleave(
-            torch.arange(local, device=received.device).repeat(parallel),
-            recv_counts.reshape(-1).to(received.device),
-            output_size=received.shape[0],
-        )
-        by_expert = torch.argsort(row_expert, stable=True)
-        from_expert = inverse_permutation(by_expert)
-        local_counts = [sum(recv_flat[i::local]) for i in range(local)]
-        out = self.experts(permute_rows(received, by_expert, from_expert), local_counts, recv_counts.sum(0))
-        out = permute_rows(out, from_expert, by_expert)
-        return comm.all_to_all(out, recv_splits, send_splits, self.group)
 
     def extra_repr(self):
         return (
