@@ -243,7 +243,7 @@ def main(argv=None):
         f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run"
     )
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
-    results, memory = {}, {}
+    results, memory, loads = {}, {}, {}
     for workers in args.workers:
         env = env_for(max(1, args.threads // workers))
         for rep in range(args.repeats):
@@ -256,6 +256,7 @@ def main(argv=None):
                 arms.append(("baseline", True, args.baseline_user_dir, "legacy_ddp"))
             for arm, moe, user_dir, backend in arms:  # alternating, so drifts in machine load hit all alike
                 name = f"{arm.replace(' ', '-')}-{workers}w-{rep}"
+                load = os.getloadavg()[0]
                 output = run(
                     train_command(args, data, work / name, moe, workers, user_dir, backend),
                     env,
@@ -264,13 +265,15 @@ def main(argv=None):
                 )
                 results.setdefault((workers, arm), []).append(measured_wps(output))
                 memory.setdefault((workers, arm), []).append(peak_rss_mib(output))
-    print(f"\n{'workers':>8}  {'run':<18}{'wps':>8}{'/ dense':>9}{'peak MiB per worker':>21}")
+                loads.setdefault((workers, arm), []).extend([load, os.getloadavg()[0]])
+    print(f"\n{'workers':>8}  {'run':<18}{'wps':>8}{'/ dense':>9}{'peak MiB per worker':>21}{'load':>12}")
     for workers in args.workers:
         dense = statistics.median(results[(workers, "dense")])
         for (w, arm), wps in results.items():
             if w == workers:
-                wps = statistics.median(wps)
-                print(f"{workers:>8}  {arm:<18}{wps:>8.0f}{wps / dense:>9.3f}{max(memory[(w, arm)]):>21.0f}")
+                wps, load = statistics.median(wps), loads[(w, arm)]
+                load = f"{min(load):.1f}-{max(load):.1f}"
+                print(f"{workers:>8}  {arm:<18}{wps:>8.0f}{wps / dense:>9.3f}{max(memory[(w, arm)]):>21.0f}{load:>12}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 

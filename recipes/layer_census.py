@@ -9,6 +9,7 @@ gradients to the criterion, which takes it once per forward for every layer (the
 forward``).
 """
 
+import time
 from dataclasses import dataclass
 from typing import Dict
 
@@ -33,6 +34,21 @@ MODES = {
 # fmt: on
 
 
+# What each worker issues per mode: (collectives in forward, in backward, host syncs in forward, in backward);
+# the census test holds the harness to it on CPU threads, the GPU one-shot on CUDA, docs/performance.md prints it.
+# fmt: off
+EXPECTED = {
+    "training, dropless": (3, 2, 1, 0),
+    "training, capacity": (3, 2, 1, 0),
+    "training, batch-prioritised": (4, 2, 2, 0),
+    "inference forward": (3, 0, 1, 0),
+    "generation, lock-step": (3, 0, 1, 0),
+    "criterion, per forward": (0, 1, 0, 0),
+    "balance-bias update, per step": (0, 0, 0, 0),
+}
+# fmt: on
+
+
 @dataclass
 class Counted:
     forward: int  # collectives of one forward
@@ -45,22 +61,24 @@ class Counted:
 def tokens(rank: int, seed: int = 0):
     """Uneven batches (2 + 3 * rank sentences of 5 tokens), the first sentence partly padding."""
     g = torch.Generator().manual_seed(seed + rank)
-    x = torch.randn(2 + 3 * rank, 5, D, generator=g, requires_grad=True)
+    x = torch.randn(2 + 3 * rank, 5, D, generator=g)
     mask = torch.zeros(2 + 3 * rank, 5, dtype=torch.bool)
     mask[0, 3:] = True
     return x, mask
 
 
-def census_of_mode(mode: str, group, rank: int) -> Counted:
+def census_of_mode(mode: str, group, rank: int, device=None) -> Counted:
     """One call of ``mode``'s layer on this worker (every worker of ``group`` must run the same mode)."""
     config, training, lockstep = MODES[mode]
     torch.manual_seed(0)  # on threads (the census test) the workers share torch's generator: the counts never
     cache = MoEAuxCache()  # depend on the values it draws
     layer = MoELayer(MoELayerConfig.of(D, H, E, **config), cache=cache, seed=5, group=group).train(training)
+    layer.to(device)
     stepper = LockStep([[layer]], group) if lockstep else None
     found = None
     for _ in range(2):  # the first call is a warm-up (the layer's set-up check runs once)
-        x, mask = tokens(rank)
+        x, mask = (t.to(device) for t in tokens(rank))
+        x.requires_grad_(training)
         with cache.summing_collector(), Census() as forward:
             with torch.set_grad_enabled(training):
                 if stepper is not None:
@@ -83,10 +101,10 @@ def census_of_mode(mode: str, group, rank: int) -> Counted:
     return found
 
 
-def census_of_collector(group) -> Counted:
+def census_of_collector(group, device=None) -> Counted:
     """What the MoE criterion adds per forward (every layer's losses at once): the workers' weights of the
     losses summed in its backward (moe_criterions.add_moe_losses)."""
-    losses = torch.ones((), requires_grad=True)
+    losses = torch.ones((), device=device, requires_grad=True)
     with Census() as forward:
         aux = weight_summed_over_ranks(losses * 0.5, 3, group)
     with Census() as backward:
@@ -95,22 +113,60 @@ def census_of_collector(group) -> Counted:
     return Counted(forward.collective_count, backward.collective_count, forward.count, backward.count, sites)
 
 
-def census_of_bias_update(group, rank: int) -> Counted:
+def census_of_bias_update(group, rank: int, device=None) -> Counted:
     """``--moe-balance bias``: the bias moved after an optimizer step (per layer; counted as a forward)."""
     torch.manual_seed(0)
-    layer = MoELayer(MoELayerConfig.of(D, H, E, k=2, balance_bias_rate=1e-3), seed=5, group=group)
-    layer(tokens(rank)[0].detach())
+    layer = MoELayer(MoELayerConfig.of(D, H, E, k=2, balance_bias_rate=1e-3), seed=5, group=group).to(device)
+    layer(tokens(rank)[0].to(device))
     with Census() as update:
         update_balance_biases(layer)
     sites = f"update:\n{update.collective_summary()}\n{update.summary()}"
     return Counted(update.collective_count, 0, update.count, 0, sites)
 
 
-def census_of_modes(group, rank: int) -> Dict[str, Counted]:
-    counts = {mode: census_of_mode(mode, group, rank) for mode in MODES}
-    counts["criterion, per forward"] = census_of_collector(group)
-    counts["balance-bias update, per step"] = census_of_bias_update(group, rank)
+def census_of_modes(group, rank: int, device=None) -> Dict[str, Counted]:
+    counts = {mode: census_of_mode(mode, group, rank, device) for mode in MODES}
+    counts["criterion, per forward"] = census_of_collector(group, device)
+    counts["balance-bias update, per step"] = census_of_bias_update(group, rank, device)
     return counts
+
+
+def timed_call(group, rank: int, device=None, d=512, h=1024, experts=8, rows=2048, dtype=torch.float32, reps=3):
+    """Seconds in each collective of one training call (forward and backward, dropless, ``rows`` tokens per
+    worker) against the call's own, the device synchronised around each collective (``Census(timed=True)``);
+    the median call of ``reps`` after a warm-up. Returns ``(call seconds, [(op, seconds, bytes), ...])``."""
+    torch.manual_seed(0)
+    cache = MoEAuxCache()
+    layer = MoELayer(MoELayerConfig.of(d, h, experts, k=2), cache=cache, seed=5, group=group).to(device, dtype)
+    x = torch.randn(rows, d, generator=torch.Generator().manual_seed(rank)).to(device, dtype).requires_grad_()
+    calls = []
+    for _ in range(reps + 1):
+        _synchronise(device)
+        with cache.summing_collector(), Census(timed=True) as census:
+            started = time.perf_counter()
+            y = layer(x)
+            (aux,) = (r.aux for r in cache.collect())
+            losses = weight_summed_over_ranks(aux.balance_loss + aux.z_loss, 1.0, aux.collector_sums_over)
+            ((y.float() ** 2).mean() + losses).backward()
+            _synchronise(device)
+            seconds = time.perf_counter() - started
+        calls.append((seconds, [(c.op, c.seconds, c.nbytes) for c in census.collectives]))
+    return sorted(calls[1:], key=lambda call: call[0])[len(calls[1:]) // 2]
+
+
+def _synchronise(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_lines(call) -> str:
+    seconds, collectives = call
+    lines = [f"{op:<20}{spent * 1e3:>10.2f} ms{nbytes / 2**20:>10.2f} MiB" for op, spent, nbytes in collectives]
+    spent = sum(c[1] for c in collectives)
+    lines.append(
+        f"{len(collectives)} collectives: {spent * 1e3:.1f} ms of a {seconds * 1e3:.1f} ms call ({spent / seconds:.0%})"
+    )
+    return "\n".join(lines)
 
 
 def census_table(counts: Dict[str, Counted]) -> str:

@@ -17,20 +17,8 @@ from support.launch.paths import REPO_ROOT
 from support.launch.thread_world import ThreadWorld
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
+from layer_census import EXPECTED as CENSUS  # noqa: E402
 from layer_census import MODES, census_of_modes  # noqa: E402
-
-# mode: (collectives in forward, in backward, host syncs in forward, in backward), on each worker
-# fmt: off
-CENSUS = {
-    "training, dropless": (3, 2, 1, 0),
-    "training, capacity": (3, 2, 1, 0),
-    "training, batch-prioritised": (4, 2, 2, 0),
-    "inference forward": (3, 0, 1, 0),
-    "generation, lock-step": (3, 0, 1, 0),
-    "criterion, per forward": (0, 1, 0, 0),
-    "balance-bias update, per step": (0, 0, 0, 0),
-}
-# fmt: on
 
 
 @pytest.fixture(scope="module")
