@@ -16,19 +16,18 @@ process that figure halved.
 """
 
 import argparse
-import datetime
 import os
 import random
 import re
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "recipes"))  # what benchmarks share with tests and recipes
 
+from side_by_side import Loads, run_folder, stamp  # noqa: E402
 from toy_pair import source_sentence, translate  # noqa: E402
 from train_wps import BIN, USER_DIR, env_for, model_args, preprocess, run, torchrun, training_flags  # noqa: E402
 
@@ -121,12 +120,8 @@ def sentences_per_second(args, data, save_dir, workers, log: Path, user_dir=USER
 
 def main(argv=None):
     args = parse_args(argv)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="generate_throughput_"))
-    work.mkdir(parents=True, exist_ok=True)
-    print(
-        f"# fairseq-generate sentences/s (beam 5), {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}"
-    )
+    work = run_folder(args.keep, "generate_throughput_")
+    print(f"# fairseq-generate sentences/s (beam 5), {stamp()}, logs in {work}")
     print(
         f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE every "
         f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
@@ -135,25 +130,23 @@ def main(argv=None):
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
     for moe in (False, True):
         train(args, data, work / ("moe" if moe else "dense"), moe, work)
-    results, loads = {}, {}
+    results, loads = {}, Loads()
     arms = [("dense", False, USER_DIR), ("moe", True, USER_DIR)]
     arms += [("baseline", True, args.baseline_user_dir)] if args.baseline_user_dir else []
     for rep in range(args.repeats):
         for workers in args.workers:
             for arm, moe, user_dir in arms:  # alternating, so drifts in machine load hit every arm alike
                 name = f"{arm}-{workers}w-{rep}"
-                load = os.getloadavg()[0]
-                rate = sentences_per_second(
-                    args, data, work / ("moe" if moe else "dense"), workers, work / f"{name}.log", user_dir
-                )
+                with loads.run((workers, arm)):
+                    rate = sentences_per_second(
+                        args, data, work / ("moe" if moe else "dense"), workers, work / f"{name}.log", user_dir
+                    )
                 results.setdefault((workers, arm), []).append(rate)
-                loads.setdefault((workers, arm), []).extend([load, os.getloadavg()[0]])
     print(f"\n{'workers':>8}  {'run':<10}{'sent/s':>9}{'/ dense':>9}{'per process':>13}{'load':>12}")
     for workers in args.workers:
         dense = statistics.median(results[(workers, "dense")])
         for arm, _, _ in arms:
-            rate, load = statistics.median(results[(workers, arm)]), loads[(workers, arm)]
-            load = f"{min(load):.1f}-{max(load):.1f}"
+            rate, load = statistics.median(results[(workers, arm)]), loads.range((workers, arm))
             print(f"{workers:>8}  {arm:<10}{rate:>9.1f}{rate / dense:>9.3f}{rate / workers:>13.1f}{load:>12}")
     print(
         "2 workers: both split the sentences; the MoE model keeps half of the experts on each worker and "

@@ -12,19 +12,19 @@ run is printed beside it: on a shared machine the ratio, not the seconds, is wha
 """
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "recipes"))  # what benchmarks share with tests and recipes
 
+sys.path.insert(0, str(HERE))
 from fairseq_logs import json_records  # noqa: E402
+from side_by_side import Loads, run_folder, stamp  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,40 +43,36 @@ def training_wall(log: Path) -> float:
     return float(records[-1]["wall"])
 
 
-def run_main_job(work: Path, user_dir, timeout) -> dict:
+def run_main_job(work: Path, user_dir, timeout, loads: Loads) -> dict:
     env = dict(os.environ, WORK=str(work), DENSE="0")
     if user_dir:
         env["MOE_USER_DIR"] = str(Path(user_dir).resolve())
-    before = os.getloadavg()[0]
     log = work.parent / f"{work.name}.log"
-    with open(log, "w") as out:
+    with open(log, "w") as out, loads.run(work.name):
         code = subprocess.call(["bash", str(ROOT / "recipes" / "main.sh")], cwd=ROOT, env=env, stdout=out,
                                stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
     if code != 0:
         sys.exit(f"main_job_wall.py: recipes/main.sh exited {code}; see {log}")
     walls = {model: training_wall(work / model / "train.log") for model in ("moe", "dense_matched")}
-    return dict(walls, load=(before, os.getloadavg()[0]))
+    return dict(walls, load=loads.range(work.name))
 
 
 def main(argv=None):
     args = parse_args(argv)
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="main_job_wall_"))
-    root.mkdir(parents=True, exist_ok=True)
-    print(
-        f"# main job training wall time, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, runs in {root}"
-    )
+    root = run_folder(args.keep, "main_job_wall_")
+    print(f"# main job training wall time, {stamp()}, runs in {root}")
     arms = [("this checkout", None)] + ([("baseline", args.baseline_user_dir)] if args.baseline_user_dir else [])
-    rows = []
+    rows, loads = [], Loads()
     for rep in range(args.repeats):
         for name, user_dir in arms if rep % 2 == 0 else arms[::-1]:  # alternating: drifts hit both alike
-            found = run_main_job(root / f"{name.replace(' ', '_')}-{rep}", user_dir, args.timeout)
+            found = run_main_job(root / f"{name.replace(' ', '_')}-{rep}", user_dir, args.timeout, loads)
             rows.append((name, found))
             print(json.dumps({"plugin": name, **found}), flush=True)
-    print(f"\n{'plugin':<16}{'moe s':>8}{'dense_matched s':>17}{'moe / dense':>13}{'load before-after':>20}")
+    print(f"\n{'plugin':<16}{'moe s':>8}{'dense_matched s':>17}{'moe / dense':>13}{'load':>20}")
     for name, r in rows:
-        load = f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
-        print(f"{name:<16}{r['moe']:>8.0f}{r['dense_matched']:>17.0f}{r['moe'] / r['dense_matched']:>13.3f}{load:>20}")
+        print(
+            f"{name:<16}{r['moe']:>8.0f}{r['dense_matched']:>17.0f}{r['moe'] / r['dense_matched']:>13.3f}{r['load']:>20}"
+        )
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 

@@ -2,8 +2,8 @@
 
 Counted on CPU by ``fairseq_moe_ext.moe.census.Census`` (every op that would be a host sync on CUDA). Bounds
 per layer forward: 1 (dropless: the rows per expert, which the expert GEMMs and the all-to-all
-need as sizes, read in one ``tolist``), 2 with capacity on several workers (the gathered routing
-decisions' sizes as well); 0 per backward; at most 1 for the global grad norm and for the
+need as sizes, read in one ``tolist``), 2 with batch-prioritised capacity on several workers (the
+gathered routing decisions' sizes as well); 0 per backward; at most 1 for the global grad norm and for the
 criterion per step. Statistics for the logs stay on the device until the criterion reads them.
 """
 
@@ -135,7 +135,7 @@ def test_the_grad_norm_and_the_criterion_read_the_host_at_most_once_per_step():
     assert norm > 0 and log["moe_stat_dec0_num_tokens"] == 17 and log["moe_stat_dec2_e0"] >= 0
 
 
-TWO_WORKER_BOUNDS = {"dropless": 1, "dropless-padded": 1, "capacity": 2, "capacity-padded-prioritized": 2}
+TWO_WORKER_BOUNDS = {"dropless": 1, "dropless-padded": 1, "capacity": 1, "capacity-padded-prioritized": 2}
 
 
 def expert_parallel_census(rank, world):
@@ -150,7 +150,7 @@ def expert_parallel_census(rank, world):
 
 
 @pytest.mark.slow
-def test_two_workers_sync_once_per_forward_twice_with_capacity_and_never_in_backward():
+def test_two_workers_sync_once_per_forward_twice_if_batch_prioritised_never_in_backward():
     for found in run_on_workers(expert_parallel_census, 2):
         for path, bound in TWO_WORKER_BOUNDS.items():
             forward, forward_sites, backward, backward_sites = found[path]
