@@ -9,4 +9,6 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.0", "omegaconf"],
     extras_require={"fairseq": ["ve-fairseq==0.12.3"]},
+    # Every tool of the plugin, beside fairseq's own fairseq-* scripts (python -m fairseq_moe_ext is the same).
+    entry_points={"console_scripts": ["fairseq-moe = fairseq_moe_ext.console:main"]},
 )

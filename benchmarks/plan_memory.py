@@ -112,7 +112,7 @@ def predicted(size: str) -> dict:
     shapes = model_shapes(model)
     precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
     optimizer, options = optimizer_of(cfg)
-    layout = mp.Layout("legacy_ddp", 1, 1, False)
+    layout = mp.Layout(1, 1, backend="legacy_ddp")
     held = worker_bytes(shapes, layout, precision, optimizer, options)
     states = held["shared"].total + held["expert"].total + held["buffers"]
     activations = activation_bytes(cfg, model, shapes, precision)(layout)

@@ -10,10 +10,11 @@ Tiers, lowest first; a module imports only from its own tier and the ones below
 2. ``options/``: every ``--moe-*`` option as one record, from which the tables that name options are
    derived, and ``ranges.py`` (a numeric option checked against its record's range). Torch only.
 3. ``checkpoint/``: per-rank checkpoint sets, torch only; imports the tiers below and itself. Its
-   ``__main__`` reaches up once, lazily, for the ``upcycle`` subcommand (``training/upcycle_cli.py``).
+   ``__main__`` (an alias of ``fairseq-moe``) reaches up once, lazily, for the registry of subcommands
+   (``console.py``, at the top beside this file), which imports a subcommand's module only to run it.
 4. ``parallel/``: the distributed glue: ``process_state.py`` (the plugin's state, one object),
-   ``expert_groups.py``, ``expert_grads.py`` and ``grad_norm.py`` (expert groups, gradient scaling, the
-   gradient norm), ``fully_sharded.py`` and ``expert_sharding.py``
+   ``plan.py`` (``ParallelPlan``: W, P, the backend and the groups of a model), ``expert_grads.py`` and
+   ``grad_norm.py`` (gradient scaling, the gradient norm), ``fully_sharded.py`` and ``expert_sharding.py``
    (FSDP2: the shared part, experts over their replica group), ``io_waits.py`` (where workers wait for
    another's file work). Fairseq may appear here, models do not.
 5. ``models/``, ``criterions/`` and ``tasks/``: the fairseq architectures, criterions and tasks.

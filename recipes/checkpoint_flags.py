@@ -1,4 +1,5 @@
-"""The fairseq-train flags that rebuild a checkpoint's model: its shape and MoE options, from its cfg.
+"""The fairseq-train flags that rebuild a checkpoint's model: its shape and MoE options, from its cfg (and the
+criterion's gate-loss combination it records).
 
 fairseq-train builds the model from its command line, also when it restores weights with
 ``--restore-file``; a fine-tuning run must therefore repeat the checkpoint's architecture. This prints
@@ -35,6 +36,11 @@ CARRIED_OVER = ("moe_capacity_factor", "moe_eval_capacity_factor", "moe_eval_cap
 # fmt: on
 
 
+# The criterion options a checkpoint records that a fine-tuning run repeats: how the MoE layers' gate losses are
+# combined (NLLB-200 MoE: summed, where this project's default averages). The loss weights are the run's choice.
+CRITERION = ("moe_gate_loss_combine_method",)
+
+
 def spelled(name, value):
     """The command-line flags that set option ``name`` to ``value``: a switch only when true."""
     flag = "--" + name.replace("_", "-")
@@ -59,6 +65,9 @@ def model_flags(path):
     flags = []
     for name in (*SHAPE, *MADE_FOR, *CARRIED_OVER):
         flags += spelled(name, options.get(name))
+    criterion = (state.get("cfg") or {}).get("criterion") or {}
+    for name in CRITERION:
+        flags += spelled(name, criterion.get(name) if isinstance(criterion, dict) else getattr(criterion, name, None))
     return flags
 
 

@@ -7,17 +7,18 @@
 #   bash recipes/nllb_moe.sh --dry-run    # a tiny lookalike of the release (recipes/nllb_tiny_set.py), on CPU
 #   TINY_VARIANT=first-half bash recipes/nllb_moe.sh --dry-run   # ... holding only rank files 0..E-1
 #
-# Download (the README's link, "NLLB-200 | MoE-128 | transformer_24_24_big | 54.5B"; it asks for
-#   `wget --trust-server-names <url>`): https://tinyurl.com/nllb200moe54bmodel . Unpack it into
-#   MODEL_DIR, which then holds checkpoint_2_300000-shared.pt and checkpoint_2_300000-rank-{0..255}.pt
-#   (256 rank files: trained on 256 GPUs, so each of the 128 experts has a replica; the README's
-#   replication_count 2), the README's fine-tuning restores "$MODEL_FOLDER/checkpoint_2_300000.pt".
-#   Ranks 128..255 hold replicas only: keeping only rank files 0..127 (as transformers' converter and
-#   pasero read them) is enough; the import says so in a NOTE.
-#   Also needed: NLLB's dictionary (DICT) and SentencePiece model (SPM) and the 202-language list
-#   (LANGS: examples/nllb/modeling/scripts/flores200/langs.txt on the nllb branch, one line of
-#   comma-separated codes, in that order: it fixes the language tokens' ids; passed to fairseq as
-#   --langs, the comma list stock fairseq reads), and DATA, your bitext binarized with that SPM and dictionary
+# Downloads (the links of NLLB's README; it asks for `wget --trust-server-names <url>`), into MODEL_DIR:
+#   the model, "NLLB-200 | MoE-128 | transformer_24_24_big | 54.5B": https://tinyurl.com/nllb200moe54bmodel , a
+#   tarball that unpacks into model_moe_54b/ with checkpoint_2_300000-shared.pt and checkpoint_2_300000-rank-{0..255}.pt
+#   (MODEL_DIR may be model_moe_54b/ or the directory it was unpacked in; 256 rank files: trained on 256 GPUs, so
+#   each of the 128 experts has a replica, the README's replication_count 2). Ranks 128..255 hold replicas only:
+#   keeping only rank files 0..127 (as transformers' converter and pasero read them) is enough; the import says so.
+#   The dictionary (DICT, dictionary.txt): https://tinyurl.com/nllb200dictionary . The SentencePiece model (SPM,
+#   flores200_sacrebleu_tokenizer_spm.model): https://tinyurl.com/flores200sacrebleuspm . The 202-language list
+#   (LANGS, langs.txt): examples/nllb/modeling/scripts/flores200/langs.txt on fairseq's nllb branch, one line of
+#   comma-separated codes, in that order: it fixes the language tokens' ids; passed to fairseq as --langs, the comma
+#   list stock fairseq reads. A missing one stops the recipe with a line naming its download (recipes/nllb_files.py).
+#   And DATA, your bitext binarized with that SPM and dictionary
 #   (fairseq-preprocess -s SRC -t TGT --srcdict DICT --tgtdict DICT).
 # Stages: import (import-fairseq-moe checks DICT and LANGS against the embedding: NLLB's dictionary
 #   has 3 data-source tags after the language tokens, so the task is translation_multi_simple_epoch_nllb
@@ -31,7 +32,8 @@
 #
 # Knobs (environment; defaults in brackets):
 #   WORK [./work-dirs/nllb_moe]   MODEL_DIR [./nllb-200-moe]   PREFIX [checkpoint_2_300000]
-#   DICT [$MODEL_DIR/dictionary.txt]   SPM [$MODEL_DIR/sentencepiece.bpe.model]   LANGS [$MODEL_DIR/langs.txt]
+#   DICT [dictionary.txt]  SPM [flores200_sacrebleu_tokenizer_spm.model]  LANGS [langs.txt]  (each looked for in
+#   MODEL_DIR, model_moe_54b/ and the directory above it)
 #   DATA [required unless --dry-run]   SRC [eng_Latn] TGT [fra_Latn]   GPUS [8] (1: one process)
 #   BEAM [4] GEN_SUBSET [test] MAX_SENTENCES [16]   TINY_VARIANT [replicas] (--dry-run: or first-half)
 #   PRECISION_CHECK [1 with --dry-run or GPUS=1]
@@ -64,38 +66,36 @@ if [ "$DRY_RUN" = 1 ]; then
     first-half) tiny_flags=(--first-experts-only) ;;
     *) echo "$0: TINY_VARIANT=$TINY_VARIANT: give replicas or first-half" >&2; exit 2 ;;
   esac
-  MODEL_DIR=$WORK/tiny_nllb DATA=$WORK/data-bin
-  if needs_run "$MODEL_DIR/.done" "tiny-2 $TINY_VARIANT"; then
+  MODEL_DIR=$WORK/tiny_nllb DATA=$WORK/data-bin  # laid out as the downloads: the checkpoints in model_moe_54b/
+  if needs_run "$MODEL_DIR/.done" "tiny-3 $TINY_VARIANT"; then
     rm -rf "$MODEL_DIR" "$DATA"
     python recipes/nllb_tiny_set.py "$MODEL_DIR" --data-bin "$DATA" "${tiny_flags[@]}" 2>&1 | grep -v "INFO" \
       | sed 's/^/    /'
-    mark_done "$MODEL_DIR/.done" "tiny-2 $TINY_VARIANT"
+    mark_done "$MODEL_DIR/.done" "tiny-3 $TINY_VARIANT"
   fi
 fi
-: "${DICT:=$MODEL_DIR/dictionary.txt}" "${SPM:=$MODEL_DIR/sentencepiece.bpe.model}" "${LANGS:=$MODEL_DIR/langs.txt}"
-for file in "$MODEL_DIR/$PREFIX-shared.pt" "$MODEL_DIR/$PREFIX-rank-0.pt" "$DICT" "$LANGS"; do
-  if [ ! -f "$file" ]; then
-    echo "$0: $file is missing: download https://tinyurl.com/nllb200moe54bmodel into MODEL_DIR (see --help)" >&2
-    exit 2
-  fi
-done
+# MODEL_DIR as unpacked (model_moe_54b/ or its parent), DICT, SPM (real text only) and LANGS: found, or one line
+# naming the missing file's download.
+files=$(python recipes/nllb_files.py "$MODEL_DIR" "$PREFIX" "${DICT:-}" "${SPM:-}" "${LANGS:-}" \
+        $([ "$DRY_RUN" = 1 ] || echo --need-spm)) || exit 2
+eval "$files"
 if [ -z "${DATA:-}" ] || [ ! -d "$DATA" ]; then
   echo "$0: DATA=${DATA:-} is not a directory: binarize your $SRC-$TGT bitext with NLLB's SPM and dictionary (see --help)" >&2
   exit 2
 fi
-echo "    $(ls "$MODEL_DIR" | grep -c -- "$PREFIX-rank-") rank files + $PREFIX-shared.pt in $MODEL_DIR; data $DATA"
+echo "    $(ls "$CKPT_DIR" | grep -c -- "$PREFIX-rank-") rank files + $PREFIX-shared.pt in $CKPT_DIR; data $DATA"
 # LANGS as stock fairseq's --langs reads it: one comma list (NLLB's langs.txt is one; a file of one code per
 # line works too). An empty or duplicated list stops here.
 LANG_LIST=$(python recipes/nllb_langs.py "$LANGS")
 
 stage 3 "import-fairseq-moe for $GPUS worker(s), dictionary checked against the embedding"
 imported=$WORK/imported/model.pt
-if needs_run "$WORK/imported/.done" "$MODEL_DIR/$PREFIX $GPUS $DICT $LANGS"; then
+if needs_run "$WORK/imported/.done" "$CKPT_DIR/$PREFIX $GPUS $DICT $LANGS"; then
   rm -rf "$WORK/imported"
   mkdir -p "$WORK/imported"
-  python -m fairseq_moe_ext.checkpoint import-fairseq-moe "$MODEL_DIR/$PREFIX" "$imported" --world-size "$GPUS" \
+  python -m fairseq_moe_ext.checkpoint import-fairseq-moe "$CKPT_DIR/$PREFIX" "$imported" --world-size "$GPUS" \
     --dictionary "$DICT" --langs "$LANGS" | tee "$WORK/imported/import.log" | sed 's/^/    /'
-  mark_done "$WORK/imported/.done" "$MODEL_DIR/$PREFIX $GPUS $DICT $LANGS"
+  mark_done "$WORK/imported/.done" "$CKPT_DIR/$PREFIX $GPUS $DICT $LANGS"
 fi
 
 # The multilingual task as NLLB ran it: language tokens from LANGS (their order fixes their ids), the source's
@@ -181,7 +181,8 @@ if [ "$FINETUNE" != 1 ]; then
   finish
   exit 0
 fi
-# fairseq-train builds the model from its flags, also when restoring: the import's own shape and MoE flags.
+# fairseq-train builds the model from its flags, also when restoring: the import's own shape and MoE flags, and
+# the gate-loss combination the release's criterion recorded (sum), which the import keeps.
 read -r -a model_args <<< "$(python recipes/checkpoint_flags.py "$imported")"
 # NLLB's fine-tuning (README "Finetuning NLLB models", MoE; sweep_mmt.py's optimisation flags), mapped here:
 # --moe-gate-loss-wt 0 as the README; fairseq's adam with NLLB's betas and eps, inverse_sqrt from 1e-7, no
@@ -191,7 +192,7 @@ train_args=(
   "${task_args[@]}" --arch moe_transformer "${model_args[@]}" --dropout "$DROPOUT"
   --moe-normalize-expert-grad sqrt_world_size
   --criterion moe_label_smoothed_cross_entropy --label-smoothing 0.1 --moe-gate-loss-wt 0
-  --moe-gate-loss-combine-method sum --sampling-method temperature --sampling-temperature 1
+  --sampling-method temperature --sampling-temperature 1
   --optimizer adam --adam-betas "(0.9, 0.98)" --adam-eps 1e-06 --weight-decay 0.0 --clip-norm 0.0
   --lr "$LR" --lr-scheduler inverse_sqrt --warmup-init-lr 1e-07 --warmup-updates "$WARMUP"
   --max-update "$MAX_UPDATE" --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ"

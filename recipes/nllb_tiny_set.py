@@ -19,9 +19,12 @@ sweep/sweep_mmt.py`` and ``train/train_script.py``, ``scripts/flores200/langs.tx
 - ``cfg["model"]`` a Namespace with every option of the final training command (moe-freq 4, eom
   0.2, second expert ``all``, fp32 gating, eval capacity token fraction 1.0, pad mask,
   ``sqrt_world_size``, shared embeddings, pre-norm, scaled embeddings); ``cfg["task"]`` the
-  multilingual task with the data-source tags.
-- ``dictionary.txt`` (symbols only: the embedding is 4 specials + symbols + languages + 3 tags) and
-  ``langs.txt`` as ONE comma-separated line, as NLLB's.
+  multilingual task with the data-source tags, an argparse Namespace too (a legacy task, as the branch's
+  ``translation_multi_simple_epoch`` was: fairseq stores such a task's options as a Namespace);
+  ``cfg["criterion"]`` the MoE criterion's options, the gate losses combined by ``sum``.
+- laid out as the downloads unpack: the checkpoint files in ``OUT_DIR/model_moe_54b/`` (the model tarball's
+  directory), ``dictionary.txt`` (symbols only: the embedding is 4 specials + symbols + languages + 3 tags) and
+  ``langs.txt`` as ONE comma-separated line, as NLLB's, in ``OUT_DIR`` (downloads of their own).
 
     python recipes/nllb_tiny_set.py OUT_DIR [--data-bin DIR] [--first-experts-only]
 """
@@ -36,6 +39,7 @@ import torch
 
 LANGS = ["eng_Latn", "fra_Latn", "deu_Latn"]
 PREFIX = "checkpoint_2_300000"
+TARBALL_DIR = "model_moe_54b"  # the directory the release's model tarball unpacks into
 EXPERTS, MOE_FREQ, SYMBOLS, LAYERS, UPDATES = 4, 4, 60, 4, 300000
 RANKS = 2 * EXPERTS
 # fmt: off
@@ -128,11 +132,12 @@ def release_cfg(args):
         _name="transformer",
     )
     # fmt: off
-    task = {"_name": "translation_multi_simple_epoch", "langs": list(LANGS), "lang_dict": None,
-            "lang_pairs": ["eng_Latn-fra_Latn"], "lang_tok_style": "multilingual", "encoder_langtok": "src",
-            "decoder_langtok": True, "add_data_source_prefix_tags": True, "sampling_method": "temperature",
-            "sampling_temperature": 1.0, "enable_m2m_validation": True, "train_subset": "train,train_mining,"
-            "train_mmt_bt,train_smt_bt"}
+    task = argparse.Namespace(_name="translation_multi_simple_epoch", task="translation_multi_simple_epoch",
+                              langs=list(LANGS), lang_dict=None, lang_pairs=["eng_Latn-fra_Latn"],
+                              lang_tok_style="multilingual", encoder_langtok="src", decoder_langtok=True,
+                              add_data_source_prefix_tags=True, sampling_method="temperature",
+                              sampling_temperature=1.0, enable_m2m_validation=True,
+                              train_subset="train,train_mining,train_mmt_bt,train_smt_bt")
     return {"_name": None, "common": {"seed": 2, "fp16": True, "memory_efficient_fp16": True},
             "model": options, "task": task,
             "criterion": {"_name": "moe_label_smoothed_cross_entropy", "label_smoothing": 0.1,
@@ -180,7 +185,8 @@ def write_release_set(out, first_experts_only=False, seed=1):
     indices = {name: i for i, name in enumerate([*shared, *expert_names])}
     param_groups = [{"lr": [0.002], "betas": (0.9, 0.98), "eps": 1e-06, "params": list(range(len(indices)))}]
     cfg = release_cfg(args)
-    prefix = os.path.join(out, PREFIX)
+    os.makedirs(os.path.join(out, TARBALL_DIR), exist_ok=True)
+    prefix = os.path.join(out, TARBALL_DIR, PREFIX)
     optimizer = optimizer_state(shared, indices, param_groups)
     torch.save({**head(cfg), "model": shared, "last_optimizer_state": optimizer}, f"{prefix}-shared.pt")
     moments = {}  # a replica's Adam moments are the same numbers too: drawn once per expert

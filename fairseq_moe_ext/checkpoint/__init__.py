@@ -13,7 +13,8 @@ full state is sliced for worker r of W' (experts ``r*E/W' ...``, optimizer state
 Every file carries ``state["moe"]``: which model keys and which optimizer slots belong to experts.
 A set is used only if its manifest exists and every file has the recorded size and sha256 and the
 recorded update number; otherwise the newest complete set in the directory is used and the reason
-is logged. Nothing here imports fairseq, so the CLI (``__main__.py``) works on any machine with torch.
+is logged. Nothing here imports fairseq, so the checkpoint tool's subcommands (``fairseq-moe merge`` ...)
+work on any machine with torch.
 
 Modules:
     names.py        file names: rank suffixes, manifest path, the ``.prev`` generation's name
@@ -39,11 +40,14 @@ Modules:
     write_failure.py  a failed write (a full disk) in one line, the same for every writer
     upcycle.py      sparse upcycling: a dense checkpoint's FFNs become experts (copies) and a router
     prune.py        expert pruning: the experts routing statistics rank highest kept, router rows sliced
+    sets_cli.py     the checkpoint tool's ``merge``, ``reshard`` and ``inspect`` subcommands, and what every
+                    subcommand shares: refusals as one ``error:`` line, output names that must be free
+    exchange_cli.py the ``import-fairseq-moe``, ``export-hf`` and ``import-hf`` subcommands
     prune_cli.py    the checkpoint tool's ``prune`` subcommand
     one_read.py     a checkpoint in one read, parts of it left unread (both imports read through it)
     hf/             export-hf / import-hf: Hugging Face NLLB-MoE out and in (its own module list)
     branch/         import-fairseq-moe: a moe/nllb-branch set in (its own module list)
-    __main__.py     the checkpoint tool (``python -m fairseq_moe_ext.checkpoint``)
+    __main__.py     ``python -m fairseq_moe_ext.checkpoint``, an alias of ``fairseq-moe`` (../console.py)
 
 Everything public is re-exported here, so callers write ``moe_ckpt.<name>``.
 """

@@ -1,13 +1,13 @@
 """Can this checkpoint resume this model? One line naming the flag to change, instead of torch's page
 of size mismatches, when a run is resumed with other flags than it was trained with."""
 
-import argparse
 from typing import Dict, Tuple
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe.experts import is_expert
-from ..options import moe_freq
+from ..options import moe_options
+from ..options.sides import sides_of
 
 
 def check_resumable(path: str, state: Dict, model, world_size: int, model_cfg) -> None:
@@ -52,13 +52,11 @@ def layout_flags(cfg) -> Dict[str, Tuple[str, object]]:
     """The flags that decide which parameters an MoE model has (beyond their shapes):
     {what: (flag as the user would pass it, value)}."""
     flags = {
-        "router": ("--moe-router", config_value(cfg, "moe_router")),
-        "shared experts": ("--moe-shared-expert-count", config_value(cfg, "moe_shared_expert_count")),
-        "balance": ("--moe-balance", config_value(cfg, "moe_balance")),
+        "router": ("--moe-router", moe_options(cfg).moe_router),
+        "shared experts": ("--moe-shared-expert-count", moe_options(cfg).moe_shared_expert_count),
+        "balance": ("--moe-balance", moe_options(cfg).moe_balance),
     }
-    for side in ("encoder", "decoder"):
-        side_freq = config_value(cfg, f"{side}_moe_freq")
-        given = argparse.Namespace(moe_freq=config_value(cfg, "moe_freq"), **{f"{side}_moe_freq": side_freq})
-        flags[f"{side} freq"] = (f"--{side}-moe-freq" if side_freq is not None else "--moe-freq", moe_freq(given, side))
-        flags[f"{side} layers"] = (f"--{side}-layers", config_value(cfg, f"{side}_layers"))
+    for side in sides_of(cfg):
+        flags[f"{side.name} freq"] = (side.freq_option, side.moe_freq)
+        flags[f"{side.name} layers"] = (f"--{side.name}-layers", config_value(cfg, f"{side.name}_layers"))
     return flags

@@ -65,7 +65,7 @@ def check_whole(state: Dict, path: str) -> Dict:
         raise CheckpointSetError(
             f"{path} is one part of a checkpoint set, not a whole checkpoint: {describe_part(meta, path)}; put it "
             f"back beside its set's other rank files and manifest, and pass the set's name (or merge the set with "
-            f"python -m fairseq_moe_ext.checkpoint merge)"
+            f"fairseq-moe merge)"
         )
     return state
 

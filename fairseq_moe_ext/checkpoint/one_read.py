@@ -13,6 +13,10 @@ outside the skipped top-level keys is read from its archive member, once, and ``
 that member's CRC-32 as it reads it; the skipped keys' tensors are never read and are dropped. So
 each byte of a file is read at most once, the members it skips not at all, and a damaged member is
 still refused (in the one line ``safe_load`` uses). Legacy (pre-zip) files go through ``safe_load``.
+
+``OpenCheckpoint`` is that reader kept open: the pickle read once, each tensor read when asked for (or straight
+into a tensor of the caller's, ``read_into``). ``import-hf`` reads Hugging Face ``.bin`` shards so, each tensor
+once for all the output files it writes.
 """
 
 import io
@@ -87,35 +91,98 @@ def load_skipping(
     """The checkpoint at ``path`` without its top-level keys ``skip``, whose tensors are never read.
     ``on_read(n)`` hears of every read; ``reads`` (a list) receives each read's ``(offset, length)``.
     ``tensors=False``: read the pickle only, every tensor left on the ``meta`` device (names, shapes, dtypes)."""
-    reader = CountingReader(path, on_read)
     try:
-        try:
-            archive = zipfile.ZipFile(reader)
-        except zipfile.BadZipFile:
-            archive = None  # empty, not a checkpoint, or a legacy (pre-zip) pickle: told apart below
-        if archive is None:
-            check_file_intact(path)  # empty or garbage: its one line; a legacy pickle passes
-            state = safe_load(path, verified=True)
-            return {k: v for k, v in state.items() if k not in set(skip)} if isinstance(state, dict) else state
-        with archive:
-            return _load(archive, path, set(skip), tensors)
+        opened = OpenCheckpoint(path, on_read)
+    except NotOneRead:  # a legacy (pre-zip) pickle, or bytes swapped: torch reads it all
+        state = safe_load(path, verified=True)
+        return {k: v for k, v in state.items() if k not in set(skip)} if isinstance(state, dict) else state
+    try:
+        state = opened.state
+        if not isinstance(state, dict):
+            return state
+        state = {k: v for k, v in state.items() if k not in set(skip)}
+        held: Dict[str, torch.UntypedStorage] = {}
+        return _map_tensors(state, lambda t: opened.materialise(t, held)) if tensors else state
     except (zipfile.BadZipFile, EOFError, ValueError) as error:
         raise _damaged(path, error) from None
     finally:
         if reads is not None:
-            reads.extend(reader.reads)
-        reader.close()
+            reads.extend(opened.reader.reads)
+        opened.close()
 
 
-def _load(archive: zipfile.ZipFile, path: str, skip, tensors: bool) -> Dict:
+class NotOneRead(Exception):
+    """A file ``OpenCheckpoint`` does not read in parts: a legacy (pre-zip) pickle, or one whose bytes torch swaps."""
+
+
+class OpenCheckpoint:
+    """A torch zip checkpoint opened once: its pickle read (``state``, every tensor on the ``meta`` device, the
+    restricted types of ``safe_load``), each tensor's bytes read from its archive member when ``materialise``d,
+    every read counted (``reader``): tensors asked for once each are read once each, and tensors never asked for
+    not at all."""
+
+    def __init__(self, path: str, on_read: Optional[Callable[[int], None]] = None):
+        self.path, self.reader = path, CountingReader(path, on_read)
+        try:
+            try:
+                self.archive = zipfile.ZipFile(self.reader)
+            except zipfile.BadZipFile:
+                check_file_intact(path)  # empty or garbage: its one line; a legacy pickle passes
+                raise NotOneRead(path) from None
+            self.state, self._storages, self._root = _unpickle(self.archive, path)
+        except (zipfile.BadZipFile, EOFError, ValueError) as error:
+            self.close()
+            raise _damaged(path, error) from None
+        except BaseException:
+            self.close()
+            raise
+        self._key_of = {storage._cdata: key for key, (storage, _) in self._storages.items()}
+
+    def materialise(self, tensor: torch.Tensor, held: Optional[Dict[str, torch.UntypedStorage]] = None) -> torch.Tensor:
+        """``tensor`` (a ``meta`` tensor of ``state``) with its bytes, read from its member (CRC-32 checked). ``held``:
+        storages already read, by key (tensors sharing a storage read it once); None: read it, keep nothing."""
+        key = self._key_of[tensor.untyped_storage()._cdata]
+        storage = None if held is None else held.get(key)
+        if storage is None:
+            try:
+                storage = _read_member(self.archive, self._root + "data/" + key, self._storages[key][0].nbytes())
+            except (zipfile.BadZipFile, EOFError, ValueError) as error:
+                raise _damaged(self.path, error) from None
+            if held is not None:
+                held[key] = storage
+        return torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def read_into(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous, ``tensor``'s shape) with ``tensor``'s values: straight from its member when
+        ``tensor`` is the whole of its storage in ``out``'s dtype (no other copy is made), else through
+        ``materialise`` (cast or cut from a larger storage)."""
+        key = self._key_of[tensor.untyped_storage()._cdata]
+        whole = self._storages[key][0].nbytes() == out.numel() * out.element_size()
+        if not (whole and tensor.dtype == out.dtype and tensor.storage_offset() == 0 and tensor.is_contiguous()):
+            out.copy_(self.materialise(tensor))
+            return
+        if out.numel():
+            try:
+                _read_member_into(self.archive, self._root + "data/" + key, byte_view(out))
+            except (zipfile.BadZipFile, EOFError, ValueError) as error:
+                raise _damaged(self.path, error) from None
+
+    def close(self) -> None:
+        archive = getattr(self, "archive", None)
+        if archive is not None:
+            archive.close()
+        self.reader.close()
+
+
+def _unpickle(archive: zipfile.ZipFile, path: str):
+    """(state with every tensor on the meta device, {storage key: (meta storage, dtype)}, the archive's root)."""
     names = archive.namelist()
     pickled = next((n for n in names if n.endswith("/data.pkl") and n.count("/") == 1), None)
     if pickled is None:
         raise DamagedCheckpointError(f"{path} holds no data.pkl: not a torch checkpoint; {load_another()}")
     root = pickled[: -len("data.pkl")]
     if root + "byteorder" in names and archive.read(root + "byteorder").decode() != sys.byteorder:
-        state = safe_load(path, verified=True)  # torch swaps the bytes; rare enough to read it all
-        return {k: v for k, v in state.items() if k not in skip}
+        raise NotOneRead(path)  # torch swaps the bytes; rare enough to read it all
     storages: Dict[str, Tuple[torch.UntypedStorage, torch.dtype]] = {}
 
     def persistent_load(saved_id):
@@ -138,28 +205,21 @@ def _load(archive: zipfile.ZipFile, path: str, skip, tensors: bool) -> Dict:
         except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
             one_line = unloadable_error(path, error)
             raise (one_line or error) from None
-    if not isinstance(state, dict):
-        return state
-    state = {k: v for k, v in state.items() if k not in skip}
-    if not tensors:
-        return state
-    key_of = {storage._cdata: key for key, (storage, _) in storages.items()}
-    loaded: Dict[str, torch.UntypedStorage] = {}
-
-    def materialise(tensor: torch.Tensor) -> torch.Tensor:
-        key = key_of[tensor.untyped_storage()._cdata]
-        if key not in loaded:
-            loaded[key] = _read_member(archive, root + "data/" + key, storages[key][0].nbytes())
-        out = torch.empty(0, dtype=tensor.dtype)
-        return out.set_(loaded[key], tensor.storage_offset(), tensor.size(), tensor.stride())
-
-    return _map_tensors(state, materialise)
+    return state, storages, root
 
 
 def _read_member(archive: zipfile.ZipFile, name: str, size: int) -> torch.UntypedStorage:
     """The member's bytes as a storage, read once; zipfile checks its CRC-32 when the read reaches its end."""
     buffer = bytearray(size)
-    view = memoryview(buffer)
+    _read_member_into(archive, name, memoryview(buffer))
+    if not size:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _read_member_into(archive: zipfile.ZipFile, name: str, view: memoryview) -> None:
+    """The member's bytes into ``view`` (its size), once; zipfile checks the CRC-32 when the read reaches its end."""
+    size = len(view)
     with archive.open(name) as member:
         done = 0
         while done < size:
@@ -169,9 +229,11 @@ def _read_member(archive: zipfile.ZipFile, name: str, size: int) -> torch.Untype
             done += count
         if member.read(1):
             raise ValueError(f"{name} holds more than its {size} bytes")
-    if not size:
-        return torch.UntypedStorage(0)
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _map_tensors(value, function):

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..common.config_value import config_value
 from ..moe.routing_stats import METRICS, RoutingStatsError, expert_scores, group_keys, read_statistics
+from ..options import moe_options
 from .errors import CheckpointSetError
 
 # Per MoE layer (a state-key prefix such as encoder.layers.1.fc1): tensors with one entry per expert,
@@ -182,7 +182,7 @@ def with_expert_count(cfg, sides: Dict[str, int]):
             out["model"] = with_expert_count(out["model"], sides)
         return out
     out = copy.copy(cfg)
-    if config_value(out, "moe_expert_count") is None:
+    if moe_options(out, as_saved=True).moe_expert_count is None:
         return out
     equal = len(set(sides.values())) == 1
     values = {"moe_expert_count": max(sides.values())}
@@ -193,7 +193,7 @@ def with_expert_count(cfg, sides: Dict[str, int]):
             out[name] = value
         else:
             setattr(out, name, value)
-    size = config_value(out, "moe_expert_parallel_size")
+    size = moe_options(out, as_saved=True).moe_expert_parallel_size
     if size is not None and any(n % int(size) for n in sides.values()):
         if isinstance(out, dict):
             out["moe_expert_parallel_size"] = None
@@ -229,7 +229,8 @@ def prune(
                 f"--group {unknown[0]} is not a key of the statistics {stats_path}: use one of {known}, or drop "
                 f"--group to prune for every group"
             )
-    top_k = int(config_value((full.get("cfg") or {}).get("model") or full.get("args") or {}, "moe_top_k") or 1)
+    saved = moe_options((full.get("cfg") or {}).get("model") or full.get("args") or {}, as_saved=True)
+    top_k = int(saved.moe_top_k or 1)
     top_k = int(document["model"].get("top_k") or top_k)
     counts = {layer: keep_count(experts, top_k, keep, fraction) for layer, experts in layers.items()}
     if ratio is not None:

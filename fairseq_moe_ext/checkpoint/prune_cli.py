@@ -1,18 +1,17 @@
-"""The checkpoint tool's ``prune`` subcommand (prune.py does the work)."""
+"""The checkpoint tool's ``prune`` subcommand, a row of fairseq_moe_ext/console.py's registry (prune.py does the
+work)."""
 
 import math
 
+from ..moe.expert_layout import divides_layout, valid_parallel_sizes
 from .errors import CheckpointSetError
 from .names import base_of
 from .prune import METRIC_NAMES, prune
 from .reshard import load_full, save_set
+from .sets_cli import refuse_overwrite, refusing
 
 
-def add_prune_parser(sub) -> None:
-    p = sub.add_parser(
-        "prune",
-        help="keep the experts routing statistics rank highest (per language or domain) and write a smaller set",
-    )
+def add_prune_parser(p) -> None:
     p.add_argument("checkpoint", help="the set or file to prune, e.g. save_dir/checkpoint_best.pt")
     p.add_argument("output", help="output name, e.g. pruned/checkpoint_best.pt (a new name)")
     how_many = p.add_mutually_exclusive_group(required=True)
@@ -51,7 +50,9 @@ def add_prune_parser(sub) -> None:
     )
 
 
+@refusing
 def prune_command(args) -> int:
+    refuse_overwrite(args.output)
     if args.world_size < 1:
         raise CheckpointSetError(f"--world-size must be a positive number of workers, got {args.world_size}")
     full = load_full(args.checkpoint)
@@ -67,8 +68,8 @@ def prune_command(args) -> int:
     )
     kept = pruned["moe"]["pruned"]["kept"]
     counts = sorted({len(ids) for ids in kept.values()})
-    if any(n % args.world_size for n in counts):
-        divisors = [d for d in range(1, counts[0] + 1) if all(n % d == 0 for n in counts)]
+    if not divides_layout(args.world_size, args.world_size, *counts):
+        divisors = valid_parallel_sizes(counts[0], *counts)  # each set's workers hold E/W experts: W = P
         experts = " and ".join(map(str, counts))
         raise CheckpointSetError(
             f"--world-size {args.world_size} does not divide the {experts} experts kept: use one of {divisors}"

@@ -38,16 +38,33 @@ def _numpy_array_globals():
     ]
 
 
+def _other_numpy_names(allowed):
+    """The names the other numpy major version pickles the same objects by: numpy 1.x wrote
+    ``numpy.core.multiarray.scalar`` / ``_reconstruct`` where numpy 2 writes ``numpy._core.multiarray.*`` (and
+    numpy 2 keeps ``numpy.core`` only as a shim that torch's unpickler does not look through). Each is the
+    ``(object, name)`` pair torch's ``safe_globals`` takes: the same object already allowed, under its other name."""
+    aliases = []
+    for obj in allowed:
+        module = getattr(obj, "__module__", "") or ""
+        for ours, theirs in (("numpy._core.", "numpy.core."), ("numpy.core.", "numpy._core.")):
+            if module.startswith(ours):
+                aliases.append((obj, f"{theirs}{module[len(ours) :]}.{obj.__qualname__}"))
+    return aliases
+
+
 # What fairseq 0.12 stores in a checkpoint besides tensors and builtins (an argparse model's
 # ``cfg.model`` is a Namespace; --eval-bleu's counters are numpy arrays), found by listing the
-# globals of real translation and LM checkpoints with torch.serialization.get_unsafe_globals_in_checkpoint.
+# globals of real translation and LM checkpoints with torch.serialization.get_unsafe_globals_in_checkpoint;
+# and the numpy objects among them under the names a checkpoint pickled under the other numpy major
+# version gives them (a fairseq checkpoint saved under numpy 1.x: NLLB-200's, every older dense model).
 # fmt: off
-CHECKPOINT_SAFE_GLOBALS = [
+_FAIRSEQ_GLOBALS = [
     argparse.Namespace,
     collections.OrderedDict,
     collections.defaultdict,
     *_numpy_array_globals(),
 ]
+CHECKPOINT_SAFE_GLOBALS = [*_FAIRSEQ_GLOBALS, *_other_numpy_names(_FAIRSEQ_GLOBALS)]
 # fmt: on
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6

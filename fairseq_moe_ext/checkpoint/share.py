@@ -40,8 +40,8 @@ def load_share(
     if differing:
         raise CheckpointSetError(
             f"{manifest_file}: the replicas of expert shard(s) {differing} differed when the set was saved (a bug in "
-            f"training, reported by inspect): resume from an earlier set, or merge this one (python -m "
-            f"fairseq_moe_ext.checkpoint merge, which keeps replica 0's experts) and pass the merged file as "
+            f"training, reported by inspect): resume from an earlier set, or merge this one (fairseq-moe merge, "
+            f"which keeps replica 0's experts) and pass the merged file as "
             f"--restore-file"
         )
     shards, directory = manifest["world_size"], os.path.dirname(manifest_file)

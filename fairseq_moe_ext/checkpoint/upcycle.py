@@ -24,8 +24,8 @@ import torch
 
 # The routers' default initial std: --moe-upcycle-router-std's record says why 0.01.
 from ..moe.placement import is_moe_layer
-from ..options import moe_freq
 from ..options.run import DEFAULT_ROUTER_STD
+from ..options.sides import sides_of
 from .contents import check_is_checkpoint, is_dense
 from .errors import CheckpointSetError
 from .rank_state import moe_metadata
@@ -127,7 +127,7 @@ def upcycle_state(dense: Dict, path: str, options: UpcycleOptions, model_cfg, cf
     placed by ``model_cfg``'s MoE frequencies: a fresh start, so no optimizer state, no training
     progress (fairseq then starts at epoch 1, update 0)."""
     dense = check_upcyclable(dense, path, options)
-    freqs = {side: moe_freq(model_cfg, side) for side in ("encoder", "decoder")}
+    freqs = {side.name: side.moe_freq for side in sides_of(model_cfg)}
     model, expert_keys = upcycle_model_state(dense["model"], options, lambda side, i: is_moe_layer(i, freqs[side]))
     meta = moe_metadata([], expert_keys, world_size=1, rank=0, num_updates=0, experts_per_worker=options.experts)
     meta["upcycled_from"] = path

@@ -11,7 +11,7 @@ transaction in checkpoint/save.py), cli.py (10), precision.py (11-15), inference
 expert-sharded branches of 8 and 11), run_dtype.py (the inference dtype of 8 and 11), sharding.py (20-22:
 --ddp-backend fully_sharded on torch FSDP2), routing_stats.py (--moe-routing-stats, from 8, 11 and 16).
 The state they share between
-calls is one object, process_state.STATE. Beside the table, ``install()`` sets the process's
+calls is one object, parallel.process_state.STATE. Beside the table, ``install()`` sets the process's
 ``sys.excepthook`` (cli.py): an MoE refusal (``common.refusal.MoERefusal``) ends a fairseq tool with
 ``prog: error: <message>`` and exit status 2, any other exception with its traceback.
 

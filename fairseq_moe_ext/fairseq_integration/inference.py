@@ -28,11 +28,14 @@ from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
 from ..moe.lockstep import LockStep
-from ..options import INFERENCE_OPTIONS, option_value
+from ..options import INFERENCE_OPTIONS, moe_options
 from ..options.inference import EXPERT_PLACEMENTS
-from ..parallel import expert_groups, fully_sharded
-from ..parallel.process_state import STATE, LoadTarget
+from ..parallel import fully_sharded
+from ..parallel.plan import plan_of
+from ..parallel.process_state import STATE, LoadTarget, close_process_groups
 from . import routing_stats
+from .routing_stats import RoutingStatsRun
+from .run_dtype import asked_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +72,49 @@ def add_inference_experts_flag(parser) -> None:
             parser.add_argument(o.flag, type=o.value_type, default=o.default, help=o.help)
 
 
-def decide_sharded_inference(args) -> None:
-    """At parse time, in every CLI: record in STATE whether this inference run keeps experts sharded."""
-    STATE.sharded_inference = None
-    mode = option_value(args, "moe_inference_experts")
+@dataclass
+class InferenceRun:
+    """How an inference CLI with ``--path`` runs, one value written when its command line is parsed (the
+    parse_args_and_arch hook, ``STATE.inference``) and read by the load_model_ensemble_and_task and
+    progress_bar hooks."""
+
+    sharded: Optional[ShardedInference] = None  # experts kept on their workers (None: every expert local)
+    dtype: Optional[torch.dtype] = None  # what --fp16 / --bf16 asks for (None: no inference CLI)
+    routing_stats: Optional[RoutingStatsRun] = None  # --moe-routing-stats
+    lockstep: Optional[LockStep] = None  # the loaded model's, in an expert-sharded run (set by the load)
+
+
+def current_run() -> InferenceRun:
+    """The inference run the command line asked for; a default one where none was parsed (the hub)."""
+    return STATE.inference if STATE.inference is not None else InferenceRun()
+
+
+def decide_inference_run(args) -> None:
+    """At parse time, in every CLI: how an inference run (a CLI with --path) runs, in ``STATE.inference``."""
+    STATE.inference = InferenceRun(
+        sharded=decide_sharded_inference(args),
+        dtype=asked_dtype(args) if config_value(args, "path") else None,
+        routing_stats=routing_stats.decide_routing_stats(args),
+    )
+
+
+def decide_sharded_inference(args) -> Optional[ShardedInference]:
+    """Whether this inference run keeps experts sharded, and this worker's place in it."""
+    mode = moe_options(args).moe_inference_experts
     path = config_value(args, "path")
     world = int(config_value(args, "distributed_world_size", 1) or 1)
     if not path or world <= 1 or "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) != world:
-        return  # one process, or torchrun and fairseq disagree (fairseq's own error, or N independent jobs)
+        return None  # one process, or torchrun and fairseq disagree (fairseq's own error, or N independent jobs)
     # fairseq-generate shards its batches by it but, never initialising distributed, leaves it 0 on
     # every torchrun worker (each would generate the first shard).
     args.distributed_rank = int(os.environ["RANK"])
     if mode == "local" or (mode == "auto" and saved_world_size(path.split(os.pathsep)[0]) != world):
-        return
+        return None
     cpu = config_value(args, "cpu", False) or not torch.cuda.is_available()
     # On GPUs, fairseq's --distributed-backend (default nccl) as training honours it: "cuda:gloo"
     # runs two workers on one GPU, which NCCL refuses.
     backend = "gloo" if cpu else (config_value(args, "distributed_backend") or "nccl")
-    STATE.sharded_inference = ShardedInference(
+    return ShardedInference(
         args.distributed_rank,
         world,
         int(os.environ.get("LOCAL_RANK", "0")),
@@ -111,7 +139,8 @@ def saved_world_size(path: str) -> Optional[int]:
 def load_sharded(original, filenames, *args, **kwargs):
     """fairseq's load_model_ensemble_and_task for an expert-sharded run: each worker reads and builds
     only its experts; the model comes back in lock-step mode for the rest of the process."""
-    sharded = STATE.sharded_inference
+    run = current_run()
+    sharded = run.sharded
     if len(filenames) != 1:
         raise MoEOptionError(
             f"--moe-inference-experts sharded generates with one model, got an ensemble of "
@@ -125,7 +154,7 @@ def load_sharded(original, filenames, *args, **kwargs):
         dist.init_process_group(sharded.backend, init_method="env://", rank=sharded.rank, world_size=sharded.world_size)
     # No inference CLI closes its process groups; left open, gloo's threads abort the interpreter at
     # exit now and then ("terminate called without an active exception", exit status -6).
-    atexit.register(expert_groups.close_process_groups)
+    atexit.register(close_process_groups)
     STATE.load_targets.append(LoadTarget(sharded.rank, sharded.world_size, None, None))
     try:
         models, cfg, task = original(filenames, *args, **kwargs)
@@ -137,15 +166,15 @@ def load_sharded(original, filenames, *args, **kwargs):
             f"{filenames[0]} holds no MoE layers, so there are no experts to shard: drop "
             f"--moe-inference-experts sharded"
         )
-    layout = expert_groups.model_layout(model)
+    layout = plan_of(model).layout
     if layout.parallel_size != sharded.world_size:
         raise MoEOptionError(
             f"this model keeps its experts on {layout.parallel_size} of the {sharded.world_size} "
             f"workers (--moe-expert-parallel-size): add --moe-inference-experts local"
         )
     refuse_capacity_drops(moe_layers(model))
-    STATE.inference_lockstep = attach_lockstep(model)
-    STATE.inference_lockstep.active = True
+    run.lockstep = attach_lockstep(model)
+    run.lockstep.active = True
     held = sorted({layer.num_local_experts for layer in moe_layers(model)})  # one per side's expert count
     spans = " or ".join(f"{sharded.rank * local}..{(sharded.rank + 1) * local - 1}" for local in held)
     logger.info(
@@ -189,15 +218,15 @@ def attach_lockstep(model) -> Optional[LockStep]:
     """The model's LockStep (made on first use): its encoder's and decoder's forward announce
     themselves to it. None when its MoE layers talk to no other worker."""
     model = unwrapped(model)
-    if model not in STATE.locksteps:
+    if not hasattr(model, "moe_lockstep"):
         stacks = [getattr(model, side, None) for side in ("encoder", "decoder")]
         stacks = [stack for stack in stacks if isinstance(stack, torch.nn.Module) and moe_layers(stack)]
         group = moe_layers(stacks[0])[0].statistics_group if stacks else None
         lockstep = None if group is None else LockStep([moe_layers(stack) for stack in stacks], group)
         for index, stack in enumerate(stacks if lockstep else []):
             stack.forward = announced(stack.forward, lockstep, index)
-        STATE.locksteps[model] = lockstep
-    return STATE.locksteps[model]
+        model.moe_lockstep = lockstep  # kept on the model it serves
+    return model.moe_lockstep
 
 
 def announced(forward, lockstep: LockStep, index: int):
@@ -215,9 +244,9 @@ def announced(forward, lockstep: LockStep, index: int):
 def wrap_progress_bar(original):
     @functools.wraps(original)
     def progress_bar(iterator, *args, **kwargs):
-        lockstep, stats = STATE.inference_lockstep, STATE.routing_stats
-        if lockstep is not None or stats is not None:
-            iterator = FinishingIterator(iterator, lockstep, STATE.sharded_inference, stats)
+        run = current_run()
+        if run.lockstep is not None or run.routing_stats is not None:
+            iterator = FinishingIterator(iterator, run.lockstep, run.sharded, run.routing_stats)
         return original(iterator, *args, **kwargs)
 
     return progress_bar

@@ -12,10 +12,11 @@ from .. import checkpoint as moe_ckpt
 from ..checkpoint.compat import check_resumable
 from ..checkpoint.mapped_pages import private_mappings, release_ranges
 from ..checkpoint.share import load_share
-from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..parallel import expert_grads, expert_groups
+from ..options import moe_options
+from ..parallel import expert_grads
 from ..parallel.io_waits import broadcast_from_rank_0, io_wait_group
+from ..parallel.plan import plan_of
 from ..parallel.process_state import STATE, LoadTarget
 from ..training.frozen_resume import carry_optimizer_state_over_freeze
 from ..training.restore_choice import resolve_restore
@@ -23,7 +24,7 @@ from ..training.resume_policy import CHANGES_FUNCTION, check_resume_policy
 from ..training.training_save_dir import claim_save_dir
 from ..training.upcycling import check_upcycle_start, load_upcycled
 from . import routing_stats
-from .inference import load_sharded
+from .inference import current_run, load_sharded
 from .run_dtype import built_for_load, cast_for_inference, check_loaded, dtype_for_load
 from .saving import is_expert_parallel_trainer
 from .training import check_training_setup
@@ -53,8 +54,9 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
     target = STATE.load_targets[-1] if STATE.load_targets else None
     # Inside the load_model_ensemble_and_task hook (generation): experts gathered straight into the dtype the model
     # will run in, the optimizer state never read, each mapped file's pages given back once read.
-    into = STATE.experts_built_for_load
-    merging = {} if into is None else dict(into=into, after_each=lambda: release_ranges(STATE.inference_mappings))
+    model_load = STATE.model_load
+    into = None if model_load is None else model_load.experts_dtype
+    merging = {} if model_load is None else dict(into=into, after_each=lambda: release_ranges(model_load.mappings))
 
     def for_inference(load, f):
         if into is None:
@@ -62,7 +64,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
         before = set(private_mappings([f]))
         state = load()
         made = set(private_mappings([f])) - before  # the mapping this load made
-        STATE.inference_mappings.extend((f, start, end) for start, end in made)
+        model_load.mappings.extend((f, start, end) for start, end in made)
         if isinstance(state, dict):
             state.pop("last_optimizer_state", None)
         return state
@@ -98,7 +100,7 @@ def load_moe_checkpoint(original_load, path, arg_overrides=None, **kwargs):
             state.get("cfg"),
             target.model_cfg,
             target.criterion_cfg,
-            allow_function_change=bool(config_value(target.model_cfg, "moe_allow_function_change")),
+            allow_function_change=bool(moe_options(target.model_cfg).moe_allow_function_change),
         )
         carry_optimizer_state_over_freeze(path, state, target.model, target.model_cfg)
     return state
@@ -122,7 +124,7 @@ def wrap_trainer_load_checkpoint(original):
         )
         if not expert_grads.has_experts(self._model):
             return original(self, filename, *args, **kwargs)
-        dense = config_value(self.cfg.model, "moe_upcycle_from")
+        dense = moe_options(self.cfg.model).moe_upcycle_from
         if dense:
             check_upcycle_start(checkpoint_cfg)  # before the save dir's own checkpoint_last is looked for
         resolved = decided_on_rank_0(
@@ -130,7 +132,7 @@ def wrap_trainer_load_checkpoint(original):
                 filename,
                 checkpoint_cfg,
                 self.checkpoint_suffix,
-                allow_fallback=bool(config_value(self.cfg.model, "moe_restore_fallback")),
+                allow_fallback=bool(moe_options(self.cfg.model).moe_restore_fallback),
             )
         )
         if resolved is None:
@@ -142,7 +144,7 @@ def wrap_trainer_load_checkpoint(original):
                 f"--moe-upcycle-from {dense} skipped: --save-dir {checkpoint_cfg.save_dir} holds "
                 f"{resolved.path}, which this run resumes (a run is upcycled only at its first launch)"
             )
-        layout = expert_groups.model_layout(self._model)
+        layout = plan_of(self._model).layout
         logger.info(
             f"loading {resolved.kind} {resolved.path} as worker {layout.rank} of {layout.world_size} "
             f"(expert shard {layout.ep_rank} of {layout.parallel_size})"
@@ -223,21 +225,22 @@ def wrap_load_model_ensemble_and_task(original):
             named_set = not os.path.exists(name) or names_a_rank_file(name)
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
-        dtype = dtype_for_load(kwargs.get("arg_overrides", args[0] if args else None))
-        with built_for_load(dtype):  # experts on meta, filled from the checkpoint in the dtype they run in
-            if STATE.sharded_inference is not None:
+        run = current_run()
+        dtype = dtype_for_load(kwargs.get("arg_overrides", args[0] if args else None), run.dtype)
+        # Experts on meta, filled from the checkpoint in the dtype they run in; every expert on each worker
+        # unless the run keeps them sharded.
+        with built_for_load(dtype, every_expert_local=run.sharded is None) as model_load:
+            if run.sharded is not None:
                 loaded = load_sharded(original, resolved, *args, **kwargs)
             else:
-                with expert_groups.all_experts_local():
-                    loaded = original(resolved, *args, **kwargs)
-        release_ranges(STATE.inference_mappings)  # what the model took by reference is read again when used
-        STATE.inference_mappings.clear()
+                loaded = original(resolved, *args, **kwargs)
+        release_ranges(model_load.mappings)  # what the model took by reference is read again when used
         check_loaded(loaded[0], resolved)
         cast_for_inference(loaded[0], dtype)  # --fp16 / --bf16, before the CLI moves the model to a GPU
-        if STATE.routing_stats is not None:  # --moe-routing-stats: the model's layers count their routing
+        if run.routing_stats is not None:  # --moe-routing-stats: the model's layers count their routing
             if len(loaded[0]) != 1:
                 raise MoEOptionError("--moe-routing-stats counts one model, got an ensemble: pass one --path")
-            routing_stats.attach(loaded[0][0], loaded[2] if len(loaded) > 2 else None)
+            routing_stats.attach(run.routing_stats, loaded[0][0], loaded[2] if len(loaded) > 2 else None)
         return loaded
 
     return load_model_ensemble_and_task

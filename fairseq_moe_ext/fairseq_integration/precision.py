@@ -39,9 +39,7 @@ from ..parallel import expert_grads
 from ..parallel.fully_sharded import is_sharded, local_part
 from ..parallel.process_state import STATE
 from . import sharding
-from .inference import add_inference_experts_flag, decide_sharded_inference
-from .routing_stats import decide_routing_stats
-from .run_dtype import record_inference_dtype
+from .inference import add_inference_experts_flag, decide_inference_run
 from .saving import is_expert_parallel_trainer
 
 logger = logging.getLogger(__name__)
@@ -58,9 +56,7 @@ def wrap_parse_args_and_arch(original):
         parsed = result[0] if isinstance(result, tuple) else result
         argv = sys.argv[1:] if input_args is None else input_args
         keep_tpu_off_unless_asked(parsed, "--tpu" in argv)
-        decide_sharded_inference(parsed)
-        decide_routing_stats(parsed)
-        record_inference_dtype(parsed)
+        decide_inference_run(parsed)
         return result
 
     return parse_args_and_arch

@@ -56,8 +56,9 @@ def parser_of(*add) -> argparse.ArgumentParser:
 
 def range_text(spec: Range) -> str:
     text = spec.requirement + (", or unset" if spec.optional else "")
-    if spec.high is not None and spec.holder:
-        text += f" (at most {int(spec.high) if spec.integer else f'{spec.high:g}'}: {spec.holder})"
+    bounded_by = spec.sized_from or spec.holder  # what the bound is sized from, or what holds the value
+    if spec.high is not None and bounded_by:
+        text += f" (at most {int(spec.high) if spec.integer else f'{spec.high:g}'}: {bounded_by})"
     return text
 
 

@@ -1,6 +1,6 @@
 """``--moe-routing-stats FILE`` for fairseq-generate and fairseq-validate: which experts each group of
 sentences (a language, a domain) uses, counted over real tokens only, written as the JSON that
-``python -m fairseq_moe_ext.checkpoint prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
+``fairseq-moe prune`` reads (schema: moe/routing_stats.py, docs/routing.md).
 
 Where fairseq meets it: the command line is read when it is parsed (``decide_routing_stats``, from the
 parse_args_and_arch hook), the model's MoE layers get a tally and its encoder a row tracker when it is
@@ -22,11 +22,16 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as moe_ckpt
+from ..checkpoint.staging import check_output_file, write_all_or_nothing
 from ..common.config_value import config_value
+from ..common.input_file import check_line_count, read_lines
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
-from ..moe.routing_stats import RoutingTally, statistics_document, write_statistics
-from ..parallel.process_state import STATE
+from ..moe.routing_stats import RoutingTally, holds_statistics, statistics_document, statistics_json
+from ..options import moe_options
+
+GROUPS = "--moe-routing-stats-groups"
+GROUPS_HOLD = "one key per line of the subset, in the order of its sentence ids"
 
 
 # fmt: off
@@ -46,46 +51,51 @@ class RoutingStatsRun:
     names: List[str] = field(default_factory=list)  # group key by index
     rows: dict = field(default_factory=dict)  # side -> LongTensor: each batch row's group index
     model: Optional[dict] = None  # the model's identity (statistics_document's "model")
+    groups_file: Optional[str] = None  # --moe-routing-stats-groups, whose lines are checked against the subset
+    task: Optional[object] = None  # the task the subset is read with (attach)
 # fmt: on
 
 
-def decide_routing_stats(args) -> None:
-    """At parse time: record --moe-routing-stats in STATE, or refuse it in one line."""
-    STATE.routing_stats = None
-    output = config_value(args, "moe_routing_stats")
-    groups = config_value(args, "moe_routing_stats_groups")
+def decide_routing_stats(args) -> Optional[RoutingStatsRun]:
+    """At parse time: the run --moe-routing-stats asks for (None without it), or its refusal in one line."""
+    output = moe_options(args).moe_routing_stats
+    groups = moe_options(args).moe_routing_stats_groups
     if output is None:
         if groups is not None:
             raise MoEOptionError(
                 "--moe-routing-stats-groups needs --moe-routing-stats FILE: add it, or drop the groups"
             )
-        return
+        return None
     tool = os.path.basename(sys.argv[0]) or "python"
     if not config_value(args, "path") or config_value(args, "input") is not None:
         raise MoEOptionError(
             "--moe-routing-stats counts the sentences of a subset: use it with fairseq-generate or fairseq-validate"
         )
-    directory = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(directory):
-        raise MoEOptionError(f"--moe-routing-stats {output}: the directory {directory} does not exist; create it first")
+    # Checked before any work (loading the model, generating): what writing the file would meet at the end.
+    check_output_file(output, f"--moe-routing-stats {output}")
+    if os.path.isfile(output) and not holds_statistics(output):  # a checkpoint, a groups file named by mistake
+        raise MoEOptionError(
+            f"--moe-routing-stats {output} exists and holds no routing statistics, which the file would replace: "
+            f"choose a new file name (nothing was written)"
+        )
+    # fairseq-validate counts every subset of --valid-subset, the other tools --gen-subset (each tool's
+    # namespace holds both flags).
+    subset = str(config_value(args, "valid_subset" if "validate" in tool else "gen_subset"))
     keys = None
     if groups is not None:
-        try:
-            with open(groups) as f:
-                keys = [line.strip() for line in f]
-        except OSError as e:
+        if "," in subset:
             raise MoEOptionError(
-                f"--moe-routing-stats-groups {groups}: cannot read it ({e.strerror}); give a file with "
-                f"one key per line of the subset"
-            ) from None
-        if not keys or any(not k for k in keys):
+                f"{GROUPS} labels the sentences of one subset by their ids, and --valid-subset {subset} names "
+                f"{subset.count(',') + 1}, whose ids overlap: count each subset in a run of its own"
+            )
+        keys = [line.strip() for line in read_lines(groups, GROUPS, GROUPS_HOLD)]
+        empty = next((i for i, k in enumerate(keys, 1) if not k), None) if keys else 1
+        if empty is not None:
             raise MoEOptionError(
-                f"--moe-routing-stats-groups {groups}: every line must hold a key (an empty line "
-                f"was found); give one key per line of the subset"
+                f"{GROUPS} {groups}: line {empty} holds no key (every line must hold one); give {GROUPS_HOLD}"
             )
     source, target = config_value(args, "source_lang"), config_value(args, "target_lang")
-    subset = config_value(args, "gen_subset") or config_value(args, "valid_subset")
-    STATE.routing_stats = RoutingStatsRun(
+    return RoutingStatsRun(
         output=output,
         path=str(config_value(args, "path")).split(os.pathsep)[0],
         keys=keys,
@@ -94,6 +104,7 @@ def decide_routing_stats(args) -> None:
         decoder_key=str(target or "all"),
         subset=subset,
         tool=tool,
+        groups_file=groups,
     )
 
 
@@ -103,10 +114,10 @@ def group_index(run: RoutingStatsRun, key: str) -> int:
     return run.names.index(key)
 
 
-def attach(model, task=None) -> None:
+def attach(run: RoutingStatsRun, model, task=None) -> None:
     """Give ``model``'s MoE layers the run's tally, and its encoder the rows the decoder follows; the
     language pair is read off the set-up ``task`` (translation infers it from the data directory)."""
-    run = STATE.routing_stats
+    run.task = task
     for holder in (getattr(task, "cfg", None), getattr(task, "args", None)):
         source, target = config_value(holder, "source_lang"), config_value(holder, "target_lang")
         if run.keys is None and source and target:
@@ -150,10 +161,15 @@ def start_batch(run: RoutingStatsRun, sample) -> None:
         return
     ids = sample["id"].tolist()
     if run.keys is not None:
-        if max(ids, default=-1) >= len(run.keys):
+        if run.task is not None and run.groups_file is not None:  # once, before the first batch is counted
+            sentences = len(run.task.dataset(run.subset))
+            check_line_count(
+                run.keys, sentences, run.groups_file, GROUPS, f"the sentences of {run.subset}", GROUPS_HOLD
+            )
+            run.groups_file = None
+        if max(ids, default=-1) >= len(run.keys):  # no task to ask (not a fairseq tool's load)
             raise MoEOptionError(
-                f"--moe-routing-stats-groups has {len(run.keys)} lines, but the subset has sentence id "
-                f"{max(ids)}: give one key per line of the subset"
+                f"{GROUPS} has {len(run.keys)} lines, but the subset has sentence id {max(ids)}: give {GROUPS_HOLD}"
             )
         encoder = decoder = [group_index(run, run.keys[i]) for i in ids]
     else:
@@ -197,4 +213,13 @@ def finish(run: RoutingStatsRun, group=None) -> None:
             tally.merge(other)
     if rank == 0:
         source = {"tool": run.tool, "path": run.path, "subset": run.subset}
-        write_statistics(statistics_document(tally, run.model, run.grouped_by, source), run.output)
+        text = statistics_json(statistics_document(tally, run.model, run.grouped_by, source))
+        name = os.path.basename(run.output)
+
+        def write(staging: str):
+            with open(os.path.join(staging, name), "w") as f:
+                f.write(text)
+            return [name]
+
+        # The checkpoints' staging: the file appears whole or not at all, nothing half-written is left.
+        write_all_or_nothing(os.path.dirname(run.output), f"--moe-routing-stats {run.output}", write, replace=True)

@@ -20,7 +20,7 @@ import torch
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..moe import MoELayer
-from ..parallel.process_state import STATE
+from ..parallel.process_state import STATE, ModelLoad
 
 logger = logging.getLogger(__name__)
 
@@ -46,31 +46,28 @@ def asked_dtype(source) -> Optional[torch.dtype]:
     return next((dtype for flag, dtype in FLAGS if config_value(source, flag, False)), torch.float32)
 
 
-def record_inference_dtype(args) -> None:
-    """At parse time, in every CLI: the dtype an inference CLI (one with --path) asked for, else None."""
-    STATE.inference_dtype = asked_dtype(args) if config_value(args, "path") else None
-
-
-def dtype_for_load(arg_overrides) -> Optional[torch.dtype]:
-    """The hub's keyword overrides when they name a precision flag, else what the CLI asked for (None: no
+def dtype_for_load(arg_overrides, asked: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The hub's keyword overrides when they name a precision flag, else what the CLI ``asked`` for (None: no
     inference CLI and no flag, a load outside generation that keeps fairseq's dtype)."""
     from_overrides = asked_dtype(arg_overrides) if isinstance(arg_overrides, Mapping) else None
-    return from_overrides if from_overrides is not None else STATE.inference_dtype
+    return from_overrides if from_overrides is not None else asked
 
 
 @contextlib.contextmanager
-def built_for_load(dtype: Optional[torch.dtype]):
+def built_for_load(dtype: Optional[torch.dtype], every_expert_local: bool):
     """Around fairseq's load of a model to run in ``dtype`` (None: as built, fp32): MoE layers build their
     experts on ``meta`` in that dtype (the checkpoint's tensors become them, moe/experts.py), and fp16/bf16 runs
-    build every other parameter in it directly, so no fp32 copy of the model exists on the way."""
-    previous = (STATE.experts_built_for_load, torch.get_default_dtype())
-    STATE.experts_built_for_load = dtype or torch.float32
+    build every other parameter in it directly, so no fp32 copy of the model exists on the way. The models
+    built inside hold every expert unless ``every_expert_local`` is False (an expert-sharded run). Yields the
+    ``ModelLoad`` the build and the checkpoint reads inside see as ``STATE.model_load``."""
+    previous = (STATE.model_load, torch.get_default_dtype())
+    STATE.model_load = ModelLoad(experts_dtype=dtype or torch.float32, every_expert_local=every_expert_local)
     if dtype in (torch.float16, torch.bfloat16):
         torch.set_default_dtype(dtype)
     try:
-        yield
+        yield STATE.model_load
     finally:
-        STATE.experts_built_for_load = previous[0]
+        STATE.model_load = previous[0]
         torch.set_default_dtype(previous[1])
 
 

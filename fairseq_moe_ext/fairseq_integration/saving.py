@@ -16,7 +16,8 @@ from .. import checkpoint as moe_ckpt
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.save import Collectives, SetDescription, WorkerShare, save_rank_files, save_single_file
 from ..checkpoint.write_failure import cannot_write, is_write_failure, remove_new_partial_files
-from ..parallel import expert_grads, expert_groups, fully_sharded, io_waits
+from ..parallel import expert_grads, fully_sharded, io_waits
+from ..parallel.plan import plan_of
 from ..parallel.process_state import STATE
 from ..training.set_identity import save_set_id
 from . import sharding
@@ -29,7 +30,7 @@ def is_expert_parallel_trainer(trainer) -> bool:
         cached = (
             trainer.data_parallel_world_size > 1
             and expert_grads.has_experts(trainer._model)
-            and expert_groups.model_layout(trainer._model).parallel_size > 1
+            and plan_of(trainer._model).layout.parallel_size > 1
         )
         STATE.expert_parallel_trainers[trainer] = cached
     return cached
@@ -39,7 +40,7 @@ def wrap_checkpoint_suffix(original_fget):
     def checkpoint_suffix(self):
         suffix = original_fget(self)
         if is_expert_parallel_trainer(self):
-            layout = expert_groups.model_layout(self._model)
+            layout = plan_of(self._model).layout
             suffix += moe_ckpt.rank_suffix(layout.ep_rank, layout.parallel_size)
         return suffix
 
@@ -49,7 +50,7 @@ def wrap_checkpoint_suffix(original_fget):
 def wrap_should_save(original_fget):
     def should_save_checkpoint_on_current_rank(self):
         if is_expert_parallel_trainer(self):
-            return expert_groups.model_layout(self._model).replica_index == 0  # one file per expert shard
+            return plan_of(self._model).layout.replica_index == 0  # one file per expert shard
         return original_fget(self)
 
     return should_save_checkpoint_on_current_rank
@@ -61,7 +62,7 @@ def wrap_trainer_state_dict(original):
         state = sharding.gather_full_state(self, original(self))  # FSDP2's slices made whole
         if not expert_grads.has_experts(self._model):
             return state
-        layout = expert_groups.model_layout(self._model)
+        layout = plan_of(self._model).layout
         world, rank = (layout.parallel_size, layout.ep_rank) if is_expert_parallel_trainer(self) else (1, 0)
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
         experts = [p for p in self._model.parameters() if expert_grads.is_expert(p)]
@@ -104,7 +105,7 @@ def wrap_save_checkpoint(original):
             with _atomic_copies(), _removals_deferred() as pruned:
                 return original(cfg, trainer, epoch_itr, val_loss), pruned
 
-        layout = expert_groups.model_layout(trainer._model)
+        layout = plan_of(trainer._model).layout
         describe = SetDescription(
             num_updates=trainer.get_num_updates(),
             num_experts={

@@ -17,7 +17,8 @@ import torch
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
 from ..common.torch_compat import foreach_mul_
-from ..parallel import expert_grads, expert_groups, expert_sharding, fully_sharded
+from ..models.moe_runtime import options_without_effect
+from ..parallel import expert_sharding, fully_sharded, sharded_training
 
 
 def is_fully_sharded_backend(cfg) -> bool:
@@ -42,6 +43,10 @@ def wrap_is_fsdp(original_fget):
     def is_fsdp(self):
         if original_fget(self):  # fully_sharded: FSDP2 through hook 3, never fairscale's paths
             check_options(self.cfg.distributed_training, self.cfg.common, self.cfg.ema, optimizers(self.cfg.optimizer))
+        else:  # fairseq-hydra-train's model options, which no command line brought to check_ddp_backend
+            ignored = options_without_effect(self.cfg.model, config_value(self.cfg.distributed_training, "ddp_backend"))
+            if ignored:
+                raise MoEOptionError(ignored[0])
         return False
 
     return is_fsdp
@@ -92,60 +97,10 @@ def wrap_optimizer_multiply_grads(original):
 
 
 def shard_for_training(args, model, process_group, device):
-    """Hook 3's branch for fully_sharded: FSDP2 over fairseq's data-parallel group, experts left out."""
+    """Hook 3's branch for fully_sharded: the fairseq flags checked, then the model sharded by its plan."""
     check_options(args)  # a Namespace here: every flag in one place
-    low = fully_sharded.low_precision_dtype(model)
-    # fairseq's Trainer cast the model to fp16/bf16 (it does so whenever is_fsdp is False): the shards
-    # are the fp32 master weights, so it goes back to fp32 before sharding. Only the random
-    # initialisation passed through the low precision; checkpoints load into the fp32 shards.
-    model = model.to(device=device, dtype=torch.float32) if low is not None else model.to(device)
-    if expert_grads.has_experts(model):
-        expert_grads.check_shared_parameters_agree(model, process_group)
-    policy = fully_sharded.mixed_precision_policy(low)
-    # --moe-fully-sharded-experts sharded: each MoE layer's experts over their replica group, first (W > P).
-    replicas = expert_groups.expert_replica_group(expert_groups.model_layout(model))
-    if getattr(model, "moe_fully_sharded_experts", "whole") == expert_sharding.SHARDED and replicas is not None:
-        expert_sharding.shard_experts(model, replicas, policy)
-    # --moe-fully-sharded-unit (MoEModelMixin records it; a dense model: one unit per layer).
-    whole_model = getattr(model, "moe_fully_sharded_unit", "layer") == "model"
-    sharded = fully_sharded.shard_model(
-        model,
-        process_group,
-        units=[] if whole_model else None,
-        mp_policy=policy,
-        reshard_after_forward=not config_value(args, "no_reshard_after_forward", False),
-    )
-    return FullyShardedModel(sharded)
-
-
-class FullyShardedModel(torch.nn.Module):
-    """What fairseq's Trainer holds as its wrapped model under fully_sharded: the FSDP2 model as
-    ``.module`` (fairseq's wrappers' convention), attributes, state_dict and load_state_dict passed to
-    it. No ``all_reduce_grads``: FSDP2 reduce-scattered the shared gradients during backward."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        """fairseq's Trainer runs every micro-batch of --update-freq but the last inside it: gradients
-        accumulate whole, and only the last backward reduce-scatters."""
-        return fully_sharded.gradient_sync_deferred(self.module)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args, **kwargs):
-        return self.module.load_state_dict(*args, **kwargs)
+    reshard = not config_value(args, "no_reshard_after_forward", False)
+    return sharded_training.shard_for_training(model, process_group, device, reshard_after_forward=reshard)
 
 
 def gather_full_state(trainer, state):

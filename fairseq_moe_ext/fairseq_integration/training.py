@@ -4,6 +4,7 @@ global-batch balance counts start afresh before each), the rows
 the experts received are logged per update, and running out of memory stops a job whose MoE
 collectives cross workers instead of leaving its other workers waiting in them."""
 
+import dataclasses
 import functools
 import logging
 import os
@@ -22,8 +23,10 @@ from ..moe.balance_bias import balance_biases, update_balance_biases
 from ..moe.balance_scope import start_update
 from ..moe.comm import MoECommunicationError
 from ..moe.stop_notice import announce_stop
-from ..parallel import expert_grads, expert_groups, grad_norm
+from ..options import moe_options
+from ..parallel import expert_grads, grad_norm
 from ..parallel.fully_sharded import is_sharded
+from ..parallel.plan import plan_of
 from ..parallel.process_state import STATE
 from . import sharding
 
@@ -71,6 +74,10 @@ def wrap_distributed_model(original):
         moe = expert_grads.has_experts(model)
         if moe and backend not in expert_grads.SUPPORTED_DDP_BACKENDS:
             raise expert_grads.unsupported_backend_error(backend)
+        if getattr(model, "parallel_plan", None) is not None:
+            # The backend is fairseq's to hand only to its wrapper (a model built from its own config section,
+            # as moe_transformer_lm is, never saw --ddp-backend): the plan takes it here, before any use.
+            model.parallel_plan = dataclasses.replace(model.parallel_plan, backend=str(backend))
         if backend == "fully_sharded":  # torch FSDP2 for every model (hooks 20-22), experts left out
             wrapped = sharding.shard_for_training(args, model, process_group, device)
         else:
@@ -82,15 +89,15 @@ def wrap_distributed_model(original):
             wrapped = _data_parallel(original, args, model, process_group, device)
         if not moe:
             return wrapped
+        plan = plan_of(model)
         # With --moe-freeze experts no gradient carries the marker, and none lost it.
-        STATE.expert_parallel_training = any(expert_grads.is_expert(p) and p.requires_grad for p in model.parameters())
-        layout = expert_groups.model_layout(model)
-        normalization = getattr(model, "moe_normalize_expert_grad", "world_size")  # MoEModelMixin records it
+        experts_train = any(expert_grads.is_expert(p) and p.requires_grad for p in model.parameters())
+        STATE.training_plan = plan if experts_train else None
         return expert_grads.ExpertParallelModel(
             wrapped,
             torch.distributed.get_world_size(process_group),
-            replica_group=expert_groups.expert_replica_group(layout),
-            expert_grad_factor=expert_grads.expert_grad_factor(normalization, layout.parallel_size),
+            replica_group=plan.replica_group,
+            expert_grad_factor=plan.expert_grad_factor,
         )
 
     return distributed_fairseq_model
@@ -122,9 +129,10 @@ def wrap_clip_grad_norm(original):
         if any(expert_grads.is_expert(p) or is_sharded(p) for p in params):  # experts, or FSDP2's slices
             if aggregate_norm_fn is not None:
                 raise expert_grads.unsupported_backend_error("fully_sharded")
-            # fairseq hands over the parameters alone, so the group is the process's, read once here.
-            return grad_norm.clip_grad_norm_(params, max_norm, expert_groups.expert_parallel_group())
-        if STATE.expert_parallel_training and params:
+            # fairseq hands over the parameters alone: the group is that of the model being trained.
+            plan = STATE.training_plan
+            return grad_norm.clip_grad_norm_(params, max_norm, None if plan is None else plan.parallel_group)
+        if STATE.training_plan is not None and params:
             raise MoESetupError(
                 "the optimizer's parameters lost the expert marker (--fp16 flattens gradients into one "
                 "buffer), so expert gradients would be clipped per worker: add --fp16-no-flatten-grads"
@@ -236,8 +244,8 @@ def check_training_setup(trainer) -> None:
 
 def check_balance_scope(model_cfg, criterion_cfg) -> None:
     """--moe-balance-scope (a model option) shapes the balance loss, whose weight is the criterion's."""
-    scope = str(config_value(model_cfg, "moe_balance_scope", "micro-batch"))
-    weight = config_value(criterion_cfg, "moe_gate_loss_wt", None)
+    scope = str(moe_options(model_cfg).moe_balance_scope)
+    weight = moe_options(criterion_cfg).moe_gate_loss_wt
     if scope == "global-batch" and weight is not None and float(weight) == 0.0:
         raise MoEOptionError(
             "--moe-balance-scope global-batch chooses which tokens the balance loss counts, but --moe-gate-loss-wt 0 "

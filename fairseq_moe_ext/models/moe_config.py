@@ -12,23 +12,18 @@ from typing import Dict, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..moe.freeze import parse_frozen_parts
 from ..moe.layer_config import ConflictingOptions, MoELayerConfig
-from ..moe.placement import places_moe_layer
 from ..options import (
     ARCH_OPTIONS,
     FLAG_OF_FIELD,
     MODEL_OPTIONS,
     TRANSLATION_OPTIONS,
-    default,
-    expert_count,
-    expert_count_flag,
-    option_value,
+    layer_fields,
+    moe_options,
 )
-from ..options import moe_freq as options_moe_freq
 from ..options.ranges import MODEL_RANGES, check_option, check_options
+from ..options.sides import sides_of
 
 logger = logging.getLogger(__name__)
 
@@ -52,43 +47,6 @@ MoEEncoderDecoderConfig = dataclass_of("MoEEncoderDecoderConfig", TRANSLATION_OP
 MOE_OPTIONS = tuple(o.name for o in MODEL_OPTIONS)
 
 
-def moe_default(name: str):
-    """The default of option ``name``: its record is the only place defaults are written."""
-    return default(name)
-
-
-def moe_option(args, name: str):
-    """``args.<name>``, or the option's default where ``args`` lacks it."""
-    return option_value(args, name)
-
-
-def moe_freq(args, side: str) -> int:
-    return options_moe_freq(args, side)
-
-
-def layer_fields(args) -> Dict:
-    """The ``MoELayerConfig`` fields the flags set, by their flat names (``MoELayerConfig.of``): each
-    record's ``field``, its value converted by ``to_field`` or as the field holds it. ``hidden_dim`` is
-    None where --moe-expert-ffn-dim is unset (the layer's ffn dim, which the caller knows)."""
-
-    def read(name):
-        return moe_option(args, name)
-
-    fields = {}
-    for o in MODEL_OPTIONS:
-        if o.field is None:
-            continue
-        value = read(o.name)
-        if o.to_field is not None:
-            value = o.to_field(value, read)
-        elif o.choices:
-            value = str(value)
-        elif o.type in (bool, float):
-            value = o.type(value)
-        fields[o.field.rsplit(".", 1)[-1]] = value
-    return fields
-
-
 def layer_config(fields: Dict, **rest) -> MoELayerConfig:
     """``MoELayerConfig.of(**fields, **rest)``; options that do not go together are named by their flags."""
     try:
@@ -101,51 +59,34 @@ def check_moe_args(args) -> None:
     """Fail before anything is built, with one line that names the flag and the fix: every numeric
     option against the range of what it is used in (``options.ranges.MODEL_RANGES``), then the
     options against each other (the layer config's rules, in flag words)."""
-    experts = moe_option(args, "moe_expert_count")
+    values = moe_options(args)
+    experts = values.moe_expert_count
     check_option(MODEL_RANGES["moe_expert_count"], experts)
-    check_options(MODEL_RANGES, lambda name: moe_option(args, name), experts=experts)
+    check_options(MODEL_RANGES, lambda name: getattr(values, name), experts=experts)
     check_routing_extensions(args)
-    top_k = moe_option(args, "moe_top_k")
-    for side in ("encoder", "decoder"):
-        own = moe_option(args, f"{side}_moe_expert_count")
-        if own is not None and isinstance(top_k, int) and top_k > own:
-            raise MoEOptionError(
-                f"--moe-top-k {top_k} exceeds --{side}-moe-expert-count {own}: use --moe-top-k <= {own}"
-            )
+    top_k = values.moe_top_k
+    for side in sides_of(args):
+        if side.own_experts and isinstance(top_k, int) and top_k > side.experts:
+            raise MoEOptionError(f"--moe-top-k {top_k} exceeds {side.experts_flag}: use --moe-top-k <= {side.experts}")
     fields = layer_fields(args)
     layer_config(dict(fields, hidden_dim=fields["hidden_dim"] or 1), model_dim=1)
-    frozen = parse_frozen_parts(moe_option(args, "moe_freeze"), "--moe-freeze")
-    if "router" in frozen and str(moe_option(args, "moe_balance_scope")) == "global-batch":
+    if "router" in values.moe_freeze and values.moe_balance_scope == "global-batch":
         raise MoEOptionError(
             "--moe-balance-scope global-batch shapes the balance loss, which --moe-freeze router leaves out of the "
             "loss (the router cannot learn from it): drop --moe-balance-scope, or let the router train"
         )
 
 
-def side_expert_counts(args, sides) -> Dict[str, int]:
-    """The expert count of each of ``sides`` that has MoE layers (--{side}-moe-expert-count, else
-    --moe-expert-count), for the expert-parallel size P, which must divide every one."""
-    counts = {}
-    for side in sides:
-        if places_moe_layer(int(config_value(args, f"{side}_layers") or 0), moe_freq(args, side)):
-            counts[side] = expert_count(args, side)
-    return counts or {side: expert_count(args, side) for side in sides}
-
-
-def side_expert_flags(args, sides) -> Dict[str, str]:
-    """{side: the flag and value that set its expert count}, for messages."""
-    return {side: expert_count_flag(args, side) for side in sides}
-
-
 def check_routing_extensions(args) -> None:
     """Flags that do nothing without another one (the layer config has no field for them to conflict in)."""
-    shared_dim = moe_option(args, "moe_shared_expert_ffn_dim")
-    if shared_dim is not None and moe_option(args, "moe_shared_expert_count") == 0:
+    values = moe_options(args)
+    shared_dim = values.moe_shared_expert_ffn_dim
+    if shared_dim is not None and values.moe_shared_expert_count == 0:
         raise MoEOptionError(
             f"--moe-shared-expert-ffn-dim {shared_dim} needs --moe-shared-expert-count >= 1: add shared experts or "
             f"drop the flag"
         )
-    if moe_option(args, "moe_bias_update_rate") is not None and str(moe_option(args, "moe_balance")) != "bias":
+    if values.moe_bias_update_rate is not None and values.moe_balance != "bias":
         raise MoEOptionError("--moe-bias-update-rate has no effect without --moe-balance bias: add it or drop the rate")
 
 
@@ -154,23 +95,17 @@ def bias_update_rate(args) -> Optional[float]:
     return layer_fields(args)["balance_bias_rate"]
 
 
-def check_moe_layers_placed(args, sides) -> None:
+def check_moe_layers_placed(args, names) -> None:
     """An MoE architecture whose --moe-freq places no MoE layer would train a dense model under an
     MoE name; refuse it (a model without experts is what the dense architectures are for)."""
-    layers = {side: int(config_value(args, f"{side}_layers") or 0) for side in sides}
-    freqs = {side: moe_freq(args, side) for side in sides}
-    if any(places_moe_layer(layers[side], freq) for side, freq in freqs.items()):
+    sides = sides_of(args, names)
+    if any(side.has_moe_layers for side in sides):
         return
-    given = []
-    for side in sides:
-        own = moe_option(args, f"{side}_moe_freq") is not None
-        flag = f"--{side}-moe-freq {freqs[side]}" if own else f"--moe-freq {freqs[side]}"
-        if flag not in given:
-            given.append(flag)
-    counts = " and ".join(f"{layers[side]} {side} layers" for side in sides)
-    most = max(layers.values())
+    given = " / ".join(dict.fromkeys(side.freq_flag for side in sides))
+    counts = " and ".join(f"{side.layers} {side.name} layers" for side in sides)
+    most = max(side.layers for side in sides)
     raise MoEOptionError(
-        f"{' / '.join(given)} places no MoE layer in this model ({counts}; layer i is an MoE layer when (i + 1) is a "
+        f"{given} places no MoE layer in this model ({counts}; layer i is an MoE layer when (i + 1) is a "
         f"multiple of the frequency): use a frequency between 1 and {most}, or a dense --arch (transformer, "
         f"transformer_lm) for a model without experts"
     )

@@ -21,9 +21,9 @@ from ..common.refusal import MoEOptionError
 from ..moe import MoELayer, MoELayerConfig
 from ..moe.placement import moe_layer_indices
 from ..moe.torch_compat import check_backward_detection
-from ..options import expert_count
+from ..options import expert_count, layer_fields, moe_freq, moe_options
 from ..parallel.process_state import STATE
-from .moe_config import layer_config, layer_fields, moe_freq, moe_option
+from .moe_config import layer_config
 
 
 class MoEFeedForward(MoELayer):
@@ -65,7 +65,7 @@ class MoEFeedForward(MoELayer):
 
 def moe_layer_config(args, model_dim: int, ffn_dim: int, side: Optional[str] = None) -> MoELayerConfig:
     """The one place fairseq args become an MoE layer's config (``moe/layer_config.py``): the fields the
-    ``--moe-*`` flags set (``moe_config.layer_fields``, from each option's record) and the dense layer's
+    ``--moe-*`` flags set (``options.layer_fields``, from each option's record) and the dense layer's
     own flags; ``ffn_dim``: its ``--*-ffn-embed-dim``, the experts' hidden size unless --moe-expert-ffn-dim;
     ``side``: the experts are that side's count (--encoder/--decoder-moe-expert-count)."""
     activation_dropout = config_value(args, "activation_dropout") or config_value(args, "relu_dropout") or 0.0
@@ -161,11 +161,11 @@ def install_moe_layers(
             group=group,
             statistics_group=statistics_group,
             seed=layer_seed_base + i,
-            batch_major=bool(moe_option(args, "moe_batch_major_routing")),
+            batch_major=bool(moe_options(args).moe_batch_major_routing),
             # A model built to be loaded (fairseq_integration/run_dtype.py): its experts on meta, in the dtype
             # they will run in, filled from the checkpoint when it is loaded.
-            expert_device="meta" if STATE.experts_built_for_load is not None else None,
-            expert_dtype=STATE.experts_built_for_load,
+            expert_device="meta" if STATE.model_load is not None else None,
+            expert_dtype=None if STATE.model_load is None else STATE.model_load.experts_dtype,
         )
         if side == "encoder":
             layer = MoEEncoderLayer(cfg, ffn, return_fc=getattr(stack, "return_fc", False))

@@ -15,9 +15,11 @@ from fairseq.models.transformer.transformer_config import TransformerConfig
 
 from ..common.config_value import config_value
 from ..moe import MoEAuxCache, MoELayer
-from ..moe.freeze import freeze_parts, parse_frozen_parts
-from ..parallel.expert_groups import expert_layout, expert_parallel_group, moe_statistics_group
-from .moe_config import check_moe_args, check_moe_layers_placed, moe_option
+from ..moe.freeze import freeze_parts
+from ..options import moe_options
+from ..parallel.plan import ParallelPlan
+from ..parallel.process_state import STATE
+from .moe_config import check_moe_args, check_moe_layers_placed
 from .moe_layers import install_moe_layers
 from .moe_runtime import apply_runtime_options
 
@@ -56,12 +58,11 @@ def base_seed(args) -> int:
 def apply_freeze(model, args) -> None:
     """--moe-freeze: the named parts get no gradient (before fairseq builds the optimizer and the
     data-parallel wrapper from the parameters that want one); a frozen router's losses are logged only."""
-    value = moe_option(args, "moe_freeze")
-    frozen = freeze_parts(model, parse_frozen_parts(value, "--moe-freeze"))
+    frozen = freeze_parts(model, moe_options(args).moe_freeze)
     if not frozen:
         return
     counts = ", ".join(f"{part} {count:,}" for part, count in frozen.items())
-    logger.info(f"--moe-freeze {value}: these parameters do not train (elements: {counts})")
+    logger.info(f"--moe-freeze {','.join(frozen)}: these parameters do not train (elements: {counts})")
     if "router" in frozen:
         model.moe_cache.router_losses_apply = False
         logger.info(
@@ -79,15 +80,16 @@ class MoEModelMixin:
         """fairseq's model for ``args``, with MoE layers in each of ``sides`` ("encoder", "decoder")."""
         check_moe_args(args)
         check_moe_layers_placed(args, sides)
-        # First: it sets the timeout and the expert-parallel size P (checked against the workers)
-        # that the groups are created with, just below.
-        apply_runtime_options(args, sides)
-        # The layout (with P) is read from process state once, here, recorded on the model for everything
-        # that later has the model (expert_groups.model_layout), and its groups handed to the layers built
-        # below: experts are sharded over the P-worker group, routing statistics are the whole world's.
-        layout = expert_layout()
-        group, statistics_group = expert_parallel_group(layout), moe_statistics_group(layout)
-        cls.check_expert_parallel_world(args, layout.world_size)
+        apply_runtime_options(args)
+        # How the model is spread over its workers, decided once here (P resolved and checked against the
+        # workers) and kept on the model for everything that later has it (parallel.plan.plan_of); its
+        # groups handed to the layers built below: experts are sharded over the P-worker group, routing
+        # statistics are the whole world's. A model loaded to run holds every expert unless the run keeps
+        # them sharded.
+        every_expert_local = STATE.model_load is not None and STATE.model_load.every_expert_local
+        plan = ParallelPlan.for_model(args, sides, every_expert_local)
+        group, statistics_group = plan.parallel_group, plan.statistics_group
+        cls.check_expert_parallel_world(args, plan.world_size)
         model = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(args)
         seed = base_seed(args)
@@ -104,11 +106,7 @@ class MoEModelMixin:
             )
         model.moe_cache = attach_moe_cache(model)
         apply_freeze(model, args)
-        model.moe_layout = layout
-        # Read when the model is wrapped for training (fairseq hands the wrapper only its distributed options).
-        model.moe_normalize_expert_grad = str(moe_option(args, "moe_normalize_expert_grad"))
-        model.moe_fully_sharded_unit = str(moe_option(args, "moe_fully_sharded_unit"))
-        model.moe_fully_sharded_experts = str(moe_option(args, "moe_fully_sharded_experts"))
+        model.parallel_plan = plan
         return model
 
     @classmethod

@@ -21,8 +21,8 @@ from fairseq.utils import safe_getattr
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..options import MODEL_OPTIONS
-from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_moe_args, moe_option
+from ..options import MODEL_OPTIONS, architecture_defaults, fill_defaults, moe_options
+from .moe_config import MOE_OPTIONS, MoEConfig, MoEEncoderDecoderConfig, check_moe_args
 
 # Re-exported: tests and user code import these from this module, where they used to live.
 from .moe_model import (  # noqa: F401
@@ -61,8 +61,8 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
         # replaces the factor, and drops nothing from 1 on.
         if not config_value(args, "eval_bleu") or world <= 1:
             return
-        fraction = moe_option(args, "moe_eval_capacity_token_fraction") or 0
-        if fraction == 0 and moe_option(args, "moe_eval_capacity_factor"):
+        fraction = moe_options(args).moe_eval_capacity_token_fraction or 0
+        if fraction == 0 and moe_options(args).moe_eval_capacity_factor:
             raise MoEOptionError(
                 f"--eval-bleu on {world} workers needs dropless inference routing to score what one process "
                 f"would generate: drop --moe-eval-capacity-factor (or set it to 0)"
@@ -77,9 +77,7 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
 
 def moe_architecture(args):
     """Fill in every --moe-* option not given with its dataclass default."""
-    for name in MOE_OPTIONS:
-        if name not in NOT_SET_BY_ARCHITECTURE:
-            setattr(args, name, moe_option(args, name))
+    fill_defaults(args, [name for name in MOE_OPTIONS if name not in NOT_SET_BY_ARCHITECTURE])
     # fairseq applies the architecture while it parses the command line: bad flags fail here,
     # before any data is read or any directory is created.
     check_moe_args(args)
@@ -112,7 +110,7 @@ def moe_transformer_tiny(args):
         setattr(args, f"{side}_ffn_embed_dim", safe_getattr(args, f"{side}_ffn_embed_dim", 128))
         setattr(args, f"{side}_layers", safe_getattr(args, f"{side}_layers", 2))
         setattr(args, f"{side}_attention_heads", safe_getattr(args, f"{side}_attention_heads", 4))
-    args.moe_expert_count = safe_getattr(args, "moe_expert_count", 4)
+    architecture_defaults(args, moe_expert_count=4)
     moe_transformer_base(args)
 
 
@@ -149,5 +147,5 @@ def moe_transformer_lm_tiny(args):
     args.decoder_ffn_embed_dim = safe_getattr(args, "decoder_ffn_embed_dim", 128)
     args.decoder_layers = safe_getattr(args, "decoder_layers", 2)
     args.decoder_attention_heads = safe_getattr(args, "decoder_attention_heads", 4)
-    args.moe_expert_count = safe_getattr(args, "moe_expert_count", 4)
+    architecture_defaults(args, moe_expert_count=4)
     moe_transformer_lm_base(args)

@@ -1,12 +1,15 @@
 """Where the experts of a W-worker job live: the arithmetic of the expert-parallel layout.
 
-No process group here (``parallel/expert_groups.py`` creates the groups from this layout and re-exports it;
-checkpoint code places experts by it), so it can be reasoned about and tested without any worker.
+No process group here (``parallel/plan.py`` creates the groups from this layout; checkpoint code places
+experts by it), so it can be reasoned about and tested without any worker. The P arithmetic lives here
+once: the valid P's of a job (``valid_parallel_sizes``), whether a P fits it (``divides_layout``) and the
+line refusing one that does not (``parallel_size_refusal``), used by the models, the checkpoint tool,
+prune and ``plan``.
 """
 
 import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..common.refusal import MoEOptionError
 
@@ -90,3 +93,38 @@ def default_expert_parallel_size(world_size: int, *num_experts: int) -> int:
     different numbers of experts): P = W (each worker one shard, no replicas) whenever E is a multiple of
     W, which is the only layout there was before P could be chosen."""
     return math.gcd(world_size, *num_experts)
+
+
+def valid_parallel_sizes(world_size: int, *num_experts: int) -> List[int]:
+    """Every P a layout of ``world_size`` workers and these expert counts allows (P divides W and every E):
+    the divisors of the default P, smallest first. The one list the models, the checkpoint tool, prune and
+    ``plan`` offer."""
+    largest = default_expert_parallel_size(world_size, *num_experts)
+    return [p for p in range(1, largest + 1) if largest % p == 0]
+
+
+def divides_layout(parallel_size: int, world_size: int, *num_experts: int) -> bool:
+    """Does P divide the W workers (into W/P replica groups) and every E (E/P experts per worker)?"""
+    return parallel_size >= 1 and world_size % parallel_size == 0 and all(e % parallel_size == 0 for e in num_experts)
+
+
+def listed(choices: List[int]) -> str:
+    """``[1, 2, 4]`` as a message lists it: ``1, 2 or 4``."""
+    words = [str(c) for c in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def parallel_size_refusal(
+    size: int, world_size: int, experts: Dict[str, int], flag: str = "--moe-expert-parallel-size"
+) -> Optional[str]:
+    """The one line refusing ``flag size`` for ``world_size`` workers and ``experts`` ({the flag and value that
+    set a count: the count}, one per side), or None when P divides both."""
+    if divides_layout(size, world_size, *experts.values()):
+        return None
+    named = " and ".join(dict.fromkeys(experts))
+    choices = listed(valid_parallel_sizes(world_size, *experts.values()))
+    fix = f"use a P dividing both {world_size} and {named} ({choices})"
+    if size < 1 or world_size % size:
+        return f"{flag} {size} does not divide the {world_size} workers: {fix}"
+    wrong = next(name for name, count in experts.items() if count % size)
+    return f"{flag} {size} does not divide {wrong}: {fix}"

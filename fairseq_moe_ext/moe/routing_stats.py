@@ -4,17 +4,17 @@ expert, over real tokens only, how many tokens chose the expert first (``top1``)
 expert's slots carried, the paper's "importance" when divided by the tokens).
 
 ``RoutingTally`` counts (the MoE layer calls ``add`` after routing when one is attached to it);
-``statistics_document`` writes the JSON file ``--moe-routing-stats`` names, and
+``statistics_document`` and ``statistics_json`` make the JSON file ``--moe-routing-stats`` names, and
 ``read_statistics`` reads one back as untrusted input (every field checked, one line naming it).
 The schema is documented in docs/routing.md ("Routing statistics").
 """
 
 import json
-import os
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..common.input_file import read_text
 from ..common.refusal import MoEOptionError
 
 STATS_FORMAT = "fairseq-moe-ext routing statistics v1"
@@ -104,22 +104,29 @@ def side_of(layer: str) -> str:
     return "encoder" if layer.startswith("encoder.") else "decoder"
 
 
-def write_statistics(document: Dict, path: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(document, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+def statistics_json(document: Dict) -> str:
+    """The file's text (fairseq_integration/routing_stats.py writes it through the checkpoints' staging)."""
+    return json.dumps(document, indent=1) + "\n"
 
 
-def read_statistics(path: str) -> Dict:
-    """The statistics at ``path`` if they are well-formed, else RoutingStatsError naming the field."""
+def holds_statistics(path: str) -> bool:
+    """Whether the file at ``path`` begins as a statistics file does (what an output may replace)."""
     try:
-        with open(path) as f:
-            document = json.load(f)
-    except (OSError, ValueError) as e:
-        raise RoutingStatsError(f"cannot read the routing statistics {path}: {' '.join(str(e).split())}") from None
+        with open(path, "rb") as f:
+            return STATS_FORMAT.encode() in f.read(4096)
+    except OSError:
+        return False
+
+
+def read_statistics(path: str, flag: str = "--stats") -> Dict:
+    """The statistics at ``path`` (named by ``flag``) if they are well-formed, else RoutingStatsError
+    naming the field."""
     fix = "write them again with fairseq-generate or fairseq-validate --moe-routing-stats"
+    text = read_text(path, flag, f"routing statistics ({fix})", RoutingStatsError)
+    try:
+        document = json.loads(text)
+    except ValueError as e:
+        raise RoutingStatsError(f"{flag} {path} is not JSON ({' '.join(str(e).split())}): {fix}") from None
 
     def refuse(field, expected):
         raise RoutingStatsError(f"{path}: field {field} must be {expected}; {fix}")

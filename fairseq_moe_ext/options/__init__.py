@@ -50,8 +50,44 @@ def default(name: str):
 
 
 def option_value(cfg, name: str):
-    """``cfg``'s value of option ``name`` (any config: Namespace, omegaconf, dict), or its default."""
-    return config_value(cfg, name, default(name))
+    """``cfg``'s value of option ``name`` (any config: Namespace, omegaconf, dict; its default where ``cfg``
+    lacks it), parsed and typed by its record (``Option.read``). Inside this package only: every other
+    module reads ``moe_options(cfg).<name>``, so no option is read by a string it spells."""
+    return OPTIONS[name].read(cfg)
+
+
+class OptionValues:
+    """Every option's value in one config, as attributes: ``moe_options(args).moe_freeze`` (a frozenset of
+    parts), ``.moe_router`` (a StrEnum member, equal to ``"top"``), ``.moe_expert_count``. Each is read, parsed
+    and checked when first asked for, then kept; a name that is no option's is an AttributeError."""
+
+    def __init__(self, cfg, as_saved: bool = False):
+        self._cfg, self._as_saved, self._read = cfg, as_saved, {}
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        option = OPTIONS.get(name)
+        if option is None:
+            raise AttributeError(f"no option record is named {name!r} (fairseq_moe_ext/options/)")
+        if name not in self._read:
+            self._read[name] = option.read(self._cfg, self._as_saved)
+        return self._read[name]
+
+
+def moe_options(cfg, as_saved: bool = False) -> OptionValues:
+    """The one way to read the plugin's options: ``moe_options(cfg).<option name>``. ``as_saved``: None for an
+    option ``cfg`` does not hold (a checkpoint's config written before it existed, or by another project),
+    instead of its default."""
+    return OptionValues(cfg, as_saved)
+
+
+def fill_defaults(args, names) -> None:
+    """Set each option of ``names`` that ``args`` (an argparse Namespace) lacks, or holds as None, to its
+    record's default as the command line would give it (the architecture functions' job: a saved config then
+    holds every option)."""
+    for name in names:
+        setattr(args, name, config_value(args, name, OPTIONS[name].default))
 
 
 def moe_freq(cfg, side: str) -> int:
@@ -67,10 +103,36 @@ def expert_count(cfg, side: str) -> int:
     return int(option_value(cfg, "moe_expert_count") if own is None else own)
 
 
-def expert_count_flag(cfg, side: str) -> str:
-    """The flag that sets ``side``'s expert count in ``cfg``, as a message names it: ``--moe-expert-count 8``."""
-    own = option_value(cfg, f"{side}_moe_expert_count")
-    return f"--{side}-moe-expert-count {own}" if own is not None else f"--moe-expert-count {expert_count(cfg, side)}"
+def architecture_defaults(args, **defaults) -> None:
+    """An architecture's own defaults (``moe_expert_count=4`` for the tiny ones), each set where ``args`` lacks
+    the option or holds None (fairseq's architecture functions: None means not given)."""
+    for name, value in defaults.items():
+        OPTIONS[name]  # noqa: B018  (a name that is no option's record is a KeyError, not a new attribute)
+        if config_value(args, name) is None:
+            setattr(args, name, value)
+
+
+def layer_fields(cfg) -> Dict:
+    """The ``MoELayerConfig`` fields the flags set, by their flat names (``MoELayerConfig.of``): each
+    record's ``field``, its value converted by ``to_field`` or as the field holds it. ``hidden_dim`` is
+    None where --moe-expert-ffn-dim is unset (the layer's ffn dim, which the caller knows)."""
+
+    def read(name):
+        return option_value(cfg, name)
+
+    fields = {}
+    for o in MODEL_OPTIONS:
+        if o.field is None:
+            continue
+        value = read(o.name)
+        if o.to_field is not None:
+            value = o.to_field(value, read)
+        elif o.choices:
+            value = str(value)
+        elif o.type in (bool, float):
+            value = o.type(value)
+        fields[o.field.rsplit(".", 1)[-1]] = value
+    return fields
 
 
 def record_problems():

@@ -16,18 +16,22 @@ from ..moe.second_expert import SECOND_EXPERT_POLICIES
 from .record import (
     CHANGES_FUNCTION,
     CHANGES_PARAMETERS,
+    EXPERTS_SIZED_FROM,
+    FFN_SIZED_FROM,
     FP32_MAX,
     FP32_SMALLEST,
-    INT64_MAX,
     MAY_CHANGE,
-    SIZE,
+    MOST_EXPERTS,
+    MOST_WORKERS,
     TRAINING_ONLY,
     TRANSLATION,
+    WIDEST_FFN,
+    WORKERS_SIZED_FROM,
     Option,
     within,
 )
 
-EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")  # parallel.expert_grads.expert_grad_factor
+EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")  # parallel.plan.ParallelPlan.expert_grad_factor
 BALANCE_CHOICES = ("none", "bias")
 FREQ_FIX = "use N for an MoE layer every N layers, or 0 for none"
 CAPACITY_FIX = "use 0 for dropless routing, > 0 for a fixed capacity, < 0 for a bounded dropless one"
@@ -64,7 +68,8 @@ MODEL_OPTIONS = (
     Option("moe_expert_count", int, 8,
            "number of experts in each MoE layer, over all workers (default 8)",
            CHANGES_PARAMETERS, "another number of experts and router rows",
-           range=within(True, "a positive integer", "use 1 or more experts", low=1, high=INT64_MAX, holder=SIZE),
+           range=within(True, "a positive integer", "use 1 or more experts", low=1, high=MOST_EXPERTS,
+                        sized_from=EXPERTS_SIZED_FROM),
            field="num_experts", hf="num_experts", branch="moe_expert_count"),
     Option("moe_expert_parallel_size", Optional[int], None,
            "expert-parallel size P: each group of P consecutive workers holds every expert once "
@@ -76,7 +81,7 @@ MODEL_OPTIONS = (
            MAY_CHANGE, "experts are resharded at load",
            range=within(True, "a positive integer", "use a P dividing both the number of workers and "
                         "--moe-expert-count, or drop it for the default (the largest such P)", low=1,
-                        high=INT64_MAX, holder=SIZE, optional=True)),
+                        high=MOST_WORKERS, sized_from=WORKERS_SIZED_FROM, optional=True)),
     Option("moe_normalize_expert_grad", str, "world_size",
            "world_size: expert gradients equal the one-process gradient, as shared ones do; "
            "sqrt_world_size (the nllb branch's option): sqrt(P) times it, P the expert-parallel size, "
@@ -95,12 +100,12 @@ MODEL_OPTIONS = (
            "--moe-expert-count for decoder MoE layers (default: --moe-expert-count); a set pruned with "
            "prune --encoder-decoder-ratio keeps another number of experts on each side",
            CHANGES_PARAMETERS, "another number of decoder experts and router rows",
-           range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=INT64_MAX, holder=SIZE,
-                        optional=True)),
+           range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=MOST_EXPERTS,
+                        sized_from=EXPERTS_SIZED_FROM, optional=True)),
     Option("moe_top_k", int, 2, "experts per token (default 2)",
            CHANGES_FUNCTION, "a token is sent to another number of experts",
-           range=within(True, "an integer >= 1", "use 1 <= --moe-top-k <= {experts}", low=1, high=INT64_MAX,
-                        holder=SIZE),
+           range=within(True, "an integer >= 1", "use 1 <= --moe-top-k <= {experts}", low=1, high=MOST_EXPERTS,
+                        sized_from=EXPERTS_SIZED_FROM),
            field="routing.k"),
     Option("moe_capacity_factor", float, 0.0,
            "training capacity, Tutel semantics with N tokens over all workers: > 0 keeps "
@@ -136,14 +141,14 @@ MODEL_OPTIONS = (
            "shared experts (DeepSeek-MoE) per MoE layer: always active, run as one dense FFN beside "
            "the routed experts and added to their output; replicated like shared parameters (default 0)",
            CHANGES_PARAMETERS, "another number of shared experts",
-           range=within(True, "an integer >= 0", "use 0 for no shared experts", low=0, high=INT64_MAX,
-                        holder=SIZE),
+           range=within(True, "an integer >= 0", "use 0 for no shared experts", low=0, high=MOST_EXPERTS,
+                        sized_from=EXPERTS_SIZED_FROM),
            field="shared_expert_count"),
     Option("moe_shared_expert_ffn_dim", Optional[int], None,
            "hidden size of each shared expert (default: the routed experts' hidden size)",
            CHANGES_PARAMETERS, "shared experts of another hidden size",
            range=within(True, "a positive integer", "drop it to use the routed experts' hidden size", low=1,
-                        high=INT64_MAX, holder=SIZE, optional=True),
+                        high=WIDEST_FFN, sized_from=FFN_SIZED_FROM, optional=True),
            field="shared_expert_dim"),
     Option("moe_balance", str, "none",
            "'bias': auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the "
@@ -174,11 +179,11 @@ MODEL_OPTIONS = (
            "gradient, no optimizer state and no all-reduce; with the router frozen the balance loss and "
            "z-loss are logged, not added to the loss (default: nothing frozen)",
            MAY_CHANGE, "which parameters train, not what they compute; a changed set starts a fresh "
-           "optimizer state", effective=frozen_parts),
+           "optimizer state", effective=frozen_parts, parse=parse_frozen_parts),
     Option("moe_expert_ffn_dim", Optional[int], None, "hidden size of each expert (default: the layer's ffn dim)",
            CHANGES_PARAMETERS, "experts of another hidden size",
-           range=within(True, "a positive integer", "drop it to use the layer's ffn dim", low=1, high=INT64_MAX,
-                        holder=SIZE, optional=True),
+           range=within(True, "a positive integer", "drop it to use the layer's ffn dim", low=1, high=WIDEST_FFN,
+                        sized_from=FFN_SIZED_FROM, optional=True),
            field="hidden_dim"),  # unset: the translation gives the layer's ffn dim
     Option("moe_batch_prioritized_routing", bool, False,
            "when an expert is over capacity, serve tokens with the highest top-1 gate first "
@@ -230,7 +235,7 @@ TRANSLATION_OPTIONS = (
     Option("encoder_moe_expert_count", Optional[int], None,
            "--moe-expert-count for encoder MoE layers (default: --moe-expert-count)",
            CHANGES_PARAMETERS, "another number of encoder experts and router rows", where=TRANSLATION,
-           range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=INT64_MAX, holder=SIZE,
-                        optional=True)),
+           range=within(True, "a positive integer", SIDE_EXPERTS_FIX, low=1, high=MOST_EXPERTS,
+                        sized_from=EXPERTS_SIZED_FROM, optional=True)),
 )
 # fmt: on

@@ -8,8 +8,11 @@ where its value ends up, the largest value that holds it (fp32 for what is added
 int64 for what becomes a tensor size, a timedelta for seconds) and, where a tiny value would round
 to 0 there, the smallest. ``check_option`` turns a value outside its row into one line naming the
 flag, the problem and the fix. Torch only; the models, the criterions and the checkpoint tool's
-``upcycle`` call it (``MODEL_RANGES``, ``CRITERION_RANGES``, ``UPCYCLE_TOOL_RANGES``). The rows of the
-``--moe-*`` options are their records' ``range`` (``options/``); the tool's own flags are written here.
+``upcycle`` call it (``MODEL_RANGES``, ``CRITERION_RANGES``, ``UPCYCLE_TOOL_RANGES``), and ``plan``
+(``PLAN_TOOL_RANGES``) and the checkpoint tool's other subcommands (``CHECKPOINT_TOOL_RANGES``). The rows of the
+``--moe-*`` options are their records' ``range`` (``options/``); the tools' own flags are written here. A tool's
+count that nothing holds but the work it causes (the workers plan lays out, the symbols of a dictionary) is
+bounded by what the largest real models use, with room (``sized_from``).
 
 Not here, because any finite value works: the capacity factors (a factor beyond the expert count
 serves every slot, and ``moe/capacity.py`` caps it there) and the MoE layer frequencies (Python
@@ -27,8 +30,10 @@ from .record import (  # noqa: F401
     FP32_MAX,
     FP32_SMALLEST,
     INT64_MAX,
+    MOST_WORKERS,
     SIZE,
     TIMEDELTA_MAX_S,
+    WORKERS_SIZED_FROM,
     Range,
 )
 
@@ -36,7 +41,28 @@ from .record import (  # noqa: F401
 MODEL_RANGES = {o.name: o.range for o in MODEL_OPTIONS if o.range is not None}
 CRITERION_RANGES = {o.name: o.range for o in CRITERION_OPTIONS if o.range is not None}
 
+# Workers: the records' bound (record.MOST_WORKERS); symbols: 4 x the largest vocabulary of a released model
+# (NLLB-200's 256,206; Gemma's 256,000); bytes of one device: 4 x the largest accelerator's (288 GB).
+LARGEST_WORLD, LARGEST_VOCABULARY, LARGEST_DEVICE = MOST_WORKERS, 2**20, 2**40
+WORLD_SIZED_FROM = WORKERS_SIZED_FROM
+
 # fmt: off
+PLAN_TOOL_RANGES = {
+    "world_size": Range("--world-size", True, "a positive integer", "give the number of GPUs (workers) to plan for, "
+                        "e.g. --world-size 8", low=1, high=LARGEST_WORLD, sized_from=WORLD_SIZED_FROM),
+    "dictionary_size": Range("--dictionary-size", True, "an integer >= 5 (fairseq's 4 special symbols and a word)",
+                             "give the dictionary's size: the lines of the dict.txt fairseq-train will read, plus 4",
+                             low=5, high=LARGEST_VOCABULARY, optional=True,
+                             sized_from="4 x the largest vocabulary of a released model (NLLB-200's 256,206 symbols)"),
+}
+CHECKPOINT_TOOL_RANGES = {  # every subcommand's that has them (python -m fairseq_moe_ext.checkpoint)
+    "world_size": Range("--world-size", True, "a positive number of workers", "use the number of workers that will "
+                        "resume from the set", low=1, high=LARGEST_WORLD, sized_from=WORLD_SIZED_FROM, optional=True),
+    # No lower bound here: a P below 1 gets the line that lists the P that divide (__main__.expert_parallel_size).
+    "expert_parallel_size": Range("--expert-parallel-size", True, "an integer", "use a P dividing both --world-size "
+                                  "and the experts, or drop it for the default", high=LARGEST_WORLD,
+                                  sized_from=WORLD_SIZED_FROM, optional=True),
+}
 UPCYCLE_TOOL_RANGES = {
     "noise": Range("--noise", False, "a finite number >= 0", "use 0 (exact copies) or a small standard deviation "
                    "such as 0.001", low=0, high=FP32_MAX, holder="the fp32 noise added to the experts"),
@@ -66,6 +92,8 @@ def check_option(spec: Range, value, **fix_fields) -> None:
         raise wrong
     if spec.high is not None and abs(value) > spec.high:
         limit = f"{spec.high:g}" if isinstance(spec.high, float) else str(spec.high)
+        if spec.sized_from:
+            raise MoEOptionError(f"{spec.flag} {value!r} is beyond {spec.sized_from} (at most {limit}): {fix}")
         raise MoEOptionError(f"{spec.flag} {value!r} is more than {spec.holder} can hold (at most {limit}): {fix}")
     if spec.smallest is not None and 0 < abs(value) < spec.smallest:
         raise MoEOptionError(

@@ -5,17 +5,30 @@ Torch only and fairseq-free, so every tier that derives a table from the records
 dataclasses), ``options/ranges.py`` (the ranges), ``training/resume_policy.py`` (the resume rules).
 """
 
+import enum
+import functools
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from ..common.config_value import config_value
+from ..common.refusal import MoEOptionError
+
 FP32_MAX = float(torch.finfo(torch.float32).max)
 FP32_SMALLEST = 2.0**-149  # the smallest positive fp32 (subnormal); below half of it fp32 holds 0
 INT64_MAX = 2**63 - 1
 TIMEDELTA_MAX_S = float(timedelta.max.days * 86400)  # whole days: total_seconds() of the max rounds past it
 SIZE = "the int64 tensor sizes it becomes"
+# The counts and sizes that become tensor shapes are bounded by the largest real models, with room (an int64 size
+# holds far more: 10**9 experts fail in the allocator, 10**18 in torch's size arithmetic, each with a traceback).
+MOST_EXPERTS = 2**20
+EXPERTS_SIZED_FROM = "PEER's 1,048,576 experts per layer, the most of any published MoE"
+WIDEST_FFN = 2**20
+FFN_SIZED_FROM = "14 x PaLM's 73,728-wide FFN, the widest of a published model"
+MOST_WORKERS = 2**20
+WORKERS_SIZED_FROM = "10 x the largest training jobs run (some 100,000 GPUs)"
 FP32_LOSS = "the fp32 loss it multiplies"
 
 # What a change of the option does when a run resumes (training/resume_policy.py).
@@ -46,6 +59,7 @@ class Range:
     holder: str = ""  # ... and what holds it
     smallest: Optional[float] = None  # a nonzero value below this is 0 in the holder
     optional: bool = False  # None is allowed (the option then follows another one)
+    sized_from: str = ""  # what ``high`` is sized from (the largest real model), said instead of the holder
 # fmt: on
 
 
@@ -74,6 +88,7 @@ class Option:
     launch_only: bool = False  # read from the command line when a run starts; architectures never set it
     hf: Optional[str] = None  # the NllbMoeConfig field carried over one to one (export-hf, import-hf)
     branch: Optional[str] = None  # the fairseq nllb/moe branch's option carried over one to one
+    parse: Optional[Callable] = None  # (value as given or saved, flag) -> the value every reader gets
 
     def __post_init__(self):
         if self.range is not None and not self.range.flag:
@@ -94,6 +109,23 @@ class Option:
         """Where a checkpoint's cfg holds it: "model" or "criterion"."""
         return "criterion" if self.where == CRITERION else "model"
 
+    def read(self, cfg, as_saved: bool = False):
+        """This option's value in ``cfg`` (any config: Namespace, omegaconf, dict; its default where ``cfg``
+        lacks it, or None with ``as_saved``: a checkpoint's config as it was written), as every reader gets it:
+        parsed by the record's ``parse`` (``--moe-freeze``: a frozenset of parts), a choice as its ``StrEnum``
+        member (equal to the string), a flag as a bool; numbers as given, so that their range check sees what
+        the user passed."""
+        raw = config_value(cfg, self.name, None if as_saved else self.default)
+        if self.parse is not None:
+            return self.parse(raw, self.flag)
+        if raw is None:
+            return None
+        if self.choices:
+            return choice_of(self, raw)
+        if self.type is bool:
+            return bool(raw)
+        return raw
+
     def problems(self):
         """What the record lacks or gets wrong, one line each (an incomplete record is refused)."""
         found = []
@@ -111,3 +143,21 @@ class Option:
             found.append(f"{self.name}: a criterion or inference option sets no layer field and has no checkpoint name")
         return found
 # fmt: on
+
+
+@functools.lru_cache(maxsize=None)
+def choice_type(name: str, choices: Tuple[str, ...]) -> type:
+    """The ``StrEnum`` of an option's choices: its members compare and print as the strings they stand for."""
+    title = "".join(part.title() for part in name.split("_"))
+    return enum.StrEnum(title, {choice.upper().replace("-", "_"): choice for choice in choices})
+
+
+def choice_of(option: Option, raw):
+    """``raw`` (a string, a ChoiceEnum member of fairseq's dataclass, an earlier member) as its member."""
+    kind = choice_type(option.name, option.choices)
+    try:
+        return kind(str(raw))
+    except ValueError:
+        raise MoEOptionError(
+            f"{option.flag} {raw}: not one of its choices; use one of {', '.join(option.choices)}"
+        ) from None

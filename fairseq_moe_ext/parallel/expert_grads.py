@@ -19,7 +19,6 @@ gradient is the sum over that group's tokens. Consequences, handled here:
 The gradient norm over both kinds is ``grad_norm.py``'s.
 """
 
-import math
 from typing import Iterable, List
 
 import torch
@@ -35,13 +34,6 @@ from ..options.model import EXPERT_GRAD_NORMALIZATIONS  # noqa: F401  (--moe-nor
 from .fully_sharded import is_sharded, local_part
 
 SUPPORTED_DDP_BACKENDS = ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp", "fully_sharded")
-
-
-def expert_grad_factor(normalization: str, parallel_size: int) -> float:
-    """What expert gradients are multiplied by relative to the exact (one-process) gradient:
-    1 for ``world_size``, sqrt(P) for ``sqrt_world_size`` (the nllb branch divides them by
-    sqrt(W / replicas) = sqrt(P) where ``world_size`` divides by P)."""
-    return math.sqrt(parallel_size) if str(normalization) == "sqrt_world_size" else 1.0
 
 
 def has_experts(module: torch.nn.Module) -> bool:
@@ -117,7 +109,7 @@ class ExpertParallelModel(ModuleProxyWrapper):
 
     Attribute access, ``state_dict`` and ``load_state_dict`` go to the fairseq model, as with
     fairseq's own wrappers. ``replica_group``: ``expert_replica_group()`` when the model was
-    wrapped (None: no replicas). ``expert_grad_factor``: ``expert_grad_factor(...)``, 1 for the
+    wrapped (None: no replicas). ``expert_grad_factor``: ``ParallelPlan.expert_grad_factor``, 1 for the
     exact gradient.
     """
 

@@ -30,7 +30,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], group=None) -> torch.Tensor
 
     Everything stays on the gradients' device (fp64 sums, in parameter order) and the expert part
     is all-reduced on the group's device: no host read at all, where a ``.cpu()`` per parameter
-    used to stall the GPU once per parameter per step. ``group``: ``expert_parallel_group()`` of the
+    used to stall the GPU once per parameter per step. ``group``: ``ParallelPlan.parallel_group`` of the
     model the parameters belong to (None: every expert local)."""
     grads = [(p.grad.detach(), is_expert(p)) for p in params if p is not None and p.grad is not None]
     device = local_part(grads[0][0]).device if grads else torch.device("cpu")

@@ -33,11 +33,7 @@ IO_WAIT_TIMEOUT = timedelta(hours=4)
 def io_wait_group():
     """The gloo group over every worker for waits on file work (made once per default group; a
     collective the first time, as torch's new_group is)."""
-    key = id(dist.group.WORLD)
-    if key not in STATE.io_wait_groups:
-        STATE.io_wait_groups.clear()
-        STATE.io_wait_groups[key] = dist.new_group(backend="gloo", timeout=IO_WAIT_TIMEOUT)
-    return STATE.io_wait_groups[key]
+    return STATE.process_groups.io_wait_group(lambda: dist.new_group(backend="gloo", timeout=IO_WAIT_TIMEOUT))
 
 
 def broadcast_from_rank_0(value: Any) -> Any:

@@ -14,13 +14,19 @@ purpose, and are the only ones:
   its feed-forward just before the forward and cleared right after.
 * ``checkpoint.foreign._WARNED_ABOUT``: the files already warned about (one warning per foreign
   manifest per process); ``checkpoint/`` sits below this module and cannot reach ``STATE``.
+* ``model.parallel_plan`` (``parallel/plan.py``) and ``model.moe_lockstep``
+  (``fairseq_integration/inference.py``): what a model was built with, and its lock-step in inference,
+  kept on the model they describe.
 
 Importing this module imports nothing of fairseq's.
 """
 
+import atexit
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, List, MutableMapping, Optional
+
+import torch.distributed as dist
 
 
 # fmt: off
@@ -37,29 +43,64 @@ class LoadTarget:
 # fmt: on
 
 
+class ProcessGroups:
+    """The process groups the plugin made, kept for the process: torch's ``new_group`` is collective (every
+    worker makes the same groups in the same order), so plans of one layout share them, and a re-initialised
+    default group (a new job in the same process) gets new ones. Closed at exit once any was made: fairseq's
+    CLIs never close theirs, and gloo's threads left open abort the interpreter at exit now and then
+    ("terminate called without an active exception", exit status -6)."""
+
+    def __init__(self, made: Optional[MutableMapping] = None):
+        self.made = {} if made is None else made  # (kind, default group, ...) -> what was made
+        self.closes_at_exit = False
+
+    def expert_groups(self, layout, timeout_s: Optional[float], make: Callable):
+        """``make(layout, timeout_s)``'s groups, made once per default group, timeout and P."""
+        key = ("expert", id(dist.group.WORLD), timeout_s, layout.parallel_size)
+        return self._once(key, lambda: make(layout, timeout_s))
+
+    def io_wait_group(self, make: Callable):
+        """``make()``'s group for waits on file work, made once per default group."""
+        return self._once(("io_wait", id(dist.group.WORLD)), make)
+
+    def _once(self, key, make):
+        if key not in self.made:
+            for stale in [k for k in self.made if k[0] == key[0] and k[1] != key[1]]:
+                del self.made[stale]  # made for an earlier default group, destroyed with it
+            if not self.closes_at_exit:
+                atexit.register(close_process_groups)
+                self.closes_at_exit = True
+            self.made[key] = make()
+        return self.made[key]
+
+
+def close_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # fmt: off
 @dataclass
+class ModelLoad:
+    """A model being loaded to run (generation, scoring, the hub), for the duration of fairseq's
+    load_model_ensemble_and_task: what the model's build and the checkpoint reads inside it must know."""
+
+    experts_dtype: Any  # the torch dtype experts are built in, on meta, to be filled from the checkpoint
+    every_expert_local: bool  # built holding every expert (False: an expert-sharded run's own share)
+    mappings: List[Any] = field(default_factory=list)  # (path, start, end) of each file mapping a read made,
+    # whose pages are given back once read (checkpoint/mapped_pages.py)
+
+
+@dataclass
 class PluginState:
-    # Writer: the models' build_model (--moe-comm-timeout, via expert_groups.set_comm_timeout).
-    # Reader: expert_groups._new_expert_groups, when it creates the groups. None: torch's default.
-    comm_timeout_s: Optional[float] = None
-    # Writer: the models' build_model on several workers (--moe-expert-parallel-size, or its default
-    # gcd(W, E), via expert_groups.set_expert_parallel_size). Reader: expert_groups.expert_layout.
-    # None: P = W (every worker one shard, the layout before P could be chosen).
-    expert_parallel_size: Optional[int] = None
-    # Writer and reader: expert_groups._expert_groups (one expert_groups.ExpertGroups, this rank's
-    # expert-parallel, replica and statistics groups, per default group, timeout and P).
-    expert_groups: Dict[Any, Any] = field(default_factory=dict)
-    # Writer and reader: expert_groups._new_expert_groups (whether close_process_groups is registered
-    # to run at exit, once per process).
-    closes_groups_at_exit: bool = False
-    # Writer: expert_groups.all_experts_local() (entered by the load_model_ensemble_and_task hook, so
-    # generation builds models holding every expert). Reader: expert_groups.expert_world_size.
-    all_experts_local_depth: int = 0
+    # Writer and reader: plan.ParallelPlan.groups and io_waits.io_wait_group (the groups made, per
+    # default group).
+    process_groups: ProcessGroups = field(default_factory=ProcessGroups)
     # Writer: the DistributedFairseqModel hook, once it wraps an MoE model whose experts train (not
-    # --moe-freeze experts) for several workers.
-    # Reader: the clip_grad_norm_ hook (gradients that lost the expert marker are refused then).
-    expert_parallel_training: bool = False
+    # --moe-freeze experts) for several workers: that model's ParallelPlan. Reader: the clip_grad_norm_
+    # hook, which fairseq hands the parameters alone (the expert-parallel group of the norm; gradients
+    # that lost the expert marker are refused). None: no expert trains on several workers.
+    training_plan: Optional[Any] = None
     # Writer: the Trainer._prepare_sample hook (fairseq's dummy batch). Reader: MoEFeedForward.forward.
     dummy_batch: bool = False
     # Writer: the Trainer.load_checkpoint hook (pushed around fairseq's load, popped after).
@@ -71,33 +112,14 @@ class PluginState:
     # Writer: the AMPOptimizer.clip_grad_norm hook (did the global gradient norm overflow?).
     # Reader: the AMPOptimizer.step hook of the same optimizer, which consumes it.
     amp_overflow: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
-    # Writer: the parse_args_and_arch hook (inference.decide_sharded_inference: --moe-inference-experts
-    # on N torchrun workers). Reader: the load_model_ensemble_and_task hook. None: every expert local.
-    sharded_inference: Optional[Any] = None
-    # Writer: the parse_args_and_arch hook (run_dtype.record_inference_dtype: the torch dtype an inference CLI's
-    # --fp16 / --bf16 asks for). Reader: the load_model_ensemble_and_task hook, which casts MoE models to it.
-    # None: no inference CLI parsed (a hub load reads its own keyword overrides).
-    inference_dtype: Optional[Any] = None
-    # Writer: the load_model_ensemble_and_task hook (run_dtype.built_for_load, around fairseq's load). Reader:
-    # models/moe_layers.install_moe_layers, which then builds experts on meta in this dtype, to be filled from the
-    # checkpoint. None: experts are built and initialised (training, a model built from flags).
-    experts_built_for_load: Optional[Any] = None
-    # Writer: the load_checkpoint_to_cpu hook during such a load ((path, start, end) of each file mapping it made).
-    # Reader: the same hook and the load_model_ensemble_and_task hook, which give their pages back
-    # (checkpoint/mapped_pages.py) once read, and empty it.
-    inference_mappings: List[Any] = field(default_factory=list)
-    # Writer: inference.load_sharded (the sharded CLI's model, in lock-step for the whole process).
-    # Reader: the progress_bar hook, whose iterator finishes the lock-step when its batches run out.
-    inference_lockstep: Optional[Any] = None
-    # Writer and reader: inference.attach_lockstep (a per-model cache: its moe.lockstep.LockStep, or
-    # None when its MoE layers talk to no other worker).
-    locksteps: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
-    # Writer: the parse_args_and_arch hook (routing_stats.decide_routing_stats: --moe-routing-stats).
-    # Readers: the load_model_ensemble_and_task hook (attaches its tally) and the progress_bar hook.
-    routing_stats: Optional[Any] = None
-    # Writer and reader: io_waits.io_wait_group (the gloo group on which workers wait for another
-    # worker's checkpoint file work, one per default group).
-    io_wait_groups: Dict[Any, Any] = field(default_factory=dict)
+    # Writer: the parse_args_and_arch hook, in every CLI (fairseq_integration/inference.InferenceRun: how an
+    # inference CLI with --path runs: experts sharded, the dtype, --moe-routing-stats; its lock-step once
+    # loaded). Readers: the load_model_ensemble_and_task and progress_bar hooks. None: no inference CLI.
+    inference: Optional[Any] = None
+    # Writer: the load_model_ensemble_and_task hook (a ModelLoad, around fairseq's load). Readers: the models'
+    # build (models/moe_layers.py: experts on meta, in its dtype; the plan: every expert local) and the
+    # load_checkpoint_to_cpu hook. None: a model built to train, or from flags.
+    model_load: Optional[ModelLoad] = None
 # fmt: on
 
 

@@ -12,6 +12,6 @@ Modules:
     upcycling.py          sparse upcycling's fairseq side: the MoE config, --moe-upcycle-from
     upcycle_cli.py        the checkpoint tool's ``upcycle`` flags (fairseq is imported only when it runs)
 
-Nothing is imported here, so ``python -m fairseq_moe_ext.checkpoint`` can load ``upcycle_cli``
-on a machine without fairseq.
+Nothing is imported here, so ``fairseq-moe upcycle`` (console.py) can load ``upcycle_cli`` on a
+machine without fairseq.
 """

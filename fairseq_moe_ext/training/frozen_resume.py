@@ -16,7 +16,8 @@ from typing import Optional
 import torch.nn as nn
 
 from ..common.config_value import config_value
-from ..moe.freeze import parse_frozen_parts, part_of, router_parameter_ids
+from ..moe.freeze import part_of, router_parameter_ids
+from ..options import moe_options
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ def carry_optimizer_state_over_freeze(path: str, state: dict, model: nn.Module, 
     """Rewrite ``state["last_optimizer_state"]`` (a loaded checkpoint) for this run's ``--moe-freeze`` when the
     checkpoint's differs; returns the line logged, or None when nothing changed."""
     saved_cfg = config_value(state.get("cfg"), "model", None)
-    was = parse_frozen_parts(config_value(saved_cfg, "moe_freeze", None), "--moe-freeze")
-    now = parse_frozen_parts(config_value(model_cfg, "moe_freeze", None), "--moe-freeze")
+    was = moe_options(saved_cfg).moe_freeze
+    now = moe_options(model_cfg).moe_freeze
     optim_state = state.get("last_optimizer_state")
     if was == now or not isinstance(optim_state, dict):
         return None

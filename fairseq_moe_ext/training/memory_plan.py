@@ -1,5 +1,5 @@
 """What one worker holds during training, by backend, expert-parallel size and precision: the arithmetic
-behind ``python -m fairseq_moe_ext plan`` (``plan_cli.py`` builds the model and prints it).
+behind ``fairseq-moe plan`` (``plan_cli.py`` builds the model and prints it).
 
 The inputs are the shapes of the model's parameters (shared ones once each, expert ones with every
 expert: dim 0 is E), the precision and the optimizer as fairseq-train's flags give them. What each
@@ -26,7 +26,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..moe.expert_layout import default_expert_parallel_size
+from ..moe.expert_layout import valid_parallel_sizes
+from ..options.ranges import LARGEST_DEVICE
+from ..parallel.plan import ParallelPlan
 
 Shape = Tuple[int, ...]
 FP32 = 4
@@ -91,27 +93,19 @@ OPTIMIZER_STATE: Dict[str, Callable[[Shape, Dict], int]] = {
 }
 
 
-@dataclass(frozen=True)
-class Layout:
-    backend: str  # legacy_ddp or fully_sharded
-    world_size: int  # W
-    parallel_size: int  # P
-    experts_sharded: bool  # fully_sharded: experts also sharded over their replica group (W/P workers)
-
-
-def parallel_sizes(world_size: int, *expert_counts: int) -> List[int]:
-    """Every valid P: the divisors of the default P, gcd(W, every E), smallest first."""
-    g = default_expert_parallel_size(world_size, *expert_counts)
-    return [p for p in range(1, g + 1) if g % p == 0]
+# A layout plan prints a row for: the model's ParallelPlan (W, P, the backend, experts whole or sharded).
+Layout = ParallelPlan
 
 
 def layouts(world_size: int, *expert_counts: int) -> List[Layout]:
+    """Every layout of ``world_size`` workers: each valid P under legacy_ddp, under fully_sharded, and under
+    fully_sharded with experts sharded over their replicas where there are replicas (W > P)."""
     rows = []
-    for p in parallel_sizes(world_size, *expert_counts):
-        rows.append(Layout("legacy_ddp", world_size, p, False))
-        rows.append(Layout("fully_sharded", world_size, p, False))
+    for p in valid_parallel_sizes(world_size, *expert_counts):
+        rows.append(ParallelPlan(world_size, p, backend="legacy_ddp"))
+        rows.append(ParallelPlan(world_size, p, backend="fully_sharded"))
         if world_size > p:
-            rows.append(Layout("fully_sharded", world_size, p, True))
+            rows.append(ParallelPlan(world_size, p, backend="fully_sharded", experts="sharded"))
     return rows
 
 
@@ -208,9 +202,14 @@ def parse_size(text: str) -> int:
         amount = float(number)
     except ValueError:
         amount = None
-    if amount is None or unit not in units or amount <= 0:
+    if amount is None or unit not in units or not 0 < amount < math.inf:
         raise ValueError(
             f"--device-memory {text!r} is not a size: give a number with a unit, e.g. 80GiB, 80GB or 141GB"
+        )
+    if amount * units[unit] > LARGEST_DEVICE:
+        raise ValueError(
+            f"--device-memory {text!r} is beyond 4 x the largest accelerator's memory (288 GB) (at most 1 TiB): "
+            f"give one device's memory, e.g. 80GB"
         )
     return int(amount * units[unit])
 

@@ -1,23 +1,26 @@
-"""``python -m fairseq_moe_ext plan <fairseq-train arguments> --world-size W [--device-memory 80GiB]``:
+"""``fairseq-moe plan <fairseq-train arguments> --world-size W [--device-memory 80GiB]``:
 what one worker holds, per backend and expert-parallel size, before any GPU is rented.
 
 The model is built from the same arguments as fairseq-train builds it, on the ``meta`` device (shapes
-only: no memory, no weights); ``--dictionary-size N`` builds it with N-entry dictionaries when the
-data directory is not there yet. The bytes come from ``memory_plan.py``, the activation bound from
-``activation_bound.py``. A bad argument is one line, as everywhere in the plugin.
+only: no memory, no weights); ``--dictionary-size N`` builds it with N-entry dictionaries held in memory
+when the data directory is not there yet (nothing is written: a model's shapes need a dictionary's length,
+not its words). The bytes come from ``memory_plan.py``, the activation bound from ``activation_bound.py``.
+A bad argument is one line, as everywhere in the plugin: fairseq-train's own refusal of an argument
+included (argparse's line, which fairseq's parser prints, is caught and said as plan's).
 """
 
 import argparse
+import contextlib
+import io
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import warnings
 from typing import Dict, List, Optional
 
 from ..common.config_value import config_value
+from ..options.ranges import PLAN_TOOL_RANGES, check_options
 from . import memory_plan as mp
 
 PLAN_FLAGS = ("--world-size", "--device-memory", "--dictionary-size")
@@ -31,22 +34,46 @@ DECIDED_HERE = (
 )
 
 
+NO_PAIR = (
+    "the translation task reads the language pair from the data directory's file names, and there are none to "
+    "read: add --source-lang and --target-lang"
+)
+
+
 class PlanError(ValueError):
     """A bad argument: printed as one line."""
 
 
-def split_argv(argv: List[str]):
-    parser = argparse.ArgumentParser(prog="python -m fairseq_moe_ext plan", add_help=False)
-    parser.add_argument("--world-size", type=int)
-    parser.add_argument("--device-memory", default=None)
-    parser.add_argument("--dictionary-size", type=int, default=None)
+def add_plan_parser(p) -> None:
+    """plan's own flags, on the parser that picks them out of fairseq-train's arguments (and answers --help)."""
+    p.usage = "%(prog)s <fairseq-train arguments> --world-size W [--device-memory SIZE[,...]] [--dictionary-size N]"
+    p.epilog = (
+        "Every other argument is fairseq-train's (the data directory, --arch, --task, ...): the model is built from "
+        f"them on the meta device. plan shows every choice of {', '.join(DECIDED_HERE)}, so it sets those aside."
+    )
+    p.add_argument("--world-size", type=int, metavar="W", help="the number of GPUs (workers) to plan for")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE[,...]",
+        help="one worker's memory, e.g. 80GiB or 80GiB,141GB: a column says whether each layout fits each size",
+    )
+    p.add_argument(
+        "--dictionary-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="build the model with N-entry dictionaries, before the data directory exists",
+    )
+
+
+def split_argv(argv: List[str], prog: str = "python -m fairseq_moe_ext plan"):
+    parser = argparse.ArgumentParser(prog=prog, add_help=False)
+    add_plan_parser(parser)
     own, rest = parser.parse_known_args(argv)
     if own.world_size is None:
         raise PlanError("plan needs --world-size W, the number of GPUs (workers) to plan for, e.g. --world-size 8")
-    if own.world_size < 1:
-        raise PlanError(f"--world-size must be at least 1, got {own.world_size}: give the number of GPUs")
-    if own.dictionary_size is not None and own.dictionary_size < 5:
-        raise PlanError(f"--dictionary-size must be at least 5 (4 special symbols), got {own.dictionary_size}")
+    check_options(PLAN_TOOL_RANGES, lambda name: getattr(own, name))
     memory = [] if own.device_memory is None else [mp.parse_size(m) for m in own.device_memory.split(",") if m]
     asked, kept, skip = {}, [], False
     for i, arg in enumerate(rest):
@@ -64,14 +91,46 @@ def split_argv(argv: List[str]):
     return own, memory, asked, kept
 
 
-def _fake_data_dir(size: int, argv: List[str]) -> str:
-    """A directory with dict.txt and dict.<lang>.txt of ``size`` entries (fairseq adds 4 specials)."""
-    folder = tempfile.mkdtemp(prefix="moe-plan-")
-    langs = {argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--source-lang", "-s", "--target-lang", "-t")}
-    for name in ["dict.txt", *(f"dict.{lang}.txt" for lang in langs)]:
-        with open(os.path.join(folder, name), "w") as f:
-            f.writelines(f"plan{i} 1\n" for i in range(size - 4))
-    return folder
+@contextlib.contextmanager
+def dictionaries_of_size(size: Optional[int]):
+    """While the task is set up, every dictionary fairseq loads is ``size`` symbols held in memory (fairseq's
+    4 specials and ``plan0`` ... ``plan{size-5}``), whatever file it names: nothing is read or written."""
+    if size is None:
+        yield
+        return
+    from fairseq.data import Dictionary
+
+    def load(cls, f, *args, **kwargs):
+        dictionary = cls()
+        dictionary.symbols.extend(f"plan{i}" for i in range(size - len(dictionary)))
+        dictionary.count.extend([1] * (size - len(dictionary.count)))
+        dictionary.indices.update((symbol, i) for i, symbol in enumerate(dictionary.symbols))
+        return dictionary
+
+    original = Dictionary.__dict__["load"]
+    Dictionary.load = classmethod(load)
+    try:
+        yield
+    finally:
+        Dictionary.load = original
+
+
+def parsed_training_args(argv: List[str]):
+    """fairseq-train's parse of ``argv``; its refusal (argparse prints it and exits) as one PlanError line."""
+    from fairseq import options
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            return options.parse_args_and_arch(options.get_training_parser(), argv)
+    except SystemExit as exit:
+        said = [line.split(": error: ", 1)[1] for line in printed.getvalue().splitlines() if ": error: " in line]
+        if exit.code == 0:  # --help: fairseq-train's own help was printed
+            raise
+        raise PlanError(
+            f"fairseq-train refused these arguments ({said[-1] if said else f'exit status {exit.code}'}): plan takes "
+            f"fairseq-train's arguments plus --world-size W; fix the argument it names"
+        ) from None
 
 
 def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
@@ -79,40 +138,37 @@ def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
     import torch
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq import options, tasks
+    from fairseq import tasks
 
     if "--user-dir" not in argv:
         argv = [*argv, "--user-dir", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    data = None
-    if dictionary_size is not None:
-        data = _fake_data_dir(dictionary_size, argv)
-        # fairseq-train's data directory comes first (DATA --task ...): replaced, or added when absent.
-        argv = [data, *argv[1:]] if argv and not argv[0].startswith("-") else [data, *argv]
+    if dictionary_size is not None and (not argv or argv[0].startswith("-")):
+        argv = ["plan-without-data", *argv]  # fairseq-train's DATA, never read: the dictionaries are in memory
+    args = parsed_training_args(argv)
+    arch = config_value(args, "arch")
+    if arch is None or not str(arch).startswith("moe_"):
+        raise PlanError(
+            f"--arch {arch} is not an MoE architecture of this plugin: plan is for moe_transformer* and "
+            f"moe_transformer_lm* models"
+        )
+    cfg = convert_namespace_to_omegaconf(args)
     try:
-        try:
-            args = options.parse_args_and_arch(options.get_training_parser(), argv)
-        except SystemExit as exit:
-            raise PlanError(
-                "fairseq-train refused these arguments (its message is above): plan takes fairseq-train's "
-                "arguments plus --world-size W"
-            ) from exit
-        arch = config_value(args, "arch")
-        if arch is None or not str(arch).startswith("moe_"):
-            raise PlanError(f"--arch {arch} is not an MoE architecture of this plugin")
-        cfg = convert_namespace_to_omegaconf(args)
-        try:
+        with dictionaries_of_size(dictionary_size):
             task = tasks.setup_task(cfg.task)
-        except FileNotFoundError as error:
+    except FileNotFoundError as error:
+        if dictionary_size is None:
             raise PlanError(
                 f"{error.filename or error}: no dictionaries to build the model with: give the data "
                 f"directory fairseq-train reads, or --dictionary-size N to plan before it exists"
             ) from None
-        with torch.device("meta"):
-            model = task.build_model(cfg.model)
-        return cfg, args, model
-    finally:
-        if data is not None:
-            shutil.rmtree(data, ignore_errors=True)
+        raise PlanError(f"{error.filename or error}: {NO_PAIR}") from None
+    except Exception as error:  # noqa: BLE001 - fairseq's translation task raises a bare Exception for this
+        if "infer language pair" not in str(error):
+            raise
+        raise PlanError(f"{argv[0]}: {NO_PAIR}") from None
+    with torch.device("meta"):
+        model = task.build_model(cfg.model)
+    return cfg, args, model
 
 
 def model_shapes(model) -> mp.ModelShapes:
@@ -238,20 +294,19 @@ def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int
     precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
     optimizer, options = optimizer_of(cfg)
     shapes = model_shapes(model)
-    sharded = asked.get("--moe-fully-sharded-experts") == "sharded"
-    experts_sharded = sharded and backend == "fully_sharded" and world_size > parallel_size
-    layout = mp.Layout(backend, world_size, parallel_size, experts_sharded)
+    experts = "sharded" if asked.get("--moe-fully-sharded-experts") == "sharded" else "whole"
+    layout = mp.Layout(world_size, parallel_size, backend=backend, experts=experts)
     return worker_bytes(shapes, layout, precision, optimizer, options, rank)
 
 
-def main(argv: List[str]) -> int:
+def main(argv: List[str], prog: str = "python -m fairseq_moe_ext plan") -> int:
     from ..parallel.fully_sharded import refused_options
     from .activation_bound import activation_bytes
 
     logging.disable(logging.INFO)  # fairseq's and hydra's start-up notes: the table is the output
     warnings.filterwarnings("ignore")  # hydra's and torch's deprecation notes: the table is the output
     try:
-        own, memory, asked, fairseq_argv = split_argv(argv)
+        own, memory, asked, fairseq_argv = split_argv(argv, prog)
         cfg, args, model = build_on_meta(fairseq_argv, own.dictionary_size)
         shapes = model_shapes(model)
         precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))

@@ -1,19 +1,16 @@
-"""The checkpoint tool's ``upcycle`` subcommand: its flags and the conversion they ask for.
+"""The checkpoint tool's ``upcycle`` subcommand, a row of fairseq_moe_ext/console.py's registry: its flags, the
+conversion they ask for and the checkpoint written.
 
 The flags are named as fairseq-train's, so the MoE part of a training command can be copied over.
 fairseq is imported only when the subcommand runs (the architecture and criterion registries decide
 which MoE architecture a dense checkpoint becomes; see ``upcycling.py``).
 """
 
+from ..checkpoint.sets_cli import check_world_size, refuse_overwrite, refusing, write_merged, write_set
 from ..checkpoint.upcycle import DEFAULT_ROUTER_STD
 
 
-def add_upcycle_parser(sub) -> None:
-    p = sub.add_parser(
-        "upcycle",
-        help="turn a dense fairseq checkpoint into an MoE one that computes the same "
-        "function (sparse upcycling: every expert a copy of the dense FFN)",
-    )
+def add_upcycle_parser(p) -> None:
     p.add_argument(
         "checkpoint", help="the dense checkpoint, e.g. dense/checkpoint_best.pt (transformer*, transformer_lm*)"
     )
@@ -54,6 +51,19 @@ def add_upcycle_parser(sub) -> None:
         f"experts; 0: every token picks the same experts); any value keeps the dense function",
     )
     p.add_argument("--seed", type=int, default=1, help="seed of the noise and the router weights (default 1)")
+
+
+@refusing
+def upcycle_command(args) -> int:
+    # Everything that can be checked before loading is checked before loading.
+    refuse_overwrite(args.output)
+    check_world_size(args.world_size)
+    full = upcycle(args)
+    if args.world_size == 1:
+        print(f"wrote {write_merged(full, args.output)}")
+    else:
+        write_set(full, args)
+    return 0
 
 
 def upcycle(args):

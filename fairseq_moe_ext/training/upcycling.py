@@ -4,7 +4,7 @@ A dense checkpoint's architecture decides the MoE one (``transformer*`` -> ``moe
 ``transformer_lm*`` -> ``moe_transformer_lm``; the dense config's sizes are kept), its criterion the
 MoE criterion, and the MoE flags given decide which layers become MoE. Two ways in:
 
-* ``python -m fairseq_moe_ext.checkpoint upcycle DENSE OUT --moe-expert-count E ...`` writes the
+* ``fairseq-moe upcycle DENSE OUT --moe-expert-count E ...`` writes the
   upcycled checkpoint (``upcycled_checkpoint``), which ``fairseq-train --restore-file`` continues
   (``--finetune-from-model`` too, for a single file) and ``fairseq-validate``/``-generate`` load;
 * ``fairseq-train --arch moe_transformer* --moe-upcycle-from DENSE ...`` (``load_upcycled``) builds the
@@ -23,9 +23,11 @@ from ..checkpoint.compat import check_resumable
 from ..checkpoint.upcycle import UpcycleOptions, check_upcyclable, upcycle_state
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..models.moe_config import MOE_OPTIONS, check_moe_args, moe_default, moe_option
+from ..models.moe_config import MOE_OPTIONS, check_moe_args
 from ..models.moe_transformer import NOT_SET_BY_ARCHITECTURE
-from ..parallel import expert_groups
+from ..options import default, moe_options
+from ..options.sides import sides_of
+from ..parallel.plan import plan_of
 from .restore_choice import FAIRSEQ_DEFAULT_RESTORE_FILE as RESTORE_DEFAULT
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ def upcycled_cfg(dense_cfg, path: str, moe_flags: dict):
     arch = moe_architecture_of(dense_cfg["model"], path)
     cfg = copy.copy(dense_cfg)
     options = {
-        name: moe_default(name)
+        name: default(name)
         for name in MOE_OPTIONS
         if name not in NOT_SET_BY_ARCHITECTURE and (arch == "moe_transformer" or not name.startswith("encoder_"))
     }
@@ -93,9 +95,8 @@ def upcycled_cfg(dense_cfg, path: str, moe_flags: dict):
 def upcycled_checkpoint(path: str, moe_flags: dict, noise: float, router_std: float, seed: int) -> dict:
     """The whole upcycled checkpoint (every expert, update 0) of the dense checkpoint ``path``."""
     dense = moe_ckpt.safe_load(dense_file(path))
-    options = UpcycleOptions(
-        moe_flags["moe_expert_count"], noise, router_std, seed, moe_flags.get("moe_expert_ffn_dim")
-    )
+    flags = moe_options(moe_flags, as_saved=True)  # the tool's flags: None where not given
+    options = UpcycleOptions(flags.moe_expert_count, noise, router_std, seed, flags.moe_expert_ffn_dim)
     dense = check_upcyclable(dense, path, options)  # before the config: an MoE or non-FFN one is refused first
     cfg = upcycled_cfg(dense.get("cfg"), path, moe_flags)
     return upcycle_state(dense, path, options, cfg["model"], cfg)
@@ -132,37 +133,37 @@ def load_upcycled(trainer, path: str) -> None:
     """``--moe-upcycle-from``: fill this worker's model (its share of the experts) from the dense
     checkpoint ``path``; the trainer keeps its fresh optimizer and starts at update 0."""
     model_cfg = trainer.cfg.model
-    if str(moe_option(model_cfg, "moe_router")) != "top":
+    values = moe_options(model_cfg)
+    if values.moe_router != "top":
         raise MoEOptionError(
             f"--moe-upcycle-from starts the router at zero (or small random weights), a --moe-router top router; "
-            f"this run has --moe-router {moe_option(model_cfg, 'moe_router')}: use --moe-router top"
+            f"this run has --moe-router {values.moe_router}: use --moe-router top"
         )
-    if not moe_option(model_cfg, "moe_normalize_gate"):
+    if not values.moe_normalize_gate:
         raise MoEOptionError(
             "--moe-upcycle-from needs --moe-normalize-gate: without it a token's k gates sum to less than 1 and the "
             "upcycled model does not start as the dense one; add --moe-normalize-gate"
         )
-    for side in ("encoder", "decoder"):
-        own = moe_option(model_cfg, f"{side}_moe_expert_count")
-        if own is not None and own != model_cfg.moe_expert_count:
+    for side in sides_of(model_cfg):
+        if side.experts != model_cfg.moe_expert_count:
             raise MoEOptionError(
                 f"--moe-upcycle-from copies each dense FFN into --moe-expert-count {model_cfg.moe_expert_count} "
-                f"experts in every MoE layer, and this run has --{side}-moe-expert-count {own}: drop it, or upcycle "
-                f"with --moe-expert-count {own}"
+                f"experts in every MoE layer, and this run has {side.experts_flag}: drop it, or upcycle "
+                f"with --moe-expert-count {side.experts}"
             )
     options = UpcycleOptions(
         model_cfg.moe_expert_count,
-        float(moe_option(model_cfg, "moe_upcycle_noise")),
-        float(moe_option(model_cfg, "moe_upcycle_router_std")),
+        float(values.moe_upcycle_noise),
+        float(values.moe_upcycle_router_std),
         int(trainer.cfg.common.seed),
-        moe_option(model_cfg, "moe_expert_ffn_dim"),
+        values.moe_expert_ffn_dim,
     )
     dense = moe_ckpt.check_is_checkpoint(moe_ckpt.safe_load(dense_file(path)), path)
     dense_model_cfg = config_value(dense.get("cfg"), "model")
     if moe_ckpt.is_dense(dense) and dense_model_cfg is not None:
         moe_architecture_of(dense_model_cfg, path)
     full = upcycle_state(dense, path, options, model_cfg, dense.get("cfg"))
-    layout = expert_groups.model_layout(trainer._model)
+    layout = plan_of(trainer._model).layout
     share = moe_ckpt.shard_state(full, layout.ep_rank, layout.parallel_size)
     check_resumable(path, share, trainer._model, layout.parallel_size, model_cfg)
     trainer.model.load_state_dict(share["model"], strict=True, model_cfg=model_cfg)

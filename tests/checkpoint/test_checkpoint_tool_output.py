@@ -207,3 +207,39 @@ def test_inspect_of_an_untrained_set_finds_experts_with_zero_biases_distinct(tmp
     moe_ckpt.save_set(state, str(tmp_path / "copied"), 2)
     code, out, _ = run_tool(capsys, "inspect", tmp_path / "copied.pt")
     assert code == 1 and f"VERDICT PROBLEM: {EXPERT_KEY}: expert 0 of rank 0 equals expert 1 of rank 1" in out, out
+
+
+# Every writing command, its input absent: a tool that read its input before checking its output would say so.
+# fmt: off
+WRITERS = {
+    "merge": lambda absent, out: ["merge", absent / "ck.pt", out / "ck.pt"],
+    "reshard": lambda absent, out: ["reshard", absent / "ck.pt", out / "ck.pt", "--world-size", "2"],
+    "upcycle": lambda absent, out: ["upcycle", absent / "ck.pt", out / "ck.pt", "--moe-expert-count", "4"],
+    "prune": lambda absent, out: ["prune", absent / "ck.pt", out / "ck.pt", "--stats", absent / "s.json", "--keep", "2"],
+    "import-hf": lambda absent, out: ["import-hf", absent, out / "ck.pt"],
+    "import-fairseq-moe": lambda absent, out: ["import-fairseq-moe", absent / "ck", out / "ck.pt"],
+    "export-hf": lambda absent, out: ["export-hf", absent / "ck.pt", out / "hf"],
+}
+UNWRITABLE = {  # how the output's directory fails: (made how, the problem the line names)
+    "missing": (None, "does not exist; create it first, or choose another output name (nothing was written)"),
+    "read-only": (("tempfile.mkdtemp", permission_denied), "is not writable (permission denied)"),
+    "full": (("fairseq_moe_ext.checkpoint.staging.filesystem_is_full", lambda directory: True), FULL[0]),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("unwritable", sorted(UNWRITABLE))
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_an_output_that_cannot_be_written_is_refused_before_the_input_is_read(
+    tmp_path, capsys, monkeypatch, command, unwritable
+):
+    made, problem = UNWRITABLE[unwritable]
+    out = tmp_path / ("missing" if made is None else "out")
+    if made is not None:
+        out.mkdir()
+        monkeypatch.setattr(*made)
+    code, _, err = run_tool(capsys, *WRITERS[command](tmp_path / "absent", out))
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: cannot write ") and problem in err[0], err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if made is None else ["out"])
+    assert made is None or not list(out.iterdir())

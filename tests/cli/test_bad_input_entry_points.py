@@ -19,7 +19,10 @@ from support.inputs.bad_input_entry_points import (
     generate_on_two_workers,
     generating_from_a_set_missing_rank_1,
     hydra_training,
+    refused_at_setup,
     refused_by,
+    the_single_checkpoint,
+    two_workers_refused_at_setup,
     upcycling_from_a_forged_dense_checkpoint,
 )
 from support.inputs.bad_input_makers import fresh_training, generate_from, resume
@@ -41,6 +44,9 @@ MISSING = "checkpoint_last-rank-1-of-2.pt is missing"
 UNPICKLING = "it pickles posix.system, which is not among the types fairseq checkpoints store"
 TRUST = "if you trust the file, add the type to fairseq_moe_ext.checkpoint.CHECKPOINT_SAFE_GLOBALS"
 RESTORE = "restore the set from a backup, or point --path"
+# A set-up refusal (MoESetupError: here the expert matmul asked for by name on a torch without it).
+SETUP = "expert matmul 'grouped_mm' needs torch._grouped_mm, which torch"
+TORCH_FIX = "use 'auto' or 'loop' (FAIRSEQ_MOE_EXPERT_MATMUL=auto), or torch >= 2.8"
 
 # fmt: off
 CASES = [
@@ -56,11 +62,30 @@ CASES = [
     # -- hydra-train: the model's options are checked when it is built (hydra prints its own line first)
     Case("hydra-train-top-k-above-expert-count", refused_by("hydra_train"), hydra_training("model.moe_top_k=5"),
          "hydra_train.py: error", "--moe-top-k 5 exceeds --moe-expert-count 4", "use --moe-top-k <= 4"),
+    Case("hydra-train-experts-sharded-under-legacy-ddp", refused_by("hydra_train"),
+         hydra_training("+model.moe_fully_sharded_experts=sharded", "distributed_training.ddp_backend=legacy_ddp"),
+         "hydra_train.py: error", "--moe-fully-sharded-experts sharded shards each MoE layer's experts",
+         "and this run has --ddp-backend legacy_ddp, which would ignore it: add --ddp-backend fully_sharded"),
     # -- torchrun: one line per worker, naming its rank, for a refused flag and once the workers are connected
     Case("refused-flag-on-two-workers", two_workers, fresh_training("--moe-top-k", "5"), LAUNCHED_TRAIN,
          "--moe-top-k 5 exceeds --moe-expert-count 4", "use --moe-top-k <= 4"),
     Case("refusal-on-two-connected-workers", two_workers, fresh_training("--moe-expert-parallel-size", "3"),
          LAUNCHED_TRAIN, "of 2: --moe-expert-parallel-size 3 does not divide the 2 workers", "use a P dividing"),
+    # -- a set-up refusal (MoESetupError, not an option's), through every entry point: one line, status 2
+    Case("train-on-a-torch-without-the-matmul-asked-for", refused_at_setup("train"), fresh_training(), TRAIN, SETUP,
+         TORCH_FIX),
+    Case("generate-on-a-torch-without-the-matmul-asked-for", refused_at_setup("generate"),
+         the_single_checkpoint("--beam", "2"), GENERATE, SETUP, TORCH_FIX),
+    Case("validate-on-a-torch-without-the-matmul-asked-for", refused_at_setup("validate"),
+         the_single_checkpoint("--max-tokens", "500"), "validate.py: error", SETUP, TORCH_FIX),
+    Case("eval-lm-on-a-torch-without-the-matmul-asked-for", refused_at_setup("eval_lm"), the_single_checkpoint(),
+         "eval_lm.py: error", SETUP, TORCH_FIX),
+    Case("interactive-on-a-torch-without-the-matmul-asked-for", refused_at_setup("interactive"),
+         the_single_checkpoint(), "interactive.py: error", SETUP, TORCH_FIX),
+    Case("hydra-train-on-a-torch-without-the-matmul-asked-for", refused_at_setup("hydra_train"), hydra_training(),
+         "hydra_train.py: error", SETUP, TORCH_FIX),
+    Case("two-workers-on-a-torch-without-the-matmul-asked-for", two_workers_refused_at_setup, fresh_training(),
+         "train.py: error", "of 2: " + SETUP, TORCH_FIX),
     # -- several workers asked of one CPU process: fairseq's AssertionError becomes the way to start them
     Case("two-workers-on-cpu-without-a-launcher", fairseq_train, fresh_training("--distributed-world-size", "2"),
          TRAIN, "--distributed-world-size 2 with 0 CUDA devices: fairseq starts workers itself only on GPUs",

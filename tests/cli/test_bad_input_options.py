@@ -11,7 +11,13 @@ import re
 
 import pytest
 
-from support.inputs.bad_input_makers import fresh_training, import_release_lookalike, resume
+from support.inputs.bad_input_makers import (
+    checkpoint_tool_on,
+    fresh_lm_training,
+    fresh_training,
+    import_release_lookalike,
+    resume,
+)
 from support.launch.bad_input_runner import (
     TRAIN,
     Case,
@@ -53,11 +59,12 @@ def merge_under_a_regular_file(inputs, work):
     return ["merge", source / "checkpoint_last.pt", work / "notes.txt" / "checkpoint_last.pt"], [source, work]
 
 
-def planning(*flags):
-    """``python -m fairseq_moe_ext plan`` with fairseq-train's arguments for the tiny model, and ``flags``."""
+def planning(*flags, data=True):
+    """``python -m fairseq_moe_ext plan`` with fairseq-train's arguments for the tiny model, and ``flags``;
+    without ``data`` DATA names a directory that does not exist."""
 
     def make(inputs, work):
-        return train_args(inputs.data, work / "ck", *flags), [work]
+        return train_args(inputs.data if data else work / "no-data", work / "ck", *flags), [work]
 
     make.needs_checkpoints = False
     return make
@@ -73,6 +80,46 @@ CASES = [
     Case("plan-memory-efficient-fp16-with-sgd", plan_tool,
          planning("--world-size", "2", "--memory-efficient-fp16", "--optimizer", "sgd"), "plan: error",
          "--memory-efficient-fp16 needs an optimizer that keeps fp32 state", "use --optimizer adam"),
+    Case("plan-an-unknown-architecture", plan_tool, planning("--world-size", "2", "--arch", "moe_transformer_xl"),
+         "plan: error", "fairseq-train refused these arguments (argument --arch/-a: invalid choice: "
+         "'moe_transformer_xl'", "fix the argument it names"),
+    Case("plan-a-dense-architecture", plan_tool, planning("--world-size", "2", "--arch", "transformer"),
+         "plan: error", "--arch transformer is not an MoE architecture of this plugin",
+         "plan is for moe_transformer* and moe_transformer_lm* models"),
+    Case("plan-with-a-dictionary-beyond-any-vocabulary", plan_tool,
+         planning("--world-size", "2", "--dictionary-size", "256206000", data=False), "plan: error",
+         "--dictionary-size 256206000 is beyond 4 x the largest vocabulary of a released model (NLLB-200's 256,206 "
+         "symbols) (at most 1048576)", "give the dictionary's size"),
+    Case("plan-with-a-dictionary-smaller-than-its-specials", plan_tool,
+         planning("--world-size", "2", "--dictionary-size", "3", data=False), "plan: error",
+         "--dictionary-size must be an integer >= 5 (fairseq's 4 special symbols and a word), got 3",
+         "give the dictionary's size"),
+    Case("plan-a-translation-by-dictionary-size-without-a-language-pair", plan_tool,
+         planning("--world-size", "2", "--dictionary-size", "30", data=False), "plan: error",
+         "no-data: the translation task reads the language pair from the data directory's file names",
+         "add --source-lang and --target-lang"),
+    Case("plan-for-a-world-beyond-any-job", plan_tool, planning("--world-size", "10000000"), "plan: error",
+         "--world-size 10000000 is beyond 10 x the largest training jobs run", "give the number of GPUs"),
+    Case("plan-for-a-world-of-no-workers", plan_tool, planning("--world-size", "0"), "plan: error",
+         "--world-size must be a positive integer, got 0", "give the number of GPUs"),
+    Case("plan-with-an-infinite-memory", plan_tool, planning("--world-size", "2", "--device-memory", "infGB"),
+         "plan: error", "--device-memory 'infGB' is not a size", "e.g. 80GiB, 80GB or 141GB"),
+    Case("plan-with-a-memory-beyond-any-device", plan_tool, planning("--world-size", "2", "--device-memory", "80TB"),
+         "plan: error", "--device-memory '80TB' is beyond 4 x the largest accelerator's memory", "e.g. 80GB"),
+    # -- an option of one backend under another, which would ignore it
+    Case("experts-sharded-under-legacy-ddp", fairseq_train,
+         fresh_training("--ddp-backend", "legacy_ddp", "--moe-fully-sharded-experts", "sharded"), TRAIN,
+         "--moe-fully-sharded-experts sharded shards each MoE layer's experts over the workers holding the same ones "
+         "under --ddp-backend fully_sharded only, and this run has --ddp-backend legacy_ddp, which would ignore it",
+         "add --ddp-backend fully_sharded, or drop --moe-fully-sharded-experts"),
+    Case("language-model-experts-sharded-under-c10d", fairseq_train,
+         fresh_lm_training("--ddp-backend", "c10d", "--moe-fully-sharded-experts", "sharded"), TRAIN,
+         "--moe-fully-sharded-experts sharded shards each MoE layer's experts", "and this run has --ddp-backend c10d"),
+    Case("one-fully-sharded-unit-under-the-default-backend", fairseq_train,
+         fresh_training("--moe-fully-sharded-unit", "model"), TRAIN,
+         "--moe-fully-sharded-unit model makes the whole shared part one FSDP2 unit under --ddp-backend fully_sharded "
+         "only, and this run has --ddp-backend pytorch_ddp", "add --ddp-backend fully_sharded, or drop "
+         "--moe-fully-sharded-unit"),
     # -- numeric options outside the range of what holds them (every option: tests/fairseq/test_option_ranges.py)
     Case("bias-update-rate-beyond-fp32", fairseq_train,
          fresh_training("--moe-balance", "bias", "--moe-bias-update-rate", "1e39"), TRAIN,
@@ -114,6 +161,12 @@ CASES = [
     # -- the language list of an NLLB import (NLLB's langs.txt is one comma line; one code per line works too)
     Case("import-with-an-empty-language-list", checkpoint_tool, import_release_lookalike(" ,\n"), "error",
          "langs.txt: no language in it", "pass the language list the model was trained with"),
+    Case("import-with-a-language-list-in-latin-1", checkpoint_tool,
+         import_release_lookalike("eng_Latn,fra_Latn\n# fran\u00e7ais\n".encode("latin-1")), "error",
+         "langs.txt is not UTF-8 text (byte 0xe7 on line 2)", "save it as UTF-8"),
+    Case("reshard-to-a-world-beyond-any-job", checkpoint_tool, checkpoint_tool_on("reshard", "--world-size", str(10**12)),
+         "error", "--world-size 1000000000000 is beyond 10 x the largest training jobs run (some 100,000 GPUs) (at most "
+         "1048576)", "use the number of workers that will resume from the set"),
     Case("import-with-a-language-listed-twice", checkpoint_tool,
          import_release_lookalike("eng_Latn,fra_Latn\ndeu_Latn,eng_Latn\n"), "error",
          "eng_Latn is listed twice (codes 1 and 4)", "pass the list the model was trained with, each code once"),

@@ -17,12 +17,14 @@ from fairseq_moe_ext.checkpoint.prune import moe_layers
 from fairseq_moe_ext.checkpoint.prune import prune as prune_state_of
 from fairseq_moe_ext.checkpoint.reshard import save_set
 from fairseq_moe_ext.moe.routing_stats import RoutingTally, statistics_document
+from support.inputs.bad_input_entry_points import refused_by
 from support.inputs.bad_input_makers import checkpoint_tool_on, fresh_training, generate_args
 from support.launch.bad_input_runner import (
     GENERATE,
     LAUNCHED_TRAIN,
     TRAIN,
     Case,
+    Make,
     check_case,
     checkpoint_tool,
     copy_of,
@@ -31,6 +33,7 @@ from support.launch.bad_input_runner import (
     train_args,
     two_workers,
 )
+from support.launch.fairseq_helpers import SPLITS, USER_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -79,11 +82,34 @@ def export_unequal_sides(inputs, work):
     return ["export-hf", work / "pruned" / "ck.pt", work / "hf"], [work / "pruned", work / "hf"]
 
 
-def generate_with_short_groups(inputs, work):
-    directory = copy_of(inputs.single, work)
-    (work / "groups.txt").write_text("a\nb\n")
-    flags = ["--moe-routing-stats", str(work / "stats.json"), "--moe-routing-stats-groups", str(work / "groups.txt")]
-    return [*generate_args(inputs.data, directory / "checkpoint_last.pt"), *flags], [directory]
+def generate_with_groups(content: bytes, output="stats.json", a_directory=False) -> Make:
+    """fairseq-generate --moe-routing-stats work/OUTPUT --moe-routing-stats-groups work/groups.txt (``content``)
+    on a copy of the 1-process run (OUTPUT an existing directory if ``a_directory``); neither directory may change."""
+
+    def make(inputs, work):
+        directory = copy_of(inputs.single, work)
+        (work / "groups.txt").write_bytes(content)
+        if a_directory:
+            (work / output).mkdir()
+        flags = ["--moe-routing-stats", str(work / output), "--moe-routing-stats-groups", str(work / "groups.txt")]
+        return [*generate_args(inputs.data, directory / "checkpoint_last.pt"), *flags], [directory, work]
+
+    return make
+
+
+def groups(lines: int) -> bytes:
+    return "".join(f"g{i % 3}\n" for i in range(lines)).encode()
+
+
+def validate_two_subsets_with_groups(inputs, work):
+    (work / "groups.txt").write_bytes(groups(SPLITS["valid"]))
+    flags = ["--valid-subset", "valid,test", "--moe-routing-stats", str(work / "s.json")]
+    flags += ["--moe-routing-stats-groups", str(work / "groups.txt")]
+    args = [str(inputs.data), "--user-dir", USER_DIR, "--cpu", "--task", "translation", "--path", str(work / "a.pt")]
+    return [*args, *flags], [work]
+
+
+validate_two_subsets_with_groups.needs_checkpoints = False
 
 
 def train_with_routing_stats(inputs, work):
@@ -131,9 +157,32 @@ CASES = [
          fresh_training("--encoder-moe-expert-count", "3", "--moe-expert-parallel-size", "2"), LAUNCHED_TRAIN,
          "--moe-expert-parallel-size 2 does not divide --encoder-moe-expert-count 3",
          "use a P dividing both 2 and --encoder-moe-expert-count 3 and --moe-expert-count 4 (1)"),
-    Case("routing-statistics-with-fewer-group-lines-than-sentences", fairseq_generate, generate_with_short_groups,
-         GENERATE, "--moe-routing-stats-groups has 2 lines, but the subset has sentence id",
-         "give one key per line of the subset"),
+    Case("routing-statistics-with-fewer-group-lines-than-sentences", fairseq_generate, generate_with_groups(groups(2)),
+         GENERATE, f"groups.txt has 2 lines, but the sentences of test number {SPLITS['test']}",
+         "give one key per line of the subset, in the order of its sentence ids"),
+    Case("routing-statistics-with-more-group-lines-than-sentences", fairseq_generate,
+         generate_with_groups(groups(SPLITS["test"] + 1)), GENERATE,
+         f"groups.txt has {SPLITS['test'] + 1} lines, but the sentences of test number {SPLITS['test']}",
+         "give one key per line of the subset, in the order of its sentence ids"),
+    Case("routing-statistics-groups-saved-in-latin-1", fairseq_generate,
+         generate_with_groups(groups(4) + "caf\u00e9\n".encode("latin-1")), GENERATE,
+         "--moe-routing-stats-groups", "is not UTF-8 text (byte 0xe9 on line 5): save it as UTF-8"),
+    Case("routing-statistics-groups-with-an-empty-line", fairseq_generate, generate_with_groups(b"a\n\nb\n"), GENERATE,
+         "groups.txt: line 2 holds no key", "give one key per line of the subset"),
+    Case("routing-statistics-into-an-existing-directory", fairseq_generate,
+         generate_with_groups(groups(SPLITS["test"]), output="stats", a_directory=True), GENERATE,
+         "cannot write --moe-routing-stats", "stats is a directory; name a file inside it"),
+    Case("routing-statistics-into-a-missing-directory", fairseq_generate,
+         generate_with_groups(groups(SPLITS["test"]), output="missing/stats.json"), GENERATE,
+         "missing does not exist", "create it first, or choose another output name (nothing was written)"),
+    Case("routing-statistics-onto-the-checkpoint-counted", fairseq_generate,
+         generate_with_groups(groups(SPLITS["test"]), output="ck/checkpoint_last.pt"), GENERATE,
+         "checkpoint_last.pt exists and holds no routing statistics, which the file would replace",
+         "choose a new file name (nothing was written)"),
+    Case("routing-statistics-groups-for-two-validation-subsets", refused_by("validate"),
+         validate_two_subsets_with_groups, "validate.py: error",
+         "--moe-routing-stats-groups labels the sentences of one subset by their ids, and --valid-subset valid,test "
+         "names 2", "count each subset in a run of its own"),
     Case("routing-statistics-in-training", fairseq_train, train_with_routing_stats, TRAIN,
          "--moe-routing-stats counts the sentences of a subset", "use it with fairseq-generate or fairseq-validate"),
 ]

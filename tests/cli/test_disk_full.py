@@ -4,7 +4,7 @@ Each test mounts a small tmpfs (``mount -t tmpfs -o size=...``: the suite runs a
 mounting is impossible the tests skip and say why, and the injected full-disk cases of
 tests/checkpoint/test_checkpoint_tool_output.py and test_write_failure_* below still run). On it: the checkpoint
 tool's merge, reshard and upcycle through the real command line, fairseq-train's save through the
-plugin, and the save's copy step in process. Each failure must be one line saying "no space left on
+plugin, the save's copy step in process, and fairseq-generate's --moe-routing-stats (refused before any work). Each failure must be one line saying "no space left on
 device" with the one fix (free space there), leave the directory as it was (names, contents and the
 filesystem's free blocks: nothing half-written stays behind), and, once there is room, the same
 command must succeed.
@@ -24,7 +24,7 @@ from fairseq_moe_ext import checkpoint as moe_ckpt
 from fairseq_moe_ext.fairseq_integration import saving
 from support.inputs.fake_checkpoints import EXPERT_KEY, full_state
 from support.launch.bad_input_runner import last_error_line, train_args
-from support.launch.fairseq_helpers import run_checkpoint_tool, run_fairseq, tail
+from support.launch.fairseq_helpers import USER_DIR, run_checkpoint_tool, run_fairseq, tail
 
 FULL = "no space left on device on the filesystem that holds"
 
@@ -167,6 +167,45 @@ def test_fairseq_train_on_a_full_save_dir_says_no_space_left_and_keeps_its_check
     ), f"{line}\n{tail(output)}"
     assert snapshot(save_dir) == before  # no .tmp, checkpoint_last and checkpoint_best as they were
     moe_ckpt.check_file_intact(str(save_dir / "checkpoint_last.pt"))
+
+
+def fill(directory: Path) -> None:
+    """Write into ``directory`` until its filesystem has no block left."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_routing_statistics_onto_a_full_disk_are_refused_before_the_model_is_loaded(small_filesystem, parallel_data):
+    """fairseq-generate --moe-routing-stats on a full filesystem: one line while the command line is parsed (the
+    --path it names does not exist: a refusal after parsing would be about that), nothing written."""
+    out_dir = small_filesystem.mount("stats", "1m")
+    fill(out_dir)
+    before = snapshot(out_dir)
+    stats = out_dir / "stats.json"
+    args = [
+        parallel_data,
+        "--user-dir",
+        USER_DIR,
+        "--cpu",
+        "--path",
+        out_dir / "absent.pt",
+        "--moe-routing-stats",
+        stats,
+    ]
+    output = run_fairseq("generate", *args, expect_failure=True, expect_status=2)
+    line, _ = last_error_line(output)
+    assert line == (
+        f"generate.py: error: cannot write --moe-routing-stats {stats}: {FULL} {out_dir}; free space there, then "
+        f"rerun (nothing was written)"
+    ), f"{line}\n{tail(output)}"
+    assert snapshot(out_dir) == before
 
 
 class FakeTrainer:

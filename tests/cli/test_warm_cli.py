@@ -205,8 +205,8 @@ print("changed:", warm_fairseq.startup_difference(before, fairseq_env()))
 def test_the_suites_in_process_imports_and_fsdp2_leave_the_runs_start_up_variables_alone(tmp_path):
     # Seen in CI: FSDP2 imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR, and every warm run after
     # the first in-process FSDP2 test went cold (scikit-learn's two KMP_ before that).
-    support = Path(warm_fairseq.__file__).parent
-    env = dict(fairseq_env(), PYTHONPATH=os.pathsep.join([str(support), fairseq_env()["PYTHONPATH"]]))
+    tests = Path(warm_fairseq.__file__).parents[2]  # the folder holding the package support/
+    env = dict(fairseq_env(), PYTHONPATH=os.pathsep.join([str(tests), fairseq_env()["PYTHONPATH"]]))
     for name in warm_fairseq.SET_BY_IMPORTS:
         env.pop(name, None)
     done = subprocess.run(

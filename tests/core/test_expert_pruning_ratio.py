@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from fairseq_moe_ext.checkpoint.__main__ import expert_parallel_size as set_parallel_size
 from fairseq_moe_ext.checkpoint.errors import CheckpointSetError
 from fairseq_moe_ext.checkpoint.prune import split_by_ratio, with_expert_count
-from fairseq_moe_ext.models.moe_runtime import expert_parallel_size
+from fairseq_moe_ext.checkpoint.sets_cli import expert_parallel_size as set_parallel_size
 from fairseq_moe_ext.moe.expert_layout import default_expert_parallel_size
 from fairseq_moe_ext.options import expert_count
+from fairseq_moe_ext.parallel.plan import resolve_parallel_size as expert_parallel_size
 
 ONE_EACH = {"encoder.layers.1.fc1": 8, "decoder.layers.1.fc1": 8}
 TWO_AND_ONE = {"encoder.layers.1.fc1": 8, "encoder.layers.3.fc1": 8, "decoder.layers.1.fc1": 8}

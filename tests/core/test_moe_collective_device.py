@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fairseq_moe_ext.moe import comm
 from fairseq_moe_ext.moe.collective_device import MoECollectiveDeviceError, collective_device, group_device_types
-from fairseq_moe_ext.parallel import expert_grads, expert_groups, grad_norm
+from fairseq_moe_ext.parallel import expert_grads, grad_norm
 
 
 @pytest.fixture
@@ -147,7 +147,6 @@ def test_no_control_collective_hands_a_cpu_tensor_to_a_group_without_a_cpu_backe
     group = group_of_one("gloo")
     # The group now says it serves only "meta", standing in for the cuda of a plain nccl group.
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "meta:nccl")
-    monkeypatch.setattr(expert_groups, "expert_parallel_group", lambda: group)
     seen = _record_collectives(monkeypatch)
     with pytest.raises(ReachedCollective):
         CONTROL_PATHS[path](group)

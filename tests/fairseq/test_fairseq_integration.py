@@ -9,6 +9,7 @@ import torch
 
 import fairseq_moe_ext  # noqa: F401  (installs the hooks)
 from fairseq_moe_ext import fairseq_integration
+from fairseq_moe_ext.parallel.plan import ParallelPlan
 from fairseq_moe_ext.parallel.process_state import STATE
 
 # sha256[:16] of the source of every hooked or relied-on function in fairseq 0.12.3 (and the one
@@ -129,7 +130,7 @@ def test_the_gradient_norm_of_an_moe_model_counts_its_experts():
 def test_flattened_fp16_gradients_are_refused_in_multi_worker_training(monkeypatch):
     from fairseq import utils
 
-    monkeypatch.setattr(STATE, "expert_parallel_training", True)
+    monkeypatch.setattr(STATE, "training_plan", ParallelPlan(2, 2, 0))  # experts train on two workers
     flat = torch.nn.Parameter(torch.zeros(4))
     flat.grad = torch.ones(4)
     with pytest.raises(RuntimeError, match="--fp16-no-flatten-grads"):

@@ -7,7 +7,7 @@ import pytest
 
 from fairseq import utils
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig, RoutingConfig
-from fairseq_moe_ext.parallel.expert_groups import ExpertLayout
+from fairseq_moe_ext.moe.expert_layout import ExpertLayout
 from support.inputs.tiny_fairseq_models import language_model, translation
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
@@ -62,5 +62,5 @@ def test_without_the_optional_flags_the_experts_take_the_dense_ffn_size_and_the_
 
 def test_a_built_model_records_the_expert_layout_its_layers_were_built_for(data):
     model = language_model(data).model
-    assert model.moe_layout == ExpertLayout(1, 1, 0)  # one process: every expert local
+    assert model.parallel_plan.layout == ExpertLayout(1, 1, 0)  # one process: every expert local
     assert {layer.parallel_size for layer in model.modules() if isinstance(layer, MoELayer)} == {1}

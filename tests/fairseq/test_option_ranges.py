@@ -22,12 +22,13 @@ from fairseq_moe_ext.options import ranges as option_ranges
 
 # fmt: off
 VALUES = {"zero": 0, "negative": -1, "nan": math.nan, "inf": math.inf, "1e39": 1e39, "huge-integer": 10 ** 40,
-          "beyond-float": 10 ** 400, "tiny": 1e-50}
+          "beyond-float": 10 ** 400, "tiny": 1e-50, "ten-million": 10 ** 7}
 # fmt: on
 OK = "accepted"
 # codes of the refusals: "type" <flag> must be <requirement>, got <value>; "high" <flag> <value> is more than
-# <holder> can hold; "small" ... is less than <holder> can hold; "placed": the frequency places no MoE layer
-ORDER = ("zero", "negative", "nan", "inf", "1e39", "huge-integer", "beyond-float", "tiny")
+# <holder> can hold, or is beyond the largest real models' size it is bounded by; "small" ... is less than <holder> can hold; "placed": the frequency places no MoE layer
+# ten-million: held by int64 and fp32, but more experts (or FFN width, or workers) than any real model uses.
+ORDER = ("zero", "negative", "nan", "inf", "1e39", "huge-integer", "beyond-float", "tiny", "ten-million")
 
 
 def row(flag, requirement, codes, context=None, parsed=None):
@@ -46,52 +47,52 @@ def row(flag, requirement, codes, context=None, parsed=None):
 # option -> its flag, requirement, and the outcome for each value in ORDER
 # fmt: off
 MODEL = {
-    "moe_expert_count": row("--moe-expert-count", "a positive integer", "type type type type type high high type"),
+    "moe_expert_count": row("--moe-expert-count", "a positive integer", "type type type type type high high type high"),
     "moe_expert_parallel_size": row("--moe-expert-parallel-size", "a positive integer",
-                                    "type type type type type high high type"),
-    "moe_freq": row("--moe-freq", "an integer >= 0", "placed type type type type placed placed type"),
-    "encoder_moe_freq": row("--encoder-moe-freq", "an integer >= 0", "ok type type type type ok ok type"),
-    "decoder_moe_freq": row("--decoder-moe-freq", "an integer >= 0", "ok type type type type ok ok type"),
+                                    "type type type type type high high type high"),
+    "moe_freq": row("--moe-freq", "an integer >= 0", "placed type type type type placed placed type placed"),
+    "encoder_moe_freq": row("--encoder-moe-freq", "an integer >= 0", "ok type type type type ok ok type ok"),
+    "decoder_moe_freq": row("--decoder-moe-freq", "an integer >= 0", "ok type type type type ok ok type ok"),
     "encoder_moe_expert_count": row("--encoder-moe-expert-count", "a positive integer",
-                                    "type type type type type high high type"),
+                                    "type type type type type high high type high"),
     "decoder_moe_expert_count": row("--decoder-moe-expert-count", "a positive integer",
-                                    "type type type type type high high type"),
-    "moe_top_k": row("--moe-top-k", "an integer >= 1", "type type type type type high high type"),
-    "moe_capacity_factor": row("--moe-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
-    "moe_eval_capacity_factor": row("--moe-eval-capacity-factor", "a finite number", "ok ok type type ok ok type ok"),
+                                    "type type type type type high high type high"),
+    "moe_top_k": row("--moe-top-k", "an integer >= 1", "type type type type type high high type high"),
+    "moe_capacity_factor": row("--moe-capacity-factor", "a finite number", "ok ok type type ok ok type ok ok"),
+    "moe_eval_capacity_factor": row("--moe-eval-capacity-factor", "a finite number", "ok ok type type ok ok type ok ok"),
     "moe_eval_capacity_token_fraction": row("--moe-eval-capacity-token-fraction", "a finite number >= 0",
-                                            "ok type type type ok ok type ok"),
-    "moe_gate_noise": row("--moe-gate-noise", "a finite number >= 0", "ok type type type high high type ok"),
-    "moe_eom": row("--moe-eom", "a probability in [0, 1)", "ok type type type high high type ok"),
+                                            "ok type type type ok ok type ok ok"),
+    "moe_gate_noise": row("--moe-gate-noise", "a finite number >= 0", "ok type type type high high type ok ok"),
+    "moe_eom": row("--moe-eom", "a probability in [0, 1)", "ok type type type high high type ok high"),
     "moe_shared_expert_count": row("--moe-shared-expert-count", "an integer >= 0",
-                                   "ok type type type type high high type"),
+                                   "ok type type type type high high type high"),
     "moe_shared_expert_ffn_dim": row("--moe-shared-expert-ffn-dim", "a positive integer",
-                                     "type type type type type high high type",
+                                     "type type type type type high high type high",
                                      context=dict(moe_shared_expert_count=1)),
     "moe_bias_update_rate": row("--moe-bias-update-rate", "a finite number > 0",
-                                "type type type type high high type small", context=dict(moe_balance="bias")),
-    "moe_expert_ffn_dim": row("--moe-expert-ffn-dim", "a positive integer", "type type type type type high high type"),
+                                "type type type type high high type small ok", context=dict(moe_balance="bias")),
+    "moe_expert_ffn_dim": row("--moe-expert-ffn-dim", "a positive integer", "type type type type type high high type high"),
     "moe_comm_timeout": row("--moe-comm-timeout", "a positive number of seconds",
-                            "type type type type high high type small"),
-    "moe_upcycle_noise": row("--moe-upcycle-noise", "a finite number >= 0", "ok type type type high high type ok"),
+                            "type type type type high high type small ok"),
+    "moe_upcycle_noise": row("--moe-upcycle-noise", "a finite number >= 0", "ok type type type high high type ok ok"),
     "moe_upcycle_router_std": row("--moe-upcycle-router-std", "a finite number >= 0",
-                                  "ok type type type high high type ok"),
+                                  "ok type type type high high type ok ok"),
 }
 # fmt: on
 # fmt: off
 CRITERION = {
-    "moe_gate_loss_wt": row("--moe-gate-loss-wt", "a finite number >= 0", "ok type type type high high type ok"),
-    "moe_z_loss_wt": row("--moe-z-loss-wt", "a finite number >= 0", "ok type type type high high type ok"),
+    "moe_gate_loss_wt": row("--moe-gate-loss-wt", "a finite number >= 0", "ok type type type high high type ok ok"),
+    "moe_z_loss_wt": row("--moe-z-loss-wt", "a finite number >= 0", "ok type type type high high type ok ok"),
 }
 # fmt: on
 # The checkpoint tool's upcycle flags; "parser": argparse itself refuses the text (an int flag given a float).
 # fmt: off
 UPCYCLE_TOOL = {
-    "noise": row("--noise", "a finite number >= 0", "ok type type type high high type ok",
+    "noise": row("--noise", "a finite number >= 0", "ok type type type high high type ok ok",
                  parsed=lambda v: float(as_text(v))),
-    "router_std": row("--router-std", "a finite number >= 0", "ok type type type high high type ok",
+    "router_std": row("--router-std", "a finite number >= 0", "ok type type type high high type ok ok",
                       parsed=lambda v: float(as_text(v))),
-    "seed": row("--seed", "an integer >= 0", "ok type parser parser parser high high parser",
+    "seed": row("--seed", "an integer >= 0", "ok type parser parser parser high high parser ok",
                 parsed=lambda v: int(as_text(v))),
 }
 # fmt: on
@@ -158,11 +159,11 @@ def test_every_numeric_option_is_refused_in_one_line_outside_its_range_and_taken
     assert "\n" not in line
     expected = {
         "type": f"{spec['flag']} must be {spec['requirement']}, got {shown!r}: ",
-        "high": f"{spec['flag']} {shown!r} is more than ",
+        "high": (f"{spec['flag']} {shown!r} is more than ", f"{spec['flag']} {shown!r} is beyond "),
         "small": f"{spec['flag']} {shown!r} is less than ",
         "placed": f"{spec['flag']} {shown} places no MoE layer in this model",
     }[outcome]
-    assert line.startswith(expected), line
+    assert line.startswith(expected if isinstance(expected, tuple) else (expected,)), line
     assert ": use " in line or ": drop it" in line, f"no fix named: {line}"
 
 

@@ -24,7 +24,6 @@ from fairseq_moe_ext.models.moe_config import (
     MoEConfig,
     MoEEncoderDecoderConfig,
     check_moe_args,
-    moe_default,
 )
 from fairseq_moe_ext.models.moe_layers import moe_layer_config
 from fairseq_moe_ext.models.moe_transformer import NOT_SET_BY_ARCHITECTURE
@@ -99,7 +98,6 @@ def test_the_fairseq_dataclasses_and_argparse_hold_each_record_s_type_default_an
         action = actions[o.name]
         assert (action.option_strings, action.default, action.help) == ([o.flag], o.default, o.help), o.name
         assert list(action.choices or ()) == list(o.choices), o.name
-        assert moe_default(o.name) == o.default
         assert f"| `{o.flag}` |" in options_markdown()
 
 

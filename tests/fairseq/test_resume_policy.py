@@ -15,7 +15,8 @@ import pytest
 from fairseq import tasks
 from fairseq_moe_ext.checkpoint.compat import check_resumable
 from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
-from fairseq_moe_ext.models.moe_config import MOE_OPTIONS, moe_default
+from fairseq_moe_ext.models.moe_config import MOE_OPTIONS
+from fairseq_moe_ext.options import default
 from fairseq_moe_ext.training.resume_policy import (
     CHANGES_FUNCTION,
     CHANGES_PARAMETERS,
@@ -87,7 +88,7 @@ def spelled(name, value):
 
 def configs(name, saved_value, current_value):
     """The checkpoint's cfg and this run's model and criterion sections, equal but for ``name``."""
-    model = {n: moe_default(n) for n in MOE_OPTIONS}
+    model = {n: default(n) for n in MOE_OPTIONS}
     model.update(activation_fn="relu", moe_balance="bias")  # bias: its rate is read
     criterion = {name: getattr(MoELossConfig(), name) for name in CRITERION_OPTIONS}
     section = "criterion" if name in CRITERION_OPTIONS else "model"

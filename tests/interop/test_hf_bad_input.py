@@ -243,6 +243,10 @@ BAD_IMPORTS = [
     ("config-with-fractional-layers", "import-hf", _config(encoder_layers=2.5), None,
      "config.json: encoder_layers is 2.5, not an integer"),
     ("config-with-a-string-dropout", "import-hf", _config(dropout="0.1"), None, "config.json: dropout is '0.1', not a"),
+    ("config-with-no-experts", "import-hf", _config(num_experts=0), None,
+     "config.json: num_experts is 0, outside its range: write an integer from 1 to 1048576 in config.json"),
+    ("config-with-a-dropout-above-one", "import-hf", _config(dropout=1.5), None,
+     "config.json: dropout is 1.5, outside its range: write a number from 0 to 1 in config.json"),
 ]
 # fmt: on
 

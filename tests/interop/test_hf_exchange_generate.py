@@ -13,15 +13,7 @@ length_penalty = --lenpen 1, fairseq's forced eos at the maximum length), greedy
 
 import pytest
 
-from support.oracles.hf_generation import (
-    BEAM,
-    MAX_NEW,
-    eos_leaning_model,
-    fairseq_search,
-    hf_generate,
-    import_from_hf,
-    preprocessed,
-)
+from support.oracles.hf_generation import assert_same_searches, eos_leaning_model, import_from_hf, preprocessed
 from support.oracles.hf_nllb_moe import NEEDS_TRANSFORMERS
 
 # slow: each case builds Hugging Face NllbMoe and fairseq models end to end, about 7 s of CPU for its
@@ -35,7 +27,6 @@ pytestmark = [
         "ignore::DeprecationWarning",
     ),
 ]
-TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +43,6 @@ def checkpoint_tool(*argv):
     from fairseq_moe_ext.checkpoint.__main__ import main
 
     assert main([str(a) for a in argv]) == 0, argv
-
-
-def assert_same_searches(data_bin, path, hf, results, dictionary):
-    """fairseq-generate on ``path`` and HF's generate on ``hf``, greedy and beam: the same tokens (P- lines
-    count the <s> H- lines leave out), the same beam scores, and a search that is tested (hypotheses ending
-    before the maximum length and at it, beam search finding what greedy search does not)."""
-    found = {}
-    for beam in (1, BEAM):
-        ours = fairseq_search(data_bin, path, results / f"beam{beam}", dictionary, beam)
-        theirs, scores = hf_generate(hf, beam)
-        assert [h["length"] for h in ours] == [len(row) + 1 for row in theirs], f"--beam {beam}"
-        assert [h["tokens"] for h in ours] == [[t for t in row if t != dictionary.bos()] for row in theirs], beam
-        if beam > 1:
-            assert [h["score"] for h in ours] == pytest.approx(scores, abs=TOLERANCE)
-        lengths = [len(row) for row in theirs]
-        assert min(lengths) < MAX_NEW and MAX_NEW in lengths, (beam, lengths)
-        found[beam] = theirs
-    assert found[1] != found[BEAM], "beam search found greedy search's hypotheses: the beam is untested"
 
 
 def test_hf_generate_on_an_exported_set_gives_fairseq_generates_tokens_and_scores(setup, tmp_path):

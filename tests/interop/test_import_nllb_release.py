@@ -2,7 +2,9 @@
 over 2E rank files with replicas, fp16, fp16 Adam moments in every file, NLLB's options, ``langs.txt`` as one
 comma line), and on its first E rank files alone; each file read once and its optimizer state never."""
 
+import argparse
 import io
+import os
 import sys
 import zipfile
 
@@ -18,7 +20,7 @@ from support.inputs.fake_checkpoints import fingerprint
 from support.launch.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "recipes"))
-from nllb_tiny_set import EXPERTS, PREFIX, RANKS, write_release_set  # noqa: E402
+from nllb_tiny_set import EXPERTS, LANGS, PREFIX, RANKS, write_release_set  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:\\s*'config' is validated against ConfigStore schema")
 REPLICA_NOTE = f"NOTE {EXPERTS} of the run's {RANKS} rank files are here"
@@ -59,8 +61,8 @@ def test_the_release_imports_from_all_rank_files_or_the_first_e_alone_to_the_sam
     out = tmp_path / "out"
     out.mkdir()
     prefix = release[variant]
-    model_dir = prefix.rsplit("/", 1)[0]
-    dictionary, langs = f"{model_dir}/dictionary.txt", f"{model_dir}/langs.txt"
+    downloads = os.path.dirname(os.path.dirname(prefix))  # the checkpoints unpack into model_moe_54b/ there
+    dictionary, langs = f"{downloads}/dictionary.txt", f"{downloads}/langs.txt"
     assert open(langs).read().count("\n") == 1 and "," in open(langs).read()  # NLLB's: one comma line
     code = run_import(prefix, out / "imported.pt", "--world-size", "2", "--dictionary", dictionary, "--langs", langs)
     printed = capsys.readouterr()
@@ -82,6 +84,19 @@ def test_the_release_imports_from_all_rank_files_or_the_first_e_alone_to_the_sam
     key = next(k for k in source if k.endswith("fc1.weight"))
     stacked = ours[1][key.replace(".moe_layer.experts.0.fc1.weight", ".fc1.experts.batched_fc1_w")]
     assert torch.equal(stacked[1], source[key])
+
+
+def test_the_releases_namespace_task_gives_the_languages_and_the_gate_loss_sum_is_kept(release, tmp_path, capsys):
+    from fairseq import checkpoint_utils
+
+    prefix = release["first-half"]
+    head = torch.load(f"{prefix}-shared.pt", weights_only=False)["cfg"]
+    assert isinstance(head["task"], argparse.Namespace) and head["criterion"]["moe_gate_loss_combine_method"] == "sum"
+    dictionary = os.path.join(os.path.dirname(os.path.dirname(prefix)), "dictionary.txt")
+    assert run_import(prefix, tmp_path / "imported.pt", "--dictionary", dictionary) == 0  # no --langs: the task's
+    assert "+ 3 language tokens + 3 data-source tags = 70 rows" in capsys.readouterr().out
+    cfg = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "imported.pt"))["cfg"]  # fairseq's own load
+    assert cfg.criterion.moe_gate_loss_combine_method == "sum" and cfg.task.langs == list(LANGS)
 
 
 def test_a_replica_that_differs_from_its_expert_is_refused_in_one_line(release, tmp_path, capsys):

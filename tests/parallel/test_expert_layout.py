@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 import fairseq_moe_ext
-from fairseq_moe_ext.models.moe_runtime import apply_runtime_options, expert_parallel_size
-from fairseq_moe_ext.parallel import expert_grads, expert_groups
-from fairseq_moe_ext.parallel.expert_groups import ExpertLayout, default_expert_parallel_size
-from fairseq_moe_ext.parallel.process_state import STATE
+from fairseq_moe_ext.moe.expert_layout import ExpertLayout, default_expert_parallel_size
+from fairseq_moe_ext.parallel import expert_grads, plan
+from fairseq_moe_ext.parallel.plan import ParallelPlan, plan_of, resolve_parallel_size
 
 
 def test_four_workers_and_two_experts_form_two_expert_groups_and_two_replica_groups():
@@ -63,7 +62,7 @@ def test_experts_not_divisible_by_the_expert_parallel_size_cannot_be_placed():
 def test_the_default_expert_parallel_size_is_the_largest_dividing_workers_and_experts(world, experts, parallel):
     # Experts a multiple of the workers (every run before P existed): P = W, today's layout exactly.
     assert default_expert_parallel_size(world, experts) == parallel
-    assert expert_parallel_size(argparse.Namespace(moe_expert_count=experts), world) == parallel
+    assert resolve_parallel_size(argparse.Namespace(moe_expert_count=experts), world) == parallel
 
 
 @pytest.mark.parametrize(
@@ -102,7 +101,7 @@ def test_the_default_expert_parallel_size_is_the_largest_dividing_workers_and_ex
 def test_an_expert_parallel_size_not_dividing_both_is_refused_listing_those_that_do(parallel, world, experts, message):
     args = argparse.Namespace(moe_expert_count=experts, moe_expert_parallel_size=parallel)
     with pytest.raises(ValueError) as refused:
-        expert_parallel_size(args, world)
+        resolve_parallel_size(args, world)
     assert str(refused.value) == message
 
 
@@ -112,40 +111,42 @@ def four_workers(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
-    monkeypatch.setattr(STATE, "expert_parallel_size", None)
-    monkeypatch.setattr(STATE, "comm_timeout_s", None)
 
 
 @pytest.mark.parametrize("experts, flag, parallel", [(2, None, 2), (8, None, 4), (3, None, 1), (8, 2, 2), (4, 1, 1)])
 def test_building_a_model_on_four_workers_sets_the_layout_from_the_flag_or_its_default(
     four_workers, experts, flag, parallel
 ):
-    apply_runtime_options(argparse.Namespace(moe_expert_count=experts, moe_expert_parallel_size=flag))
-    assert expert_groups.expert_layout() == ExpertLayout(4, parallel, 3)
-    with expert_groups.all_experts_local():
-        assert expert_groups.expert_layout() == ExpertLayout(1, 1, 0)
+    args = argparse.Namespace(moe_expert_count=experts, moe_expert_parallel_size=flag)
+    assert ParallelPlan.for_model(args, ("encoder", "decoder")).layout == ExpertLayout(4, parallel, 3)
+    every_expert_local = ParallelPlan.for_model(args, ("encoder", "decoder"), every_expert_local=True)
+    assert every_expert_local.layout == ExpertLayout(1, 1, 0)
 
 
-def test_a_model_reads_the_layout_it_was_built_with_not_the_one_the_process_moved_on_to(four_workers):
-    apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=2))
+def test_a_model_reads_the_layout_it_was_built_with_not_the_one_a_later_build_made(four_workers):
     model = torch.nn.Module()
-    model.moe_layout = expert_groups.expert_layout()  # what MoEModelMixin.build_moe_model records
-    apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=4))  # a later build
-    assert expert_groups.model_layout(model) == ExpertLayout(4, 2, 3)
-    assert expert_groups.model_layout(torch.nn.Linear(1, 1)) == ExpertLayout(4, 4, 3), "a dense model: the process's"
+    # What MoEModelMixin.build_moe_model keeps on the model.
+    model.parallel_plan = ParallelPlan.for_model(
+        argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=2), ("decoder",)
+    )
+    later = ParallelPlan.for_model(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=4), ("decoder",))
+    assert later.layout == ExpertLayout(4, 4, 3)
+    assert plan_of(model).layout == ExpertLayout(4, 2, 3)
 
 
-def test_before_any_model_is_built_every_worker_is_one_shard_as_before_the_flag_existed(four_workers):
-    assert expert_groups.expert_layout() == ExpertLayout(4, 4, 3)
+def test_a_model_without_moe_layers_is_one_shard_per_worker_as_before_the_flag_existed(four_workers):
+    assert plan_of(torch.nn.Linear(1, 1)).layout == ExpertLayout(4, 4, 3)
 
 
 def test_one_process_has_one_layout_and_no_groups_whatever_the_flag_says():
     assert not dist.is_initialized()
-    apply_runtime_options(argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=3))  # not refused
-    assert expert_groups.expert_layout() == ExpertLayout(1, 1, 0)
-    assert expert_groups.expert_parallel_group() is None
-    assert expert_groups.expert_replica_group() is None
-    assert expert_groups.moe_statistics_group() is None
+    one = ParallelPlan.for_model(
+        argparse.Namespace(moe_expert_count=8, moe_expert_parallel_size=3), ("decoder",)
+    )  # not refused
+    assert one.layout == ExpertLayout(1, 1, 0)
+    assert one.parallel_group is None
+    assert one.replica_group is None
+    assert one.statistics_group is None
 
 
 @pytest.mark.parametrize("world, parallel", [(4, 2), (8, 2), (8, 4), (4, 1), (4, 4)])
@@ -157,7 +158,7 @@ def test_every_rank_creates_every_group_in_the_same_order_and_keeps_its_own(monk
             dist, "new_group", lambda ranks, timeout=None, calls=calls: calls.append(tuple(ranks)) or tuple(ranks)
         )
         layout = ExpertLayout(world, parallel, rank)
-        groups = expert_groups._new_expert_groups(layout)
+        groups = plan._new_expert_groups(layout, None)
         assert groups.statistics == tuple(range(world))
         assert groups.parallel == (layout.parallel_group_ranks if parallel > 1 else None)
         assert groups.replica == (layout.replica_group_ranks if parallel < world else None)

@@ -13,8 +13,9 @@ from fairseq.models.distributed_fairseq_model import DistributedFairseqModel
 from fairseq_moe_ext.fairseq_integration import training
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig
 from fairseq_moe_ext.moe.balance_bias import update_balance_biases
-from fairseq_moe_ext.parallel import expert_grads, expert_groups, grad_norm
-from fairseq_moe_ext.parallel.expert_groups import ExpertLayout
+from fairseq_moe_ext.moe.expert_layout import ExpertLayout
+from fairseq_moe_ext.parallel import expert_grads, grad_norm, plan
+from fairseq_moe_ext.parallel.plan import ParallelPlan, plan_of
 from support.launch.in_process_trainer import collate, sentence_pairs, training_args, write_dictionaries
 from support.launch.thread_world import ThreadWorld
 
@@ -25,9 +26,7 @@ LAYOUTS = [ExpertLayout(W, P, rank) for rank in range(W)]
 
 @pytest.fixture
 def world(monkeypatch):
-    world = ThreadWorld(W).install(monkeypatch)
-    expert_groups.set_expert_parallel_size(P)  # what building a model with --moe-expert-parallel-size 2 sets
-    return world
+    return ThreadWorld(W).install(monkeypatch)
 
 
 # --- The layer: routing statistics over the world, tokens within the expert-parallel group. --------
@@ -61,7 +60,7 @@ def layer_step_on_worker(rank, layers):
     """One worker's forward and backward on its share of the batch, then what training does next:
     shared gradients summed over the world (data parallelism), expert gradients over the replicas,
     the balance bias moved."""
-    groups = expert_groups._new_expert_groups(LAYOUTS[rank])
+    groups = plan._new_expert_groups(LAYOUTS[rank], None)
     moe = layers[rank]
     x, upstream = batch()
     rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
@@ -85,7 +84,7 @@ def test_four_workers_on_two_expert_shards_give_the_losses_grads_and_bias_of_one
     layers = []
     for rank in range(W):  # built as each worker builds its own, with the groups it makes
         with world.as_rank(rank):
-            groups = expert_groups._new_expert_groups(LAYOUTS[rank])
+            groups = plan._new_expert_groups(LAYOUTS[rank], None)
             layers.append(layer(groups.parallel, groups.statistics))
             assert groups.parallel.ranks == LAYOUTS[rank].parallel_group_ranks and groups.statistics.ranks == WORLD
     results = world.run(layer_step_on_worker, layers)
@@ -128,13 +127,14 @@ def wrapped_reduce_on_worker(rank, args):
     """Gradients 2**rank, wrapped for training by hook 3 (legacy_ddp), all-reduced as fairseq's
     Trainer does, then the norm that fairseq clips with (hook 4's)."""
     model = SharedAndExpert()
+    model.parallel_plan = ParallelPlan(W, P, rank)  # what building a model with --moe-expert-parallel-size 2 keeps
     model.shared.grad = torch.full((3,), 2.0**rank)
     model.expert.grad = torch.full((2, 3), 2.0**rank)
     wrapped = training.wrap_distributed_model(DistributedFairseqModel)(
         args, model, torch.distributed.new_group(), torch.device("cpu")
     )
     wrapped.all_reduce_grads()
-    norm = grad_norm.clip_grad_norm_(list(model.parameters()), 0, expert_groups.expert_parallel_group())  # as hook 4
+    norm = grad_norm.clip_grad_norm_(list(model.parameters()), 0, plan_of(model).parallel_group)  # as hook 4
     return model.shared.grad, model.expert.grad, norm
 
 
@@ -190,9 +190,7 @@ def training_step_on_worker(rank, built):
     loss, _, _ = criterion(wrapped, collate(task, sentence_pairs(12)[3 * rank : 3 * rank + 3]))
     loss.backward()
     wrapped.all_reduce_grads()
-    grad_norm.clip_grad_norm_(
-        list(model.parameters()), 0.7, expert_groups.expert_parallel_group(expert_groups.model_layout(model))
-    )
+    grad_norm.clip_grad_norm_(list(model.parameters()), 0.7, plan_of(model).parallel_group)
     update_balance_biases(model)
 
 

@@ -5,7 +5,8 @@ through fairseq's Trainer is still the step of one process holding every expert,
 On W = 4 workers with P = 2 (replica groups {0, 2} and {1, 3}) and on W = 2 with P = 1 (one replica
 group, the world), each gloo worker takes one fp32 step of two micro-batches (NAG: a wrong scale of
 the summed expert gradients shows in the update, a wrong norm in the clipping) and one step in
-bf16 and in fp16 under fully_sharded (experts sharded) and under legacy_ddp (experts whole), the fp16
+bf16 and in fp16 (every token to every expert: mixed_precision_steps.py) under fully_sharded (experts
+sharded) and under legacy_ddp (experts whole), the fp16
 one after a step that an inf in one worker's slice of the experts' gradient made every worker skip;
 one process holding everything takes the same steps on the whole batch. The same workers count what
 each holds: 1/(W/P) of its experts' parameters, gradients and momentum, and one MoE layer's experts
@@ -26,7 +27,14 @@ from support.launch.in_process_trainer import (
     training_args,
     write_dictionaries,
 )
-from support.launch.mixed_precision_steps import NAG, PRECISIONS, assert_same_step, cpu_shims, run_precision_case
+from support.launch.mixed_precision_steps import (
+    NAG,
+    PRECISIONS,
+    assert_same_step,
+    cpu_shims,
+    low_precision_flags,
+    run_precision_case,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +77,12 @@ def expert_sharding_worker(rank, world, data_dir):
         overflow = OVERFLOW_RANK if precision == "fp16" else None
         low[precision] = {
             backend: run_precision_case(
-                data_dir, world, rank, shares, [*backend_flags, *flags, *PRECISIONS[precision][0]], overflow
+                data_dir,
+                world,
+                rank,
+                shares,
+                [*backend_flags, *flags, *low_precision_flags(precision, experts)],
+                overflow,
             )
             for backend, backend_flags in COMPARED
         }
@@ -159,8 +172,9 @@ def test_experts_sharded_over_replicas_step_like_one_process_and_hold_1_over_w_b
     # bf16 and fp16 (torch's own arithmetic on the CPU): one process and legacy_ddp in the same precision.
     monkeypatch.setattr("torch.Tensor.cuda", lambda self, *args, **kwargs: self)  # cpu_shims, undone after
     for precision in ("bf16", "fp16"):
-        precision_flags, tolerance = PRECISIONS[precision]
+        tolerance = PRECISIONS[precision][1]
         overflow = 0 if precision == "fp16" else None  # one process: the inf in its only worker
+        precision_flags = low_precision_flags(precision, experts)
         reference = run_precision_case(data_dir, 1, 0, [sum(shares)], [*flags, *precision_flags], overflow)
         for rank, (_, low) in enumerate(by_rank):
             sharded, legacy = low[precision]["sharded"], low[precision]["legacy_ddp"]

@@ -181,3 +181,25 @@ def test_plan_takes_each_sides_expert_count_and_offers_every_p_dividing_both(tmp
     assert "in experts: 4 per encoder MoE layer, 2 per decoder MoE layer" in table[0], table[0]
     rows = [line.split() for line in table if line.startswith(("legacy_ddp", "fully_sharded"))]
     assert sorted({r[1] for r in rows}) == ["1", "2"], table
+
+
+def test_plan_by_dictionary_size_sizes_the_embeddings_and_writes_no_file_anywhere(tmp_path, capsys, monkeypatch):
+    """--dictionary-size 256206 (NLLB-200's vocabulary) and no data directory: the dictionaries are held in
+    memory, so a plan needs no temporary directory (here a regular file: making one there fails) and leaves
+    nothing behind; the shared parameters grow by whole embedding tables of that many rows."""
+    import tempfile
+
+    from fairseq_moe_ext.training.plan_cli import main
+
+    blocked = tmp_path / "no-temporary-directory"
+    blocked.write_text("a file")
+    monkeypatch.setattr(tempfile, "tempdir", str(blocked))
+    argv = argv_of(str(tmp_path / "absent"), ["--max-tokens", "64", *ADAM])
+    shared = {}
+    for size in (30, 256206):
+        assert main([*argv, "--dictionary-size", str(size), "--world-size", "2"]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        shared[size] = int(header.split("(")[1].split(" shared")[0].replace(",", ""))
+    tables, rest = divmod(shared[256206] - shared[30], (256206 - 30) * 64)  # moe_transformer_tiny: 64 wide
+    assert rest == 0 and tables in (1, 2, 3), shared
+    assert list(tmp_path.iterdir()) == [blocked]

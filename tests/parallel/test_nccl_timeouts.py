@@ -24,12 +24,10 @@ TORCH_NCCL_DEFAULT_TIMEOUT_S = 600  # kProcessGroupNCCLDefaultTimeout, what fair
 
 def test_an_moe_collective_waits_for_a_peer_no_longer_than_fairseqs_own_by_default(monkeypatch):
     # On NCCL a dead peer is seen only when this runs out: every GPU of the job idles until then.
-    from fairseq_moe_ext.models.moe_runtime import apply_runtime_options
-    from fairseq_moe_ext.parallel.process_state import STATE
+    from fairseq_moe_ext.parallel.plan import ParallelPlan
 
-    monkeypatch.setattr(STATE, "comm_timeout_s", None)
-    apply_runtime_options(argparse.Namespace())  # a model built with the default flags
-    assert 0 < STATE.comm_timeout_s <= TORCH_NCCL_DEFAULT_TIMEOUT_S
+    plan = ParallelPlan.for_model(argparse.Namespace(), ("decoder",))  # a model built with the default flags
+    assert 0 < plan.comm_timeout_s <= TORCH_NCCL_DEFAULT_TIMEOUT_S
 
 
 def resume_and_save_while_rank_0_hashes_slowly(rank, world, set_dir):

@@ -41,14 +41,14 @@ def two_torchrun_workers_on_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: started.setdefault("device", device))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: started.setdefault("backend", backend))
-    monkeypatch.setattr(STATE, "sharded_inference", None)
+    monkeypatch.setattr(STATE, "inference", None)
     yield started
-    STATE.sharded_inference = None
+    STATE.inference = None
 
 
 def start_sharded_generation(args):
-    inference.decide_sharded_inference(args)
-    assert STATE.sharded_inference is not None, "the run should keep its experts sharded"
+    inference.decide_inference_run(args)
+    assert STATE.inference.sharded is not None, "the run should keep its experts sharded"
 
     def fairseq_load(*_args, **_kwargs):
         raise Started

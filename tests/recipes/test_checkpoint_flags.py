@@ -42,3 +42,17 @@ def test_the_printed_flags_rebuild_the_checkpoints_model_parameter_for_parameter
 
 def test_the_options_a_checkpoint_is_made_for_include_the_router_shared_experts_and_balance():
     assert {"moe_router", "moe_top_k", "moe_shared_expert_count", "moe_balance", "activation_fn"} <= set(MADE_FOR)
+
+
+def test_the_gate_loss_combination_a_checkpoint_records_is_printed_for_fine_tuning(parallel_data, tmp_path):
+    """NLLB-200 MoE summed its layers' gate losses (this project averages by default): import-fairseq-moe keeps
+    the criterion's option in the set, and the fine-tuning flags repeat it."""
+    cfg, _ = built(parallel_data)
+    saved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    saved["criterion"] = {"_name": "moe_label_smoothed_cross_entropy", "moe_gate_loss_combine_method": "sum"}
+    torch.save({"cfg": saved, "model": {}}, tmp_path / "checkpoint_best.pt")
+    flags = model_flags(str(tmp_path / "checkpoint_best.pt"))
+    assert flags[flags.index("--moe-gate-loss-combine-method") + 1] == "sum"
+    saved["criterion"] = {"_name": "cross_entropy"}
+    torch.save({"cfg": saved, "model": {}}, tmp_path / "checkpoint_best.pt")
+    assert "--moe-gate-loss-combine-method" not in model_flags(str(tmp_path / "checkpoint_best.pt"))

@@ -150,6 +150,9 @@ def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_f
     for stage in range(1, 6):
         assert f"==> [{stage}/5]" in output
     imported = (work / "imported" / "import.log").read_text()
+    # laid out as the downloads unpack: MODEL_DIR holds the tarball's model_moe_54b/, the dictionary and langs.txt
+    assert (work / "tiny_nllb" / "model_moe_54b" / "checkpoint_2_300000-shared.pt").is_file()
+    assert f"rank files + checkpoint_2_300000-shared.pt in {work / 'tiny_nllb' / 'model_moe_54b'}" in output
     if variant == "replicas":
         assert "8 rank files + shared" in imported and "4 experts (2 replicas each)" in imported
         assert "NOTE 4 of the run's 8 rank files are here" not in imported
@@ -167,6 +170,7 @@ def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_f
     log = (work / "finetune" / "train.log").read_text()
     assert "Loaded checkpoint" in log and "(epoch 2 @ 0 updates)" in log  # restored, reset_all as NLLB's README
     assert "num_updates: 3 >= max_update: 3" in log
+    assert "'moe_gate_loss_combine_method': sum," in log  # the release's, kept by the import (checkpoint_flags)
     assert_set(work / "finetune" / "ckpt")  # fine-tuned on the GPUS=2 workers, saved as a 2-file set
     # the prune step: statistics of the pair eng_Latn-fra_Latn, half of the 4 experts kept, generation from them
     stats = json.loads((work / "pruned" / "stats.json").read_text())

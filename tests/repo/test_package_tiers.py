@@ -26,7 +26,7 @@ TIERS = (
     ("models", "criterions", "tasks"),
     ("training",),
     ("fairseq_integration",),
-    ("__init__", "__main__"),
+    ("__init__", "__main__", "console"),
 )
 # fmt: on
 TIER_OF = {part: level for level, parts in enumerate(TIERS) for part in parts}
@@ -34,9 +34,9 @@ TIER_OF = {part: level for level, parts in enumerate(TIERS) for part in parts}
 WITHOUT_FAIRSEQ = ("common", "moe", "options", "checkpoint")
 FAIRSEQ_ONLY = ("fairseq", "fairseq_cli", "omegaconf", "hydra")
 # (importing module, imported module) pairs allowed to reach up, and only from inside a function: the
-# checkpoint tool's ``upcycle`` subcommand, imported in its main() so importing checkpoint/ never loads
-# training/.
-ALLOWED_UPWARD = {("fairseq_moe_ext.checkpoint.__main__", "fairseq_moe_ext.training.upcycle_cli")}
+# checkpoint tool's alias of fairseq-moe (``python -m fairseq_moe_ext.checkpoint``), which imports the registry
+# in its main() so importing checkpoint/ never loads what sits above it.
+ALLOWED_UPWARD = {("fairseq_moe_ext.checkpoint.__main__", "fairseq_moe_ext.console")}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

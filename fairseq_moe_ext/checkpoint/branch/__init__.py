@@ -1,4 +1,4 @@
-"""fairseq's moe/``nllb`` branch sets in (``python -m fairseq_moe_ext.checkpoint import-fairseq-moe``).
+"""fairseq's moe/``nllb`` branch sets in (``fairseq-moe import-fairseq-moe``).
 
 Modules:
     reader.py        BranchSet: the branch's files (plain, consolidated or FSDP-sharded), read once each

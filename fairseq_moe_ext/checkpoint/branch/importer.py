@@ -135,9 +135,11 @@ def imported_cfg(branch: BranchSet, flags: Dict) -> Tuple[Optional[Dict], Option
     return cfg, None
 
 
+# The criterion options kept: fairseq 0.12's and those of this project's MoE criterions that the branch's have
+# under the same name and meaning (NLLB-200 MoE: the gate losses summed over layers, not averaged).
 # fmt: off
 CRITERION_KEYS = ("_name", "label_smoothing", "report_accuracy", "ignore_prefix_size", "sentence_avg",
-                  "moe_gate_loss_wt")
+                  "moe_gate_loss_wt", "moe_gate_loss_combine_method")
 # fmt: on
 
 

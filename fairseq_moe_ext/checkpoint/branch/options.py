@@ -70,7 +70,7 @@ LM_REFUSED = (
 
 def is_language_model(options: argparse.Namespace) -> bool:
     """A decoder-only ``transformer_lm`` (moe_lm) set: its arch (``transformer_lm``, ``transformer_lm_gpt``, ...)."""
-    names = (str(_get(options, "arch", "")), str(_get(options, "_name", "")))
+    names = (str(branch_value(options, "arch", "")), str(branch_value(options, "_name", "")))
     return any(name.startswith("transformer_lm") for name in names)
 
 
@@ -79,7 +79,7 @@ def check_language_model(options: argparse.Namespace, path: str) -> None:
     ``TransformerLanguageModelConfig`` holds is stock fairseq's option of the same name and meaning
     (positions learned or sinusoidal, tied embeddings, pre-norm), carried over as it is."""
     for name, what, why in LM_REFUSED:
-        value = _get(options, name)
+        value = branch_value(options, name)
         if value:
             raise CheckpointSetError(
                 f"{path} was trained with --{name.replace('_', '-')} ({what}): {why}, so the import would change "
@@ -87,8 +87,9 @@ def check_language_model(options: argparse.Namespace, path: str) -> None:
             )
 
 
-def _get(options, name, default=None):
-    """The branch's option, or ``default`` where it is unset: the branch's args hold None for that."""
+def branch_value(options, name, default=None):
+    """The branch's option (its own flag of that name, not this plugin's: read as the branch wrote it), or
+    ``default`` where it is unset: the branch's args hold None for that."""
     value = config_value(options, name)
     return default if value is None else value
 
@@ -96,16 +97,16 @@ def _get(options, name, default=None):
 def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int]) -> Tuple[Dict, List[str]]:
     """(this project's MoE flags, NOTE lines) for a branch model with ``layers[side]`` layers."""
     for name, is_set, what, why in REFUSED:
-        value = _get(options, name)
+        value = branch_value(options, name)
         if is_set(value):
             raise CheckpointSetError(
                 f"{path} was trained with --{name.replace('_', '-')} {value} ({what}): {why}, so the import would "
                 f"change what the model computes (nothing was written)"
             )
-    arch = str(_get(options, "arch", _get(options, "_name", "")))
+    arch = str(branch_value(options, "arch", branch_value(options, "_name", "")))
     if (
         "megatron" in arch
-        or "model_parallel" in str(_get(options, "_name", ""))
+        or "model_parallel" in str(branch_value(options, "_name", ""))
         or ("lm" in arch.split("_") and not is_language_model(options))
     ):
         raise CheckpointSetError(
@@ -115,7 +116,7 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
         )
     if is_language_model(options):
         check_language_model(options, path)
-    policy = str(_get(options, "moe_second_expert_policy", "sampling"))
+    policy = str(branch_value(options, "moe_second_expert_policy", "sampling"))
     if policy not in SECOND_EXPERT_POLICIES:
         raise CheckpointSetError(
             f"{path} has --moe-second-expert-policy {policy!r}, which the branch's top-2 gate does not define "
@@ -124,11 +125,11 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
     notes = []
     # The branch routes B x T (batch-major) tensors, renormalises after dropping unless told otherwise, and
     # draws its second expert as its policy says, in evaluation too: each is an option here, set to match.
-    after = not _get(options, "moe_normalize_gate_prob_before_dropping", False)
+    after = not branch_value(options, "moe_normalize_gate_prob_before_dropping", False)
     # The options carried as they are; absent, the type's zero (no expert count, no prioritising).
     carried = {name: OPTIONS[name].type for name in BRANCH_NAMES}
     flags = {
-        **{name: kind(_get(options, BRANCH_NAMES[name], kind())) for name, kind in carried.items()},
+        **{name: kind(branch_value(options, BRANCH_NAMES[name], kind())) for name, kind in carried.items()},
         "moe_top_k": 2,
         "moe_normalize_gate": True,
         "moe_capacity_factor": 1.0,
@@ -137,11 +138,11 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
         "moe_normalize_gate_after_dropping": after,
         "moe_second_expert_policy": policy,
     }
-    freq = int(_get(options, "moe_freq", 0))
+    freq = int(branch_value(options, "moe_freq", 0))
     for side in layers:
-        flags[f"{side}_moe_freq"] = max(int(_get(options, f"{side}_moe_freq", 0)), freq)
+        flags[f"{side}_moe_freq"] = max(int(branch_value(options, f"{side}_moe_freq", 0)), freq)
     flags["moe_freq"] = freq or max(flags[f"{side}_moe_freq"] for side in layers)
-    fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.25))
+    fraction = float(branch_value(options, "moe_eval_capacity_token_fraction", 0.25))
     if not math.isfinite(fraction):
         raise CheckpointSetError(f"{path} has --moe-eval-capacity-token-fraction {fraction}: not a number of slots")
     if fraction > 0.0:
@@ -158,18 +159,18 @@ def branch_flags(options: argparse.Namespace, path: str, layers: Dict[str, int])
             f"--moe-second-expert-policy {policy}: the second expert is drawn at random, in evaluation too "
             f"(as the branch does): generation differs from run to run unless torch is seeded"
         )
-    if not _get(options, "moe_gating_use_fp32", False):
+    if not branch_value(options, "moe_gating_use_fp32", False):
         notes.append("the branch routed in the activation dtype (no --moe-gating-use-fp32); routing runs in fp32 here")
-    if not _get(options, "use_moe_pad_mask", False):
+    if not branch_value(options, "use_moe_pad_mask", False):
         notes.append(
             "the branch routed pad tokens too (no --use-moe-pad-mask), where they took capacity; pad tokens "
             "are never routed here: identical outputs for real tokens wherever nothing is dropped"
         )
-    eom = float(_get(options, "moe_eom", 0.0))
+    eom = float(branch_value(options, "moe_eom", 0.0))
     if eom:
         flags["moe_eom"] = eom  # Expert Output Masking: the same per-slot mask and 1 - p scaling here
     # The branch divides expert gradients by sqrt(W / replicas) for these names, else by W / replicas.
-    if str(_get(options, "moe_normalize_expert_grad", "world_size")) in ("sqrt_world_size", "sqrt_num_experts"):
+    if str(branch_value(options, "moe_normalize_expert_grad", "world_size")) in ("sqrt_world_size", "sqrt_num_experts"):
         flags["moe_normalize_expert_grad"] = "sqrt_world_size"
     notes.append(
         "training only: --moe-local-drop is not reproduced; dropout after the MoE block is fairseq's --dropout "

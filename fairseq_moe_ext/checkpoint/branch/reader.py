@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ...common.config_value import config_value
+from ...options import moe_options
 from ..errors import CheckpointSetError
 from ..one_read import load_skipping
 from .consolidated import missing_rank_hint, refuse_flat, resolve_prefix, sharded_files
@@ -118,7 +119,7 @@ class BranchSet:
             )
         counts = {shape[0] for shape in self.routers.values()}
         self.experts = int(next(iter(counts)))
-        declared = int(config_value(self.options, "moe_expert_count") or 0)
+        declared = int(moe_options(self.options, as_saved=True).moe_expert_count or 0)
         if len(counts) > 1 or declared != self.experts:
             raise CheckpointSetError(
                 f"{self.shared_path}: the routers' expert counts {sorted(counts)} disagree with --moe-expert-count "

@@ -11,6 +11,7 @@ to pass, before anything is written. Torch-free.
 import os
 from typing import Dict, List, Optional
 
+from ...common.input_file import read_lines, read_text
 from ..errors import CheckpointSetError
 
 SPECIALS = 4
@@ -45,8 +46,7 @@ def read_languages(value: str, flag: str = "--langs") -> List[str]:
     the list fixes the language tokens' ids."""
     source = value
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            value = f.read()
+        value = read_text(value, flag, LANGS_HOLD, _refusal)
     codes = [code.strip() for line in value.splitlines() for code in line.split(",")]
     codes = [code for code in codes if code]
     if not codes:
@@ -69,8 +69,14 @@ def read_languages(value: str, flag: str = "--langs") -> List[str]:
 def dictionary_symbols(path: str) -> int:
     if not os.path.isfile(path):
         raise CheckpointSetError(f"--dictionary {path}: no such file; pass the model's dict.txt (nothing was written)")
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
+    return sum(1 for line in read_lines(path, "--dictionary", "the model's dict.txt", _refusal) if line.strip())
+
+
+LANGS_HOLD = "the model's languages in order (NLLB's langs.txt: one line of comma-separated codes)"
+
+
+def _refusal(message: str) -> CheckpointSetError:
+    return CheckpointSetError(f"{message} (nothing was written)")
 
 
 def check_vocabulary(shared_model: Dict, task, dictionary: str, langs: Optional[str], path: str) -> List[str]:

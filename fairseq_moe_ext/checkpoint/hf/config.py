@@ -13,10 +13,10 @@ training only comes back as NOTE lines. Torch-free: plain dicts and Namespaces.
 import argparse
 from typing import Dict, List, Tuple
 
-from ...moe.placement import side_moe_freq
-from ...options import HF_NAMES, OPTIONS, expert_count
+from ...options import HF_NAMES, OPTIONS, expert_count, moe_options
+from ...options.sides import sides_of
 from ..errors import CheckpointSetError
-from .fields import check_numeric_fields
+from .fields import MODEL_TYPE, check_model_kind, check_numeric_fields
 from .routing import exported_routing, imported_routing
 
 # fmt: off
@@ -30,8 +30,6 @@ ACTIVATIONS_BACK = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_accurate",
 # fairseq's Dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3; the decoder starts from </s>, as NLLB's does.
 BOS, PAD, EOS = 0, 1, 2
 SIDES = ("encoder", "decoder")
-# transformers' NllbMoeConfig.model_type; "nllb_moe" (its module's name) is accepted on import too.
-MODEL_TYPE = "nllb-moe"
 # NllbMoeConfig's defaults (transformers 4.57.1): save_pretrained leaves out what equals them.
 # fmt: off
 HF_DEFAULTS = dict(max_position_embeddings=1024, encoder_layerdrop=0.05, decoder_layerdrop=0.05,
@@ -153,10 +151,10 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             "NllbMoe has no such activation",
             f"export a model with one of {', '.join(ACTIVATIONS)}",
         )
-    freq = int(_get(options, "moe_freq", 2))
-    steps = {side: side_moe_freq(freq, _get(options, f"{side}_moe_freq")) for side in SIDES}
+    values = moe_options(options)
+    steps = {side.name: side.moe_freq for side in sides_of(options, SIDES)}
     ffn = {side: int(_get(options, f"{side}_ffn_embed_dim")) for side in SIDES}
-    expert_dim = _get(options, "moe_expert_ffn_dim")
+    expert_dim = values.moe_expert_ffn_dim
     for side in SIDES:
         dense = [
             i
@@ -176,7 +174,7 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
             ffn[side] = int(expert_dim)
     routing, routing_notes = exported_routing(options, path)  # policy, normalisation order, eval capacity
     notes += routing_notes
-    eom = float(_get(options, "moe_eom", 0.0))
+    eom = float(values.moe_eom or 0.0)
     if eom:
         notes.append(
             f"--moe-eom {eom:g} -> moe_token_dropout {eom:g}: the same in evaluation (outputs times 1 - p); "
@@ -196,7 +194,7 @@ def hf_config(options, path: str, vocab: int, dtype: str, training_as_nllb: bool
         "dropout": float(_get(options, "dropout", 0.1)),
         "attention_dropout": float(_get(options, "attention_dropout", 0.0)),
         "activation_dropout": float(_get(options, "activation_dropout", 0.0) or _get(options, "relu_dropout", 0.0)),
-        **{hf: OPTIONS[name].type(_get(options, name, OPTIONS[name].default)) for name, hf in HF_NAMES.items()},
+        **{hf: OPTIONS[name].type(OPTIONS[name].read(options)) for name, hf in HF_NAMES.items()},
         "num_experts": experts["encoder"],  # --moe-expert-count, or both sides' own (equal) counts
         "expert_capacity": None,
         "router_bias": False,
@@ -230,11 +228,7 @@ def _need(config, path, name, wanted, why, fix):
 
 def imported_options(config: Dict, path: str) -> Tuple[argparse.Namespace, List[str]]:
     """(``moe_transformer`` model options, NOTE lines) for an NllbMoe ``config.json``."""
-    if config.get("model_type") not in (MODEL_TYPE, "nllb_moe"):
-        raise CheckpointSetError(
-            f"{path} has model_type {config.get('model_type')!r}: import-hf reads Hugging Face "
-            f"NLLB-MoE checkpoints (model_type {MODEL_TYPE!r}) only (nothing was written)"
-        )
+    check_model_kind(config, path)
     check_numeric_fields(config, path)
     config = {**HF_DEFAULTS, **config}
     _need(config, path, "router_bias", False, "a bias on the router", "there is none here")

@@ -1,16 +1,16 @@
 """``import-hf``: a Hugging Face NllbMoe checkpoint directory becomes this project's set.
 
-Input: ``config.json`` (``hf_config.imported_options``) and either ``model.safetensors`` or shards
-listed by ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or else
-``pytorch_model.bin`` or ``pytorch_model-*.bin`` shards listed by ``pytorch_model.bin.index.json`` (the
-older format, ``torch_bin_file.py``: read through the restricted unpickler, one shard at a time).
-Every shard's header (a .bin shard's pickle) is read and checked first (present, complete, every
-tensor the config implies there with its shape), so bad input is refused before a file is written.
-Then the reader ``HfShards`` yields output file r of the set in turn and the set writer (set_writer.py)
-saves it: its tensors are read grouped by the shard that holds them (a safetensors tensor by seeking, a
-.bin shard whole, once per output file that needs it; rank 0 also takes every non-expert parameter; each
-file takes the stacked experts ``r*E/P ...`` of every MoE layer). Peak memory is one output file (plus
-one .bin shard), not the model. Written staged and atomically, as the other tools.
+Input: ``config.json`` (``hf_config.imported_options``: ``NllbMoeModel`` or ``NllbMoeForConditionalGeneration``)
+and either ``model.safetensors`` or shards listed by ``model.safetensors.index.json`` (what ``save_pretrained``
+writes), or else ``pytorch_model.bin`` or ``pytorch_model-*.bin`` shards listed by ``pytorch_model.bin.index.json``
+(the older format, and the hub's ``facebook/nllb-moe-54b``; ``torch_bin_file.py``: read through the restricted
+unpickler). Tensor names with or without the ``model.`` prefix (keys.py). Every shard's header (a .bin shard's
+pickle) is read and checked first (present, complete, every tensor the config implies there with its shape), so
+bad input is refused before a file is written. Then the reader ``HfShards`` (reader.py) yields output file r of
+the set in turn and the set writer (set_writer.py) saves it: each tensor read on its own, by seeking, straight
+into the output file's stacked experts, so each byte of every shard is read once for all the output files and
+peak memory is one output file (plus one legacy pre-zip .bin shard, which is loaded whole), not the model.
+Written staged and atomically, as the other tools.
 """
 
 import json
@@ -22,11 +22,11 @@ import torch
 from ...moe.expert_layout import default_expert_parallel_size
 from ..errors import CheckpointSetError
 from ..names import base_of
-from ..rank_state import moe_metadata
 from ..set_writer import write_shards
 from .config import SIDES, imported_options
 from .dtype import import_dtypes
-from .keys import EMBEDDING, HF_EMBEDDING, HF_TIED, TIED_HERE, VERSION, hf_expert, hf_expert_key, our_key
+from .keys import EMBEDDING, HF_EMBEDDING, HF_EMBEDDINGS, HF_TIED, hf_expert, our_key
+from .reader import HfShards
 from .safetensors_file import SafetensorsFile
 from .torch_bin_file import TorchBinFile
 
@@ -152,27 +152,36 @@ def expected_shapes(options) -> Tuple[Dict[str, List[int]], Dict[Tuple[str, str]
 
 
 def plan(hf_dir: str, options, where: Dict[str, SafetensorsFile]):
-    """(our key -> HF name, (layer, name, expert) -> HF name, vocabulary), checked against ``options``."""
+    """(our key -> HF name, (layer, name, expert) -> HF name, vocabulary), checked against ``options``. The HF names
+    may carry the ``model.`` prefix (``NllbMoeForConditionalGeneration``) or not (``NllbMoeModel``), not both."""
     shapes, expert_shapes = expected_shapes(options)
-    embedding = next((n for n in (HF_EMBEDDING, *HF_TIED) if n in where), None)
+    embedding = next((n for n in (*HF_EMBEDDINGS, *HF_TIED) if n in where), None)
     if embedding is None:
         raise CheckpointSetError(
-            f"{hf_dir} holds no {HF_EMBEDDING}: a shard is missing, or not an NllbMoe checkpoint (nothing was written)"
+            f"{hf_dir} holds no {HF_EMBEDDING} (nor shared.weight): a shard is missing, or not an NllbMoe checkpoint "
+            f"(nothing was written)"
         )
     vocab = where[embedding].shape(embedding)[0]
     shapes[EMBEDDING] = [vocab, options.encoder_embed_dim]
     names, expert_names = {EMBEDDING: embedding}, {}
     for name in where:
-        found = hf_expert(name)
-        if found is not None:
-            expert_names[found] = name
-        elif our_key(name) is not None and name != HF_EMBEDDING:
-            names[our_key(name)] = name
-        elif name not in (HF_EMBEDDING, *HF_TIED):
+        found, ours = hf_expert(name), our_key(name)
+        key, table = (found, expert_names) if found is not None else (ours, names)
+        if key is None:
+            if name in HF_TIED:
+                continue
             raise CheckpointSetError(
                 f"{hf_dir} holds {name}, which moe_transformer has no place for: not an NllbMoe "
                 f"checkpoint this project can represent (nothing was written)"
             )
+        if name in HF_EMBEDDINGS:
+            continue
+        if key in table:
+            raise CheckpointSetError(
+                f"{hf_dir} holds both {table[key]} and {name}: the files of two checkpoints (one saved with the "
+                f"model. prefix, one without) in one directory; keep one checkpoint's (nothing was written)"
+            )
+        table[key] = name
     wanted = [(key, shape, names.get(key)) for key, shape in shapes.items()]
     wanted += [
         ((layer, tensor, j), shape, expert_names.get((layer, tensor, j)))
@@ -197,7 +206,7 @@ def plan(hf_dir: str, options, where: Dict[str, SafetensorsFile]):
             f"{hf_dir} holds {names[extra[0]]}, which config.json does not place (a dense block "
             f"where the config says sparse, or the reverse) (nothing was written)"
         )
-    return names, sorted(expert_shapes), vocab
+    return names, expert_names, sorted(expert_shapes), vocab
 
 
 def import_hf(
@@ -214,7 +223,15 @@ def import_hf(
     config = read_config(hf_dir)
     options, notes = imported_options(config, os.path.join(hf_dir, "config.json"))
     where = open_shards(hf_dir)
-    names, expert_layers, vocab = plan(hf_dir, options, where)
+    try:
+        return _import(hf_dir, output, workers, report, dtype, options, notes, where)
+    finally:
+        for shard in set(where.values()):
+            shard.close()
+
+
+def _import(hf_dir, output, workers, report, dtype, options, notes, where) -> str:
+    names, expert_names, expert_layers, vocab = plan(hf_dir, options, where)
     precision = import_dtypes({name: shard.entries[name][0] for name, shard in where.items()}, hf_dir, dtype)
     experts = options.moe_expert_count
     shards, single, base = default_expert_parallel_size(workers, experts), workers == 1, base_of(output)
@@ -225,76 +242,7 @@ def import_hf(
     report(precision)
     for line in notes:
         report(f"NOTE {line}")
-    reader = HfShards(hf_dir, options, where, names, expert_layers, dtype, shards, single)
+    reader = HfShards(hf_dir, options, where, (names, expert_names), expert_layers, dtype, shards, single)
     written = write_shards(reader, base, single=output if single else None, workers=workers)
     report(f"wrote {written}")
     return written
-
-
-class HfShards:
-    """The reader of a checked NllbMoe directory (set_writer.py): output rank file s of ``shards`` takes the
-    stacked experts ``s*E/P ...`` of every MoE layer (and rank 0 every non-expert tensor), its tensors read
-    grouped by the file that holds them (a safetensors tensor by seeking, a .bin shard whole, once per output
-    file that needs it), in ``dtype`` (None: as stored). ``names``, ``expert_layers``: ``plan``'s."""
-
-    def __init__(self, hf_dir: str, options, where, names, expert_layers, dtype, shards: int, single: bool):
-        self.hf_dir, self.options, self.where, self.names = hf_dir, options, where, names
-        self.expert_layers, self.dtype, self.shards, self.single = expert_layers, dtype, shards, single
-        self.expert_keys = [f"{layer}.fc1.experts.{tensor}" for layer, tensor in expert_layers]
-        self.num_updates = 0
-        self.experts = dict.fromkeys(self.expert_keys, options.moe_expert_count)
-        self.order = {shard: i for i, shard in enumerate(dict.fromkeys(where.values()))}
-
-    def read_grouped(self, wanted) -> Dict[str, torch.Tensor]:
-        """{HF name: tensor}, read file by file (a .bin shard is held one at a time)."""
-        got = {}
-        for name in sorted(wanted, key=lambda n: self.order[self.where[n]]):
-            tensor = self.where[name].read(name)
-            got[name] = tensor if self.dtype is None else tensor.to(self.dtype)
-        return got
-
-    def pieces(self, set_id: Optional[str]):
-        names, expert_layers, per = self.names, self.expert_layers, self.options.moe_expert_count // self.shards
-        for shard in range(self.shards):
-            model = {}
-            ids = range(shard * per, (shard + 1) * per)
-            got = self.read_grouped(
-                [*(names.values() if shard == 0 else ()), *(hf_expert_key(*lt, j) for lt in expert_layers for j in ids)]
-            )
-            if shard == 0:
-                model = {key: got[name] for key, name in names.items()}
-                for key in TIED_HERE:  # one tensor: torch.save stores it once, fairseq ties them again
-                    model[key] = model[EMBEDDING]
-                for side in SIDES:
-                    model[f"{side}.version"] = torch.tensor([VERSION])
-            for (layer, tensor), key in zip(expert_layers, self.expert_keys):
-                first = got[hf_expert_key(layer, tensor, ids[0])]
-                stacked = first.new_empty((per, *first.shape))
-                for j in ids:
-                    stacked[j - ids[0]] = got.pop(hf_expert_key(layer, tensor, j))
-                model[key] = stacked
-            TorchBinFile.release()
-            meta = moe_metadata(
-                [],
-                self.expert_keys,
-                world_size=1 if self.single else self.shards,
-                rank=shard,
-                num_updates=0,
-                set_id=set_id,
-                experts_per_worker=per,
-            )
-            meta["imported_from"] = self.hf_dir
-            state = {
-                "args": self.options,
-                "cfg": None,
-                "model": model,
-                "criterion": {},
-                "task_state": {},
-                "extra_state": {},
-                "moe": meta,
-                "optimizer_history": [
-                    {"optimizer_name": "none", "lr_scheduler_state": {"best": None}, "num_updates": 0}
-                ],
-            }
-            yield shard, state
-            del state, model, got

@@ -11,6 +11,11 @@ are one tensor per expert there, ``ffn.experts.expert_<j>.fc1.weight`` [hidden, 
 The one embedding table (``--share-all-embeddings``: encoder and decoder input and the decoder's
 output projection) is ``model.shared.weight``; transformers ties ``model.encoder.embed_tokens``,
 ``model.decoder.embed_tokens`` and ``lm_head`` to it.
+
+Reading, the ``model.`` prefix is optional: ``NllbMoeForConditionalGeneration`` saves every name with it (and
+may save ``lm_head.weight``), the base ``NllbMoeModel`` without it and with no ``lm_head``. The hub's
+``facebook/nllb-moe-54b`` is the latter (transformers' converter saves an ``NllbMoeModel``): ``shared.weight``,
+``encoder.layers.3.ffn.experts.expert_0.fc1.weight``, ...
 """
 
 import re
@@ -19,7 +24,11 @@ from typing import Dict, Optional, Tuple
 EMBEDDING = "encoder.embed_tokens.weight"
 TIED_HERE = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
 HF_EMBEDDING = "model.shared.weight"
-HF_TIED = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
+HF_EMBEDDINGS = (HF_EMBEDDING, "shared.weight")  # NllbMoeForConditionalGeneration's, NllbMoeModel's
+# fmt: off
+HF_TIED = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "encoder.embed_tokens.weight",
+           "decoder.embed_tokens.weight", "lm_head.weight")
+# fmt: on
 # Buffers fairseq keeps in a state dict that carry no weights (rebuilt when a model is built).
 NOT_WEIGHTS = re.compile(r"^(encoder|decoder)\.(version|embed_positions\._float_tensor)$")
 VERSION = 3.0  # what fairseq's TransformerEncoder/Decoder register as their ``version`` buffer
@@ -46,11 +55,11 @@ _EXPERT_BACK = {hf: ours for ours, hf in EXPERT_TENSORS.items()}
 _OURS = re.compile(r"^(?P<side>encoder|decoder)\.(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$")
 _OUR_EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.fc1\.experts\.(?P<name>batched_fc[12]_[wb])$")
 _HF = re.compile(
-    r"^model\.(?P<side>encoder|decoder)\."
+    r"^(?:model\.)?(?P<side>encoder|decoder)\."
     r"(?:layers\.(?P<i>\d+)\.(?P<rest>.+)|layer_norm\.(?P<wb>weight|bias))$"
 )
 _HF_EXPERT = re.compile(
-    r"^model\.(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.ffn\.experts\.expert_(?P<j>\d+)\."
+    r"^(?:model\.)?(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.ffn\.experts\.expert_(?P<j>\d+)\."
     r"(?P<name>fc[12]\.(?:weight|bias))$"
 )
 
@@ -79,8 +88,8 @@ def hf_key(key: str) -> Optional[str]:
 
 
 def our_key(key: str) -> Optional[str]:
-    """Ours for a non-expert NllbMoe name; None if there is none (experts: ``hf_expert``)."""
-    if key == HF_EMBEDDING:
+    """Ours for a non-expert NllbMoe name, ``model.`` prefixed or not; None if none (experts: ``hf_expert``)."""
+    if key in HF_EMBEDDINGS:
         return EMBEDDING
     match = _HF.match(key)
     if not match:
@@ -92,7 +101,8 @@ def our_key(key: str) -> Optional[str]:
 
 
 def hf_expert(key: str) -> Optional[Tuple[str, str, int]]:
-    """(our layer, our stacked tensor name, global expert id) for an NllbMoe expert tensor, else None."""
+    """(our layer, our stacked tensor name, global expert id) for an NllbMoe expert tensor (``model.`` prefixed or
+    not), else None."""
     match = _HF_EXPERT.match(key)
     if not match:
         return None

@@ -13,13 +13,16 @@ combinations are refused in one line. Torch-free.
 
 from typing import Dict, List, Tuple
 
+from ...options import moe_options
 from ..errors import CheckpointSetError
 
 POLICIES = ("all", "sampling", "random")
 
 
-def _get(options, name, default=None):
-    value = options.get(name, default) if isinstance(options, dict) else getattr(options, name, default)
+def hf_value(config: dict, name: str, default=None):
+    """A field of a Hugging Face ``config.json`` (NllbMoeConfig's own, though some share this plugin's option
+    names), or ``default`` where it is absent or null."""
+    value = config.get(name, default)
     return default if value is None else value
 
 
@@ -29,15 +32,16 @@ def _refuse(path, what, why, fix):
 
 def exported_routing(options, path: str) -> Tuple[Dict, List[str]]:
     """(NllbMoeConfig routing fields, NOTE lines) for a set's model ``options``."""
-    after = bool(_get(options, "moe_normalize_gate_after_dropping", False))
-    if not (after or _get(options, "moe_normalize_gate", False)):
+    values = moe_options(options)
+    after = bool(values.moe_normalize_gate_after_dropping)
+    if not (after or values.moe_normalize_gate):
         _refuse(
             path,
             "--moe-normalize-gate False",
             "NllbMoe always renormalises the two gates to sum to 1",
             "export a model trained with --moe-normalize-gate or --moe-normalize-gate-after-dropping",
         )
-    policy = str(_get(options, "moe_second_expert_policy", "all"))
+    policy = str(values.moe_second_expert_policy)
     if policy == "random" and not after:
         # HF then overwrites the normalised second gate with its raw probability (the combine weight too);
         # the branch, and this plugin, keep the normalised gate: another function.
@@ -49,11 +53,11 @@ def exported_routing(options, path: str) -> Tuple[Dict, List[str]]:
             "export a random-policy model trained with --moe-normalize-gate-after-dropping",
         )
     notes = []
-    fraction = float(_get(options, "moe_eval_capacity_token_fraction", 0.0))
-    factor = float(_get(options, "moe_eval_capacity_factor", 0.0))
+    fraction = float(values.moe_eval_capacity_token_fraction or 0.0)
+    factor = float(values.moe_eval_capacity_factor or 0.0)
     if fraction > 0:
         # Below 1 slots are dropped, and which depends on the queue order; at 1 or more none is.
-        if fraction < 1 and not _get(options, "moe_batch_major_routing", False):
+        if fraction < 1 and not values.moe_batch_major_routing:
             _refuse(
                 path,
                 f"--moe-eval-capacity-token-fraction {fraction:g} without --moe-batch-major-routing",
@@ -110,7 +114,7 @@ def imported_routing(config: Dict, path: str) -> Tuple[Dict, List[str]]:
         "moe_eval_capacity_factor": 0.0,
     }
     notes = []
-    fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
+    fraction = float(hf_value(config, "moe_eval_capacity_token_fraction", 1.0))
     if 0 < fraction < 1:
         flags["moe_eval_capacity_token_fraction"] = fraction  # ceil(f * S), pads counted, as HF
     elif fraction <= 0:

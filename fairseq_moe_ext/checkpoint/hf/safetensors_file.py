@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointSetError
+from ..one_read import byte_view
 
 # fmt: off
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -135,6 +136,24 @@ class SafetensorsFile:
 
     def shape(self, name: str) -> List[int]:
         return self.entries[name][1]
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """``out`` (contiguous, the tensor's shape) filled with ``name``'s values, cast to its dtype (read straight
+        into it where the dtypes agree: no other copy)."""
+        dtype, _, begin, end = self.entries[name]
+        if dtype != out.dtype or not out.numel():
+            out.copy_(self.read(name))
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin)
+            count = f.readinto(byte_view(out))
+        if count != end - begin:
+            self._damaged(f"{name} ends past the end of the file")
+
+    def release(self) -> None:
+        """Nothing to let go of: each tensor is read by seeking and held by its reader alone."""
+
+    close = release
 
     def read(self, name: str) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[name]

@@ -9,13 +9,25 @@ from support.inputs.bad_input_makers import generate_from
 from support.inputs.untrusted_pickles import MARKER, plant, plant_in_set
 from support.launch.bad_input_runner import BIN, Make, copy_of, train_args
 from support.launch.fairseq_helpers import CONFIG_DIR, USER_DIR, run_fairseq, torchrun
+from support.launch.paths import PROBES
 
 MISSING_RANK_1 = "checkpoint_last-rank-1-of-2.pt"
+# Runs a fairseq entry point on a torch without torch._grouped_mm, the expert matmul asked for by name.
+SETUP_PROBE = PROBES / "fairseq_setup_refusal_probe.py"
 
 
 def refused_by(tool: str) -> Callable:
     """``fairseq_cli.<tool>`` expected to exit with status 2."""
     return lambda args: run_fairseq(tool, *args, expect_failure=True, expect_status=2)
+
+
+def refused_at_setup(tool: str) -> Callable:
+    """``fairseq_cli.<tool>`` refusing a set-up (the probe: a torch without ``torch._grouped_mm``), status 2."""
+    return lambda args: run_fairseq(tool, *args, expect_failure=True, expect_status=2, probe=SETUP_PROBE)
+
+
+def two_workers_refused_at_setup(args):
+    return torchrun(2, SETUP_PROBE, ["train", "--ddp-backend", "legacy_ddp", *args], expect_failure=True)
 
 
 def generate_on_two_workers(args):
@@ -31,6 +43,19 @@ def a_set_missing_rank_1(*flags, task: str = "translation") -> Make:
         path = str(directory / "checkpoint_last.pt")
         args = [str(inputs.data), "--user-dir", USER_DIR, "--cpu", "--path", path, "--task", task, *flags]
         return args, [directory]
+
+    return make
+
+
+def the_single_checkpoint(*flags) -> Make:
+    """``--path`` to a copy of the 1-process run's checkpoint (which must not change)."""
+
+    def make(inputs, work):
+        directory = copy_of(inputs.single, work)
+        path = str(directory / "checkpoint_last.pt")
+        return [str(inputs.data), "--user-dir", USER_DIR, "--cpu", "--path", path, "--task", "translation", *flags], [
+            directory
+        ]
 
     return make
 

@@ -267,10 +267,10 @@ def with_inputs(factory) -> Make:
     return lambda inputs, work: factory(inputs)(inputs, work)
 
 
-def import_release_lookalike(langs: str) -> Make:
+def import_release_lookalike(langs) -> Make:
     """``import-fairseq-moe`` of the NLLB-200 MoE release lookalike (``recipes/nllb_tiny_set.py``, its first E
-    rank files) with ``--dictionary`` and a ``--langs`` file holding ``langs``; the set and the output directory
-    must not change."""
+    rank files) with ``--dictionary`` and a ``--langs`` file holding ``langs`` (text, or bytes as they are); the
+    set and the output directory must not change."""
 
     def make(inputs, work):
         import sys
@@ -281,7 +281,8 @@ def import_release_lookalike(langs: str) -> Make:
         from nllb_tiny_set import write_release_set
 
         prefix = write_release_set(str(work / "nllb"), first_experts_only=True)
-        (work / "langs.txt").write_text(langs)
+        written = (work / "langs.txt").write_bytes if isinstance(langs, bytes) else (work / "langs.txt").write_text
+        written(langs)
         (work / "out").mkdir()
         dictionary, listed = work / "nllb" / "dictionary.txt", work / "langs.txt"
         args = [

@@ -169,7 +169,7 @@ def two_workers_without_world_size(args):
 
 
 def plan_tool(args):
-    """``python -m fairseq_moe_ext plan <args>``, expected to fail; its output, stderr last."""
+    """``python -m fairseq_moe_ext plan <args>``, expected to fail with argparse's status 2; its output, stderr last."""
     done = subprocess.run(
         [sys.executable, "-m", "fairseq_moe_ext", "plan", *map(str, args)],
         capture_output=True,
@@ -177,15 +177,21 @@ def plan_tool(args):
         timeout=150,
         cwd=str(REPO_ROOT),
     )
-    if done.returncode == 0:
-        pytest.fail(f"expected plan {' '.join(map(str, args))} to fail:\n{tail(done.stdout)}", pytrace=False)
+    if done.returncode != 2:
+        pytest.fail(
+            f"expected plan {' '.join(map(str, args))} to fail with status 2, got {done.returncode}:\n"
+            f"{tail(done.stdout + done.stderr)}",
+            pytrace=False,
+        )
     return done.stdout + done.stderr
 
 
 def checkpoint_tool(args):
+    """The checkpoint tool, expected to refuse with argparse's status 2."""
     done = run_checkpoint_tool(*args, combined=True, timeout=150)
-    if done.returncode == 0:
-        pytest.fail(f"expected {' '.join(done.args)} to fail:\n{tail(done.stdout)}", pytrace=False)
+    if done.returncode != 2:
+        pytest.fail(f"expected {' '.join(done.args)} to fail with status 2, got {done.returncode}:\n{tail(done.stdout)}",
+                    pytrace=False)  # fmt: skip
     return done.stdout
 
 

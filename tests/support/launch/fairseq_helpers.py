@@ -97,18 +97,22 @@ def run_fairseq(
     expect_failure: bool = False,
     cwd: Optional[Path] = None,
     expect_status: Optional[int] = None,
+    probe: Optional[Path] = None,
 ) -> str:
     """Run ``fairseq_cli.<tool>`` with ``args`` as ``python -m`` would and return its combined output: forked
     from a process that has imported fairseq (warm_fairseq.py; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter).
+    With ``probe``, ``python PROBE tool args`` (a probe that runs the tool itself, having changed something first).
 
     The test fails with the output's tail if the exit status is not the expected one (zero, or
     non-zero when ``expect_failure``; ``expect_status`` when given) or the run outlives ``timeout`` seconds.
     """
-    command = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    args = [*map(str, args)]
+    target, argv = ({"module": f"fairseq_cli.{tool}"}, args) if probe is None else ({"path": str(probe)}, [tool, *args])
+    command = [sys.executable, *(["-m", target["module"]] if probe is None else [target["path"]]), *argv]
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
     if warm is not None:  # a fork of a process that has imported fairseq: see warm_fairseq.py
-        done = subprocess.CompletedProcess(command, *warm.run(f"fairseq_cli.{tool}", args, env, cwd, input, timeout))
+        done = subprocess.CompletedProcess(command, *warm.launch(target, argv, [{"env": env}], cwd, input, timeout))
     else:
         done = fresh_interpreter(command, env, timeout, input=input, cwd=cwd)
     if done.returncode is None:
@@ -125,21 +129,26 @@ def run_fairseq(
 
 
 CHECKPOINT_TOOL = "fairseq_moe_ext.checkpoint"
+FAIRSEQ_MOE = str(Path(sys.executable).parent / "fairseq-moe")  # the console script setup.py installs
 
 
-def run_checkpoint_tool(*args, check: bool = False, combined: bool = False, timeout: float = 300):
+def run_checkpoint_tool(
+    *args, check: bool = False, combined: bool = False, timeout: float = 300, program: str = CHECKPOINT_TOOL
+):
     """``python -m fairseq_moe_ext.checkpoint args`` as a ``subprocess.CompletedProcess`` (text; stdout and stderr
     apart, or together in stdout when ``combined``), forked from the warm server (warm_fairseq.py; its import of torch
-    saved; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter). ``check``: the test fails unless it exits 0."""
-    command = [sys.executable, "-m", CHECKPOINT_TOOL, *map(str, args)]
+    saved; ``MOE_TEST_COLD_CLI=1``: a fresh interpreter). ``check``: the test fails unless it exits 0. ``program``:
+    another of fairseq-moe's spellings, a module (``python -m``) or the installed script (``FAIRSEQ_MOE``)."""
+    script = os.sep in program
+    command = [program, *map(str, args)] if script else [sys.executable, "-m", program, *map(str, args)]
     env = fairseq_env()
     warm = warm_fairseq.launcher(env)
     if warm is None:
         done = fresh_interpreter(command, env, timeout, combined=combined)
     elif combined:
-        done = subprocess.CompletedProcess(command, *warm.run(CHECKPOINT_TOOL, args, env, None, None, timeout))
+        done = subprocess.CompletedProcess(command, *warm.run(program, args, env, None, None, timeout))
     else:
-        done = subprocess.CompletedProcess(command, *warm.run_apart(CHECKPOINT_TOOL, args, env, None, timeout))
+        done = subprocess.CompletedProcess(command, *warm.run_apart(program, args, env, None, timeout))
     if done.returncode is None:
         pytest.fail(f"{' '.join(command)} ran past {timeout}s\n{tail(done.stdout)}", pytrace=False)
     if check and done.returncode != 0:

@@ -122,12 +122,22 @@ def micro_batches(shares, count):
     return [sentence_pairs(sum(shares), seed=i) for i in range(count)]
 
 
+def without_fully_sharded_options(flags):
+    """``flags`` less the options that act under --ddp-backend fully_sharded only, with their values: what a
+    run under another backend, or one process, takes (it refuses them: models/moe_runtime.FULLY_SHARDED_ONLY)."""
+    from fairseq_moe_ext.models.moe_runtime import FULLY_SHARDED_ONLY
+
+    dropped = {"--" + name.replace("_", "-") for name, _, _ in FULLY_SHARDED_ONLY}
+    flags = [str(f) for f in flags]
+    return [f for i, f in enumerate(flags) if f not in dropped and (i == 0 or flags[i - 1] not in dropped)]
+
+
 def assert_step_equals_one_process(results, data_dir, shares, extra, count, parallel_size, steps=1):
     """The workers' step (``results`` by rank) equals one process's step on the whole batch. Rank r
     holds the experts of ``ep_rank = r % parallel_size`` (global ids ``ep_rank*E/P ..``); ranks of the
     same ep_rank hold replicas, which must be bitwise identical. Buffers (the balance biases) are
     shared state: bitwise identical on every worker, and equal to the single process's."""
-    task, trainer = build_trainer(training_args(data_dir, 1, extra))
+    task, trainer = build_trainer(training_args(data_dir, 1, without_fully_sharded_options(extra)))
     reference = one_step(task, trainer, *micro_batches(shares, count), steps=steps)
     assert (reference["dropped"] > 0) == ("--moe-capacity-factor" in extra)
 

@@ -8,7 +8,7 @@ threads of ``world.run(fn)``, which calls ``fn(rank)`` on W threads. A thread's 
 thread-local (``world.as_rank(r)`` lends one to the calling thread), and autograd runs a CPU
 backward in the thread that calls it, so the collectives of a backward stay on their rank. A group
 is one ``ThreadGroup`` per membership, shared by its members as a process group handle would be.
-The plugin's process state keeps its expert groups per rank here, as each worker process would.
+The plugin's process state keeps the groups it made per rank here, as each worker process would.
 
 Every collective the plugin starts goes through ``moe.comm.collective``, which names it ("all-to-all
 of token rows", ...): ``world.collectives`` records ``(rank, name, group ranks)`` for each.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fairseq_moe_ext.moe import comm
-from fairseq_moe_ext.parallel.process_state import STATE
+from fairseq_moe_ext.parallel.process_state import STATE, ProcessGroups
 
 TIMEOUT_S = 60
 
@@ -152,9 +152,9 @@ class ThreadWorld:
             checked(what, tensors, group)
 
         monkeypatch.setattr(comm, "check_served", record)
-        for field in ("expert_parallel_size", "comm_timeout_s", "expert_parallel_training", "dummy_batch"):
+        for field in ("training_plan", "dummy_batch"):
             monkeypatch.setattr(STATE, field, getattr(STATE, field))
-        monkeypatch.setattr(STATE, "expert_groups", PerRank(self))
+        monkeypatch.setattr(STATE, "process_groups", ProcessGroups(PerRank(self)))
         return self
 
     def run(self, fn, *args):

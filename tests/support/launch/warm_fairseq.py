@@ -76,6 +76,11 @@ def torchrun_env(env: Dict[str, str], workers: int, rank: int, port: int) -> Dic
     )
 
 
+def target_of(program: str) -> dict:
+    """What the server runs as ``__main__``: a script by its path, else a module (``python -m``)."""
+    return {"path": program} if os.sep in program else {"module": program}
+
+
 class WarmLauncher:
     """The suite's side: one server per pytest process, started on first use, stopped at exit."""
 
@@ -94,16 +99,17 @@ class WarmLauncher:
     def serves(self, env: Dict[str, str]) -> bool:
         return self.process.poll() is None and not startup_difference(self.env, env)
 
-    def run(self, module, args, env, cwd, stdin_text, timeout) -> Tuple[Optional[int], str]:
-        """``python -m module args``: (exit status, or None after ``timeout`` seconds; stdout and stderr together)."""
-        return self.launch({"module": module}, args, [{"env": env}], cwd, stdin_text, timeout)
+    def run(self, program, args, env, cwd, stdin_text, timeout) -> Tuple[Optional[int], str]:
+        """``python -m program args``, or ``program args`` where ``program`` is a script's path (an installed console
+        script): (exit status, or None after ``timeout`` seconds; stdout and stderr together)."""
+        return self.launch(target_of(program), args, [{"env": env}], cwd, stdin_text, timeout)
 
-    def run_apart(self, module, args, env, cwd, timeout) -> Tuple[Optional[int], str, str]:
-        """``python -m module args``: (exit status or None, as ``run``; stdout; stderr)."""
+    def run_apart(self, program, args, env, cwd, timeout) -> Tuple[Optional[int], str, str]:
+        """As ``run``: (exit status or None; stdout; stderr)."""
         stderr_path = os.path.join(self.work, f"{next(self.numbers)}.err")
         try:
             status, stdout = self.launch(
-                {"module": module}, args, [{"env": env, "stderr": stderr_path}], cwd, None, timeout
+                target_of(program), args, [{"env": env, "stderr": stderr_path}], cwd, None, timeout
             )
             with open(stderr_path, errors="replace") as f:
                 return status, stdout, f.read()

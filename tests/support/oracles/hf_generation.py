@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import pytest
 import torch
 
 from support.inputs.branch_sets import write_branch_parts
@@ -193,3 +194,21 @@ def hf_generate(hf, beam: int, lenpen: float = 1.0):
         best.append(tokens[: tokens.index(EOS)])
     scores = out.sequences_scores.tolist() if beam > 1 else [None] * len(best)
     return best, scores
+
+
+def assert_same_searches(data_bin, path, hf, results, dictionary):
+    """fairseq-generate on ``path`` and HF's generate on ``hf``, greedy and beam: the same tokens (P- lines
+    count the <s> H- lines leave out), the same beam scores, and a search that is tested (hypotheses ending
+    before the maximum length and at it, beam search finding what greedy search does not)."""
+    found = {}
+    for beam in (1, BEAM):
+        ours = fairseq_search(data_bin, path, results / f"beam{beam}", dictionary, beam)
+        theirs, scores = hf_generate(hf, beam)
+        assert [h["length"] for h in ours] == [len(row) + 1 for row in theirs], f"--beam {beam}"
+        assert [h["tokens"] for h in ours] == [[t for t in row if t != dictionary.bos()] for row in theirs], beam
+        if beam > 1:
+            assert [h["score"] for h in ours] == pytest.approx(scores, abs=1e-5)
+        lengths = [len(row) for row in theirs]
+        assert min(lengths) < MAX_NEW and MAX_NEW in lengths, (beam, lengths)
+        found[beam] = theirs
+    assert found[1] != found[BEAM], "beam search found greedy search's hypotheses: the beam is untested"
