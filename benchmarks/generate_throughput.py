@@ -5,6 +5,7 @@ torchrun workers, the MoE model with its experts sharded over them (lock-step de
 
     python benchmarks/generate_throughput.py            # about 3-4 minutes on 2 CPU cores
     python benchmarks/generate_throughput.py --sentences 800 --repeats 3
+    python benchmarks/generate_throughput.py --workers 2 --baseline-user-dir ../other-checkout/fairseq_moe_ext
 
 Both models are trained briefly (fairseq-train, 2 workers, so the MoE checkpoint is a 2-worker set)
 on the tests' toy language pair; speed does not depend on how well they translate, and every
@@ -15,19 +16,18 @@ process that figure halved.
 """
 
 import argparse
-import datetime
 import os
 import random
 import re
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "recipes"))  # what benchmarks share with tests and recipes
 
+from side_by_side import Loads, run_folder, stamp  # noqa: E402
 from toy_pair import source_sentence, translate  # noqa: E402
 from train_wps import BIN, USER_DIR, env_for, model_args, preprocess, run, torchrun, training_flags  # noqa: E402
 
@@ -49,6 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=12, help="tokens per hypothesis, forced (default 12)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads shared by a run's workers (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="alternate dense/MoE generations this many times")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default 1 2)")
+    p.add_argument(
+        "--baseline-user-dir",
+        help="also generate from the MoE model with the plugin of another checkout "
+        "(e.g. ../other-checkout/fairseq_moe_ext), alternating with the others: before/after in one run",
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--keep", help="keep data and logs in this folder instead of a temporary one")
     return p.parse_args(argv)
@@ -73,14 +79,14 @@ def train(args, data, save_dir, moe, work):
     run(torchrun(2, BIN / "fairseq-train", common), env_for(1), args.timeout, work / f"train-{save_dir.name}.log")
 
 
-def sentences_per_second(args, data, save_dir, workers, log: Path) -> float:
+def sentences_per_second(args, data, save_dir, workers, log: Path, user_dir=USER_DIR) -> float:
     command = torchrun(
         workers,
         BIN / "fairseq-generate",
         [
             data,
             "--user-dir",
-            USER_DIR,
+            user_dir,
             "--path",
             save_dir / "checkpoint_last.pt",
             "--cpu",
@@ -114,12 +120,8 @@ def sentences_per_second(args, data, save_dir, workers, log: Path) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="generate_throughput_"))
-    work.mkdir(parents=True, exist_ok=True)
-    print(
-        f"# fairseq-generate sentences/s (beam 5), {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, logs in {work}"
-    )
+    work = run_folder(args.keep, "generate_throughput_")
+    print(f"# fairseq-generate sentences/s (beam 5), {stamp()}, logs in {work}")
     print(
         f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE every "
         f"{args.moe_freq}-th layer: E={args.experts}, k={args.top_k}, expert hidden {args.ffn_dim // args.top_k}; "
@@ -128,22 +130,27 @@ def main(argv=None):
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
     for moe in (False, True):
         train(args, data, work / ("moe" if moe else "dense"), moe, work)
-    results = {}
+    results, loads = {}, Loads()
+    arms = [("dense", False, USER_DIR), ("moe", True, USER_DIR)]
+    arms += [("baseline", True, args.baseline_user_dir)] if args.baseline_user_dir else []
     for rep in range(args.repeats):
-        for workers in (1, 2):
-            for moe in (False, True):  # alternating, so drifts in machine load hit both alike
-                name = f"{'moe' if moe else 'dense'}-{workers}w-{rep}"
-                rate = sentences_per_second(
-                    args, data, work / ("moe" if moe else "dense"), workers, work / f"{name}.log"
-                )
-                results.setdefault((workers, moe), []).append(rate)
-    print(f"\n{'workers':>8}{'dense sent/s':>14}{'moe sent/s':>12}{'moe/dense':>11}{'moe per process':>17}")
-    for workers in (1, 2):
-        dense, moe = (statistics.median(results[(workers, m)]) for m in (False, True))
-        print(f"{workers:>8}{dense:>14.1f}{moe:>12.1f}{moe / dense:>11.3f}{moe / workers:>17.1f}")
+        for workers in args.workers:
+            for arm, moe, user_dir in arms:  # alternating, so drifts in machine load hit every arm alike
+                name = f"{arm}-{workers}w-{rep}"
+                with loads.run((workers, arm)):
+                    rate = sentences_per_second(
+                        args, data, work / ("moe" if moe else "dense"), workers, work / f"{name}.log", user_dir
+                    )
+                results.setdefault((workers, arm), []).append(rate)
+    print(f"\n{'workers':>8}  {'run':<10}{'sent/s':>9}{'/ dense':>9}{'per process':>13}{'load':>12}")
+    for workers in args.workers:
+        dense = statistics.median(results[(workers, "dense")])
+        for arm, _, _ in arms:
+            rate, load = statistics.median(results[(workers, arm)]), loads.range((workers, arm))
+            print(f"{workers:>8}  {arm:<10}{rate:>9.1f}{rate / dense:>9.3f}{rate / workers:>13.1f}{load:>12}")
     print(
         "2 workers: both split the sentences; the MoE model keeps half of the experts on each worker and "
-        "decodes in lock-step (one extra all-reduce per decoder step, plus the all-to-alls)"
+        "decodes in lock-step (its rounds ride on each stack's first MoE exchange)"
     )
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 

@@ -11,7 +11,8 @@ MOELayer with Top2Gate; (2) cost against tokens (must grow linearly) and experts
 routing (one expert takes 4x its fair share) on the dropless path; (4) the capacity path (a fixed
 capacity factor, slots over it dropped) against dropless and fairscale, whose Top2Gate capacity
 2N/E equals our cf=1; (5) peak memory of one step; (6) many small experts (E=64 by default) against the floor, the
-same E GEMM pairs timed alone ("expert floor") and the dense FFN.
+same E GEMM pairs timed alone ("expert floor") and the dense FFN; (0), first, the census: collectives and host
+syncs of one layer call by mode on 2 gloo workers (``--no-census`` skips it).
 Times are medians of interleaved repetitions; ratios are to the floor measured alongside.
 """
 
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from contenders import Shape, build_contender, fits_fairscale, import_fairscale  # noqa: E402
 from measure import machine_summary, median, spread, time_interleaved  # noqa: E402
+from moe_layer_census import census_section  # noqa: E402
 from moe_layer_memory import memory_probe, memory_section  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,6 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--no-headline", action="store_true", help="skip the default-shapes section")
     p.add_argument("--no-memory", action="store_true", help="skip the peak memory section")
     p.add_argument("--no-fairscale", action="store_true")
+    p.add_argument("--no-census", action="store_true", help="skip the census of collectives and host syncs")
     p.add_argument("--json", help="also write every measurement to this file")
     p.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one contender, fresh process
     args = p.parse_args(argv)
@@ -302,6 +305,8 @@ def main(argv=None):
     print(f"# MoE layer benchmark, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(machine_summary(device))
     report = {"args": {k: v for k, v in vars(args).items()}, "machine": machine_summary(device)}
+    if not args.no_census:
+        census_section(report)
     if not args.no_headline:
         headline(args, device, dtype, report)
     if args.many_experts:

@@ -19,21 +19,21 @@ torchrun itself stays small), from getrusage of a wrapper that runs only that co
 """
 
 import argparse
-import datetime
 import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "recipes"))  # what benchmarks share with tests and recipes
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from fairseq_logs import json_records  # noqa: E402
 from fairseq_moe_ext import PACKAGE_DIR as USER_DIR  # noqa: E402
+from side_by_side import Loads, run_folder, stamp  # noqa: E402
 from toy_pair import source_sentence, translate  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -230,12 +230,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.ffn_dim % args.top_k:
         sys.exit(f"train_wps.py: --ffn-dim {args.ffn_dim} must be divisible by --top-k {args.top_k}")
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="train_wps_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = run_folder(args.keep, "train_wps_")
     print(
-        f"# fairseq-train wps, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
-        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, logs in {work}"
+        f"# fairseq-train wps, {stamp()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, logs in {work}"
     )
     print(
         f"d={args.embed_dim}, {args.layers}+{args.layers} layers, dense FFN H={args.ffn_dim}; MoE in every "
@@ -243,7 +240,7 @@ def main(argv=None):
         f"--max-tokens {args.max_tokens}, {args.max_update} updates, {args.threads} threads per run"
     )
     data = preprocess(write_corpus(work / "raw", args.sentences), work / "bin", work)
-    results, memory = {}, {}
+    results, memory, loads = {}, {}, Loads()
     for workers in args.workers:
         env = env_for(max(1, args.threads // workers))
         for rep in range(args.repeats):
@@ -256,21 +253,22 @@ def main(argv=None):
                 arms.append(("baseline", True, args.baseline_user_dir, "legacy_ddp"))
             for arm, moe, user_dir, backend in arms:  # alternating, so drifts in machine load hit all alike
                 name = f"{arm.replace(' ', '-')}-{workers}w-{rep}"
-                output = run(
-                    train_command(args, data, work / name, moe, workers, user_dir, backend),
-                    env,
-                    args.timeout,
-                    work / f"{name}.log",
-                )
+                with loads.run((workers, arm)):
+                    output = run(
+                        train_command(args, data, work / name, moe, workers, user_dir, backend),
+                        env,
+                        args.timeout,
+                        work / f"{name}.log",
+                    )
                 results.setdefault((workers, arm), []).append(measured_wps(output))
                 memory.setdefault((workers, arm), []).append(peak_rss_mib(output))
-    print(f"\n{'workers':>8}  {'run':<18}{'wps':>8}{'/ dense':>9}{'peak MiB per worker':>21}")
+    print(f"\n{'workers':>8}  {'run':<18}{'wps':>8}{'/ dense':>9}{'peak MiB per worker':>21}{'load':>12}")
     for workers in args.workers:
         dense = statistics.median(results[(workers, "dense")])
         for (w, arm), wps in results.items():
             if w == workers:
-                wps = statistics.median(wps)
-                print(f"{workers:>8}  {arm:<18}{wps:>8.0f}{wps / dense:>9.3f}{max(memory[(w, arm)]):>21.0f}")
+                wps, load = statistics.median(wps), loads.range((w, arm))
+                print(f"{workers:>8}  {arm:<18}{wps:>8.0f}{wps / dense:>9.3f}{max(memory[(w, arm)]):>21.0f}{load:>12}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 

@@ -31,6 +31,7 @@
 #   WORK [./work-dirs/main]   output directory
 #   TINY [0]                  1: tiny corpus and a few updates, to check the pipeline (defaults below change)
 #   WORKERS [2]               CPU worker processes for training (EXPERTS must be a multiple)
+#   MOE_USER_DIR []           another checkout's plugin folder to run with (benchmarks/main_job_wall.py)
 #   THREADS [1]               intra-op threads per worker
 #   EXPERTS [8]  TOPK [2]     experts per MoE layer and experts per token
 #   MOE_FREQ [2]              every MOE_FREQ-th layer is MoE (2 layers per side: layer 1 of each)

@@ -9,12 +9,17 @@
   process holding every expert: expert parallelism (dropless, and capacity with drops), replicas
   (every rank holds all experts, statistics over both), a rank whose batch is all padding, and
   lock-step inference with uneven numbers of rounds per rank. Outputs within 1e-5 and gradients
-  within 1e-4 (max-abs relative), losses within 1e-5. With two GPUs or more: NCCL on two GPUs instead.
+  within 1e-4 (max-abs relative), losses within 1e-5. With two GPUs or more: NCCL on two GPUs instead;
+* the census on the device (recipes/layer_census.py, what tests/core/test_collective_census.py counts on
+  CPU threads): collectives and host syncs of one layer call per mode, each rank's against the table the
+  CPU holds; and the time in each collective of one bf16 training call against the call's (the device
+  synchronised around each collective), so that a first draw tells how much of a step is communication.
 On the CPU dry run the same runs over gloo on CPU tensors (labelled so).
 """
 
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -24,7 +29,10 @@ import torch.multiprocessing as mp
 
 from fairseq_moe_ext.moe import MoELayer, MoELayerConfig  # noqa: E402
 from fairseq_moe_ext.moe.lockstep import LockStep  # noqa: E402
-from report import DRY_RUN, device, emit, left, rel_err, run_guarded, verdict
+from report import DRY_RUN, ROOT, device, emit, left, rel_err, run_guarded, sized, verdict
+
+sys.path.insert(0, str(ROOT / "recipes"))
+from layer_census import EXPECTED, Counted, census_of_modes, census_table, timed_call, timed_lines  # noqa: E402
 
 D, H, E = 64, 128, 8
 SIZES = [13, 29]  # tokens per rank: uneven
@@ -119,6 +127,13 @@ def worker(rank, world, port, backend, out_dir):
             lockstep.before(stack)
             outputs.append(run_stack(stacks[stack], lockstep_input(rank, call).to(dev)).cpu())
     results["lockstep"] = outputs
+    counted = census_of_modes(dist.group.WORLD, rank, dev)  # plain tuples: torch.load reads weights only
+    results["census"] = {
+        mode: (c.forward, c.backward, c.forward_syncs, c.backward_syncs) for mode, c in counted.items()
+    }
+    d, h, rows = sized((1024, 4096, 8192), (64, 128, 256))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    results["timed"] = timed_call(dist.group.WORLD, rank, dev, d=d, h=h, rows=rows, dtype=dtype)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -201,12 +216,37 @@ def compare_two_ranks(ranks, dev):
             with torch.no_grad():
                 want = run_stack(stacks[stack], lockstep_input(rank, call).to(dev)).cpu()
             errors.append(rel_err(ranks[rank]["lockstep"][call], want))
+    census_verdict(ranks)
     verdict(
         "groups_two_ranks[lockstep_uneven]",
         max(errors) <= 1e-5,
         f"({LABEL}) {len(PLANS[0])} and {len(PLANS[1])} MoE calls per rank: every output vs one process "
         f"within {max(errors):.1e} (bound 1e-5)",
     )
+
+
+def census_verdict(ranks):
+    found = [r["census"] for r in ranks]
+    off = [f"rank {rank} {mode}: {got} (want {EXPECTED[mode]})" for rank, counts in enumerate(found)
+           for mode, got in counts.items() if got != EXPECTED[mode]]  # fmt: skip
+    verdict(
+        "groups_two_ranks[census]",
+        not off,
+        f"({LABEL}) collectives fwd/bwd, host syncs fwd/bwd per layer call, by mode: "
+        + ("as on CPU: " + "; ".join(f"{m} {c}" for m, c in found[0].items()) if not off else "; ".join(off)),
+    )
+    seconds, collectives = ranks[0]["timed"]
+    spent = sum(c[1] for c in collectives)
+    emit(
+        "INFO",
+        "groups_two_ranks[collective_time]",
+        f"({LABEL}) one training call: {spent * 1e3:.2f} ms in {len(collectives)} collectives of {seconds * 1e3:.2f} ms "
+        f"({spent / seconds:.0%}); each: " + ", ".join(f"{op} {t * 1e3:.2f} ms" for op, t, _ in collectives),
+        seconds=seconds,
+        collectives=collectives,
+    )
+    print(census_table({mode: Counted(*counts, "") for mode, counts in found[0].items()}))
+    print(timed_lines(ranks[0]["timed"]))
 
 
 # ---------------------------------------------------------------- one rank over NCCL

@@ -7,12 +7,15 @@ in a patched ``train_step``; removing it silently dropped the balance loss).
 Loss = inner loss + ``sample_size * (gate_loss_wt * balance + z_loss_wt * z)``: fairseq divides the
 gradient by the (global) sample size, so the auxiliary weights do not depend on batch size. Each
 worker's balance loss is the group-wide value, scaled by that worker's sample size, which makes the
-multi-worker update equal to the single-process one.
+multi-worker update equal to the single-process one: the gradient of the group-wide statistics is the
+sum of every worker's, which the criterion takes once per forward (the workers' sample sizes summed in
+backward, ``comm.weight_summed_over_ranks``) where each MoE layer would otherwise sum its own in backward.
 
 ``loss`` in the logs stays the inner loss (so ``ppl`` and ``checkpoint_best`` compare with dense
 models); the MoE terms are logged beside it.
 """
 
+import contextlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from fairseq import metrics
 
 from ..common.refusal import MoEOptionError, MoESetupError
 from ..models.moe_config import dataclass_of
+from ..moe.comm import weight_summed_over_ranks
 from ..options import CRITERION_OPTIONS
 from ..options.ranges import CRITERION_RANGES, check_options
 
@@ -57,6 +61,15 @@ def short_layer_name(name: str) -> str:
     return f"{match.group(1)[:3]}{match.group(2)}" if match else re.sub(r"\W+", "_", name)
 
 
+def summed_over(records):
+    """The one group over which the records' layers left their losses' gradients to be summed (None: none)."""
+    groups = {id(r.aux.collector_sums_over): r.aux.collector_sums_over for r in records}
+    groups.pop(id(None), None)
+    if len(groups) > 1:
+        raise MoESetupError(f"MoE layers of one model total their statistics over {len(groups)} different groups")
+    return next(iter(groups.values()), None)
+
+
 class MoELossMixin:
     def _init_moe_loss(self, moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load):
         weights = {"moe_gate_loss_wt": moe_gate_loss_wt, "moe_z_loss_wt": moe_z_loss_wt}
@@ -67,7 +80,11 @@ class MoELossMixin:
         self.moe_hide_expert_load = moe_hide_expert_load
 
     def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        cache = find_moe_cache(model)
+        # The layers leave the sum over workers of their losses' gradients to add_moe_losses (one collective
+        # per forward in its backward, not one per layer).
+        with cache.summing_collector() if cache is not None else contextlib.nullcontext():
+            loss, sample_size, logging_output = super().forward(model, sample, reduce)
         loss = self.add_moe_losses(model, loss, sample_size, logging_output, reduce)
         return loss, sample_size, logging_output
 
@@ -97,7 +114,9 @@ class MoELossMixin:
             balance, z = balance.mean(), z.mean()
         else:
             balance, z = balance.sum(), z.sum()
-        aux = sample_size * (self.moe_gate_loss_wt * balance + self.moe_z_loss_wt * z)
+        aux = weight_summed_over_ranks(
+            self.moe_gate_loss_wt * balance + self.moe_z_loss_wt * z, sample_size, summed_over(records)
+        )
         if not applied:
             aux = torch.zeros_like(aux.detach())  # what was added: nothing
         elif reduce:

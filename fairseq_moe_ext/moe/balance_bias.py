@@ -5,8 +5,9 @@ Each MoE layer keeps a per-expert bias ``b`` that is added to the routing scores
 experts (never to the gate values that weight their outputs). After every optimizer step it moves by
 a fixed rate ``u`` towards balance: ``b_i += u * sign(mean_load - load_i)``, where ``load_i`` is how
 many token-slots chose expert ``i`` during the update (all micro-batches of ``--update-freq``, every
-worker of the statistics group: the load is summed over the group, so the bias is identical on
-every worker, like a shared parameter).
+worker of the statistics group: each forward counts every worker's load, which the layer's exchange of
+counts brings anyway, so the bias is identical on every worker, like a shared parameter, and moves with
+no collective of its own).
 
 The bias is a persistent fp32 buffer (saved in checkpoints, kept fp32 under ``.half()``); the load
 being accumulated is a plain tensor attribute, not a buffer, so that DDP's buffer broadcast never
@@ -21,8 +22,6 @@ import torch
 import torch.nn as nn
 
 from ..common.refusal import MoEOptionError
-from . import comm
-from .collective_device import on_group_device
 
 # The rate DeepSeek-V3 used for most of its training.
 DEFAULT_BIAS_UPDATE_RATE = 0.001
@@ -45,29 +44,26 @@ class BalanceBias(nn.Module):
         self.num_experts = num_experts
         self.update_rate = float(update_rate)  # checked where it was configured (RoutingConfig)
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.pending_load: Optional[torch.Tensor] = None  # [E] int64, this worker's, since the last update
+        self.pending_load: Optional[torch.Tensor] = None  # [E] int64, every worker's, since the last update
         self.frozen = False  # held where the router is frozen (freeze.py): the load is counted, then dropped
 
     def observe(self, load: torch.Tensor) -> None:
-        """Count one training forward's load: ``[E]`` token-slots per expert (the layer's count of
-        its real tokens' choices, pad tokens left out)."""
+        """Count one training forward's load: ``[E]`` token-slots per expert (the layer's count of every
+        worker's real tokens' choices, pad tokens left out)."""
         if not self.training:
             return
         self.pending_load = load if self.pending_load is None else self.pending_load + load
 
     @torch.no_grad()
-    def update(self, group=None) -> None:
-        """One step towards balance from the load of every worker in ``group`` (every rank of the
-        group must call this, in the same order of layers)."""
+    def update(self) -> None:
+        """One step towards balance from the load counted since the last update (every worker's: the same
+        on every worker, so every worker takes the same step)."""
         load = self.pending_load
-        if self.frozen:  # the same on every worker (one flag for all), so no worker waits in the all-reduce
-            self.pending_load = None
+        self.pending_load = None
+        if self.frozen:  # the same on every worker (one flag for all)
             return
         if load is None:  # no training forward since the last update: nothing chosen here
             load = torch.zeros(self.num_experts, dtype=torch.long, device=self.bias.device)
-        self.pending_load = None
-        if group is not None:
-            load = comm.all_reduce_sum(on_group_device(load, group), group).to(self.bias.device)
         total = load.to(torch.float64)
         self.bias.add_(torch.sign(total.mean() - total).to(self.bias.dtype), alpha=self.update_rate)
 
@@ -88,21 +84,21 @@ class BalanceBias(nn.Module):
 
 
 def balance_biases(model: nn.Module):
-    """Every ``(BalanceBias, statistics group)`` of ``model``'s MoE layers, in module order."""
+    """Every ``BalanceBias`` of ``model``'s MoE layers, in module order."""
     found = []
     for module in model.modules():
         # The layer's own handle (its router holds the module only for its state key, and has no router).
         bias = getattr(module, "balance_bias", None) if hasattr(module, "router") else None
         if isinstance(bias, BalanceBias):
-            found.append((bias, getattr(module, "statistics_group", None)))
+            found.append(bias)
     return found
 
 
 def update_balance_biases(model: nn.Module, stepped: bool = True) -> None:
     """After an optimizer step (``stepped``), move every layer's bias; after a skipped one, drop
     the load counted for it."""
-    for bias, group in balance_biases(model):
+    for bias in balance_biases(model):
         if stepped:
-            bias.update(group)
+            bias.update()
         else:
             bias.discard()

@@ -14,6 +14,11 @@ criterion collects the records of the current forward pass, which clears them.
   step, and nothing from those steps needs to be kept.
 * ``router_losses_apply`` (default True) tells the criterion whether the balance loss and z-loss join
   the loss: False where the router is frozen (freeze.py), and they are only logged.
+* Inside ``summing_collector()`` (the MoE criterions open it around the model's forward) the layers leave
+  it to the collector to sum the losses' gradients over the workers: each record names the group to sum
+  over (``MoEAux.collector_sums_over``) and the collector sums each worker's weight of the losses there once
+  per forward (``comm.weight_summed_over_ranks``), where each layer would otherwise sum its statistics'
+  gradients in its backward, one collective per layer.
 * Records made while autograd runs a backward pass come from activation checkpointing
   recomputing the forward; their losses were already counted in the first pass, so they are
   dropped.
@@ -21,7 +26,7 @@ criterion collects the records of the current forward pass, which clears them.
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -34,6 +39,9 @@ class MoEAux:
     balance_loss: torch.Tensor  # scalar, differentiable
     z_loss: torch.Tensor  # scalar, differentiable
     stats: Dict[str, torch.Tensor] = field(default_factory=dict)  # detached, this worker's counts
+    # The group over which whoever adds these losses must sum each worker's weight of them (the layer did not
+    # sum their gradients in backward: summing_collector); None: nothing left to sum.
+    collector_sums_over: Any = None
 
 
 @dataclass
@@ -58,6 +66,7 @@ class MoEAuxCache:
         self.scoped = scoped
         self._open_passes = 0
         self.router_losses_apply = True
+        self.collector_sums = False  # inside summing_collector()
 
     def start_pass(self) -> None:
         pending = [r for r in self._records if r.aux.balance_loss.requires_grad]
@@ -78,6 +87,16 @@ class MoEAuxCache:
             yield
         finally:
             self._open_passes -= 1
+
+    @contextmanager
+    def summing_collector(self):
+        """Inside, the layers leave the sum over workers of their losses' gradients to whoever collects the
+        records: only for a collector that sums (``MoEAux.collector_sums_over``)."""
+        before, self.collector_sums = self.collector_sums, True
+        try:
+            yield self
+        finally:
+            self.collector_sums = before
 
     def record(self, layer: str, aux: MoEAux) -> None:
         if inside_backward() or (self.scoped and not self._open_passes):

@@ -21,7 +21,7 @@ same batch is routed and dropped the same way whether one worker or many process
 """
 
 import math
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -105,16 +105,53 @@ def slots_within_capacity(
 
 
 def slots_within_capacity_of_batch(
-    expert_index: torch.Tensor, num_experts: int, capacity, score: Optional[torch.Tensor], group
-) -> torch.Tensor:
+    expert_index: torch.Tensor, num_experts: int, capacity, score: Optional[torch.Tensor], group, sizes: List[int]
+):
     """``slots_within_capacity`` of this worker's rows, decided over the whole batch of ``group`` (None: this
-    process alone). Capacity is a property of the whole batch (every replica's tokens, not only those the
-    all-to-all brings here): decide on the gathered routing decisions exactly as a single process would, then
-    keep this worker's rows."""
+    process alone), queued by ``score``: decide on the gathered routing decisions (each worker's ``sizes[r]`` rows,
+    gathered in one all-gather with their scores) exactly as a single process would, then keep this worker's
+    rows. Returns ``(keep [N, k], kept [W, E])`` as ``slots_within_capacity_of_counts`` does."""
     if group is None:
-        return slots_within_capacity(expert_index, num_experts, capacity, score)
-    all_index, sizes = comm.all_gather_rows(expert_index, group)
-    all_score = comm.all_gather_rows(score, group, sizes)[0] if score is not None else None
+        keep = slots_within_capacity(expert_index, num_experts, capacity, score)
+        served = torch.where(keep, expert_index, num_experts)
+        return keep, bucket_counts(served.reshape(-1), num_experts + 1)[:num_experts].unsqueeze(0)
+    k = expert_index.shape[1]
+    both = torch.cat([expert_index.double(), score.double().unsqueeze(1)], 1)  # ids and fp32 scores exact in fp64
+    gathered = comm.all_gather_rows(both, sizes, group)
+    all_index, all_score = gathered[:, :k].long(), gathered[:, k].to(score.dtype)
     keep = slots_within_capacity(all_index, num_experts, capacity, all_score)
-    start = sum(sizes[: comm.group_rank(group)])
-    return keep[start : start + expert_index.shape[0]]
+    served = torch.where(keep, all_index, num_experts)
+    starts = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+    kept = [bucket_counts(served[a:b].reshape(-1), num_experts + 1)[:num_experts] for a, b in zip(starts, starts[1:])]
+    start = starts[comm.group_rank(group)]
+    return keep[start : start + expert_index.shape[0]], torch.stack(kept)
+
+
+def _queue_positions(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[N, k]``: each slot's place among this worker's slots of the same choice and expert, in token order."""
+    n, k = expert_index.shape
+    key = (expert_index + torch.arange(k, device=expert_index.device) * (num_experts + 1)).t().reshape(-1)
+    by_key = torch.argsort(key, stable=True)
+    load = bucket_counts(key, k * (num_experts + 1))
+    first = torch.cumsum(load, 0) - load
+    position = torch.empty_like(by_key)
+    position[by_key] = torch.arange(k * n, device=key.device) - first[key[by_key]]
+    return position.view(k, n).t()
+
+
+def slots_within_capacity_of_counts(
+    expert_index: torch.Tensor, num_experts: int, capacity: torch.Tensor, counts: torch.Tensor, rank: int
+):
+    """``slots_within_capacity`` in batch order (no priority score) of this worker's rows within the batch of
+    every worker, from each worker's slots per choice and expert alone, ``counts`` ``[W, k, E]`` (the layer's
+    exchange, ``batch_totals.choice_counts``; this worker is row ``rank``): slot ``(t, j)`` of expert ``e`` stands
+    after every slot of an earlier choice of ``e`` and every earlier worker's choice-``j`` slots of ``e``, so no
+    routing decision needs to travel. Returns ``(keep [N, k], kept [W, E])``: which of this worker's slots are
+    served, and how many slots each worker has served per expert (the all-to-all's split sizes, everyone's)."""
+    before_choice = torch.cumsum(counts.sum(0), 0) - counts.sum(0)  # [k, E]
+    before_rank = torch.cumsum(counts, 0) - counts  # [W, k, E]
+    start = before_choice.unsqueeze(0) + before_rank  # where each worker's slots of (j, e) begin in e's queue
+    kept = torch.minimum((capacity - start).clamp_min(0), counts).sum(1)  # [W, E]
+    mine = torch.cat([start[rank], start.new_zeros(start.shape[1], 1)], 1)  # unrouted slots (id E) start at 0
+    place = mine.gather(1, expert_index.t()).t() + _queue_positions(expert_index, num_experts)
+    return place < capacity, kept

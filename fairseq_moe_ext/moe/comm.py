@@ -9,7 +9,7 @@ rank has no tokens at all) and autograd replays the mirror sequence in backward.
 """
 
 from contextlib import contextmanager
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,92 @@ def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
+class _SummedOverRanks(torch.autograd.Function):
+    """``rows.sum(0)``, the sum over ranks of ``local`` (rows gathered in the forward); its backward sums the
+    gradient over ranks as ``_AllReduceSum``'s does, or is the identity where the caller sums instead."""
+
+    @staticmethod
+    def forward(ctx, local, rows, group, sums_in_backward):
+        ctx.group, ctx.sums_in_backward = group, sums_in_backward
+        return rows.sum(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.sums_in_backward:
+            return grad, None, None, None
+        return _all_reduce(grad.contiguous().clone(), ctx.group), None, None, None
+
+
+def summed_over_ranks(local: torch.Tensor, rows: torch.Tensor, group=None, sums_in_backward: bool = True):
+    """The sum over ``group``'s ranks of ``local``, given every rank's ``local`` as ``rows`` (``all_gather_row``):
+    the forward needs no collective of its own. Differentiable as ``all_reduce_sum``: each rank adds a loss of the
+    sum to its objective, so the gradient is the sum of the ranks' gradients, summed here in backward
+    (``sums_in_backward``) or, with False, by the caller, which makes every rank's upstream gradient that sum
+    already (the MoE criterions do: each worker's weight of the losses summed once per step, not once per layer)."""
+    if group is None:
+        return local
+    if not local.requires_grad:
+        return rows.sum(0)
+    return _SummedOverRanks.apply(local, rows, group, sums_in_backward)
+
+
+class _WeightSummedOverRanks(torch.autograd.Function):
+    """``weight * x``; the backward returns every rank's ``upstream * weight`` summed (in fp64), the same on
+    every rank: ``x`` is a loss of statistics summed over ranks, so that is the gradient of the ranks'
+    objectives together with respect to it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.weight, ctx.group = weight, group
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.weight.double() if torch.is_tensor(ctx.weight) else float(ctx.weight)
+        total = on_group_device((grad.double() * weight).reshape(1), ctx.group)
+        return _all_reduce(total, ctx.group).to(grad.device).reshape(grad.shape).to(grad.dtype), None, None
+
+
+def weight_summed_over_ranks(x: torch.Tensor, weight, group=None) -> torch.Tensor:
+    """``weight * x``, where ``x`` is a loss of statistics summed over ``group``'s ranks and every rank weighs it by
+    its own ``weight`` (a fairseq worker: its sample size): one all-reduce in backward, in place of one per
+    statistic (``summed_over_ranks(..., sums_in_backward=False)``), so with W workers the gradient is that of
+    one process weighing the loss by the weights' sum."""
+    if group is None or not x.requires_grad:
+        return weight * x
+    return _WeightSummedOverRanks.apply(x, weight, group)
+
+
+def all_gather_row(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``[W, *x.shape]``: every rank's ``x`` (the same shape on every rank), in rank order; not differentiable."""
+    if group is None:
+        return x.detach().unsqueeze(0)
+    mine = on_group_device(x.detach(), group).contiguous()
+    out = mine.new_empty((dist.get_world_size(group),) + tuple(mine.shape))
+    with collective("all-gather of routing counts and sums", group, [out, mine]):
+        dist.all_gather(list(out.unbind(0)), mine, group=group)
+    return out.to(x.device)
+
+
+def ranks_within(group, statistics_group):
+    """Where each member of ``group`` is among ``statistics_group``'s ranks (which include them), in ``group``'s
+    order: a ``slice`` where they are consecutive (every layout of this plugin), else a list."""
+    if group is statistics_group:
+        return slice(0, group_size(group))
+    everyone = dist.get_process_group_ranks(statistics_group)
+    ranks = [everyone.index(member) for member in dist.get_process_group_ranks(group)]
+    consecutive = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+    return slice(ranks[0], ranks[0] + len(ranks)) if consecutive else ranks
+
+
+def rows_of_group(rows: torch.Tensor, where) -> torch.Tensor:
+    """The rows of ``rows`` (one per rank of a statistics group) of the members ``where`` (``ranks_within``) names;
+    a list is copied to the device as an index (a host-to-device copy: no layout of this plugin needs one)."""
+    if isinstance(where, slice):
+        return rows[where]
+    return rows.index_select(0, torch.tensor(where, device=rows.device))
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows ``input[sum(send[:r]) : sum(send[:r+1])]`` go to rank ``r``; rows from rank ``r`` land
     at ``output[sum(recv[:r]) : ...]``. The backward sends gradients the reverse way."""
@@ -141,39 +227,19 @@ def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], 
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
 
 
-def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
-    """``counts`` is ``[W, L]`` (rows for each destination rank); returns ``[W, L]`` whose row
-    ``r`` is what rank ``r`` sent to this rank."""
+def all_gather_rows(x: torch.Tensor, sizes: List[int], group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 in rank order, rank ``r`` holding ``sizes[r]`` rows (known
+    from an earlier exchange, so one collective). Not differentiable: for routing decisions only."""
     if group is None:
-        return counts
-    mine = on_group_device(counts, group).contiguous()
-    out = torch.empty_like(mine)
-    with collective("all-to-all of expert loads", group, [out, mine]):
-        dist.all_to_all_single(out, mine, group=group)
-    return out.to(counts.device)
-
-
-def all_gather_rows(x: torch.Tensor, group=None, sizes: Optional[List[int]] = None) -> Tuple[torch.Tensor, List[int]]:
-    """Concatenate every rank's ``x`` along dim 0 in rank order; ranks may hold different row
-    counts, which are returned too (pass them back as ``sizes`` to gather another tensor with the
-    same rows without gathering and reading them again). Not differentiable: for routing
-    decisions only."""
-    if group is None:
-        return x, [x.shape[0]]
+        return x
     world = dist.get_world_size(group)
     rows = on_group_device(x, group)
-    if sizes is None:
-        n = torch.full((1,), x.shape[0], dtype=torch.long, device=rows.device)  # no host-to-device copy
-        gathered_sizes = [torch.empty_like(n) for _ in range(world)]
-        with collective("all-gather of routing decisions", group, [n]):
-            dist.all_gather(gathered_sizes, n, group=group)
-        sizes = torch.cat(gathered_sizes).tolist()  # one host read: the padding below needs the sizes
     padded = rows.new_zeros((max(sizes),) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in range(world)]
     with collective("all-gather of routing decisions", group, [padded]):
         dist.all_gather(gathered, padded, group=group)
-    return torch.cat([g[:s] for g, s in zip(gathered, sizes)]).to(x.device), sizes
+    return torch.cat([g[:s] for g, s in zip(gathered, sizes)]).to(x.device)
 
 
 def check_same_on_every_rank(values: List[int], names: List[str], what: str, group=None) -> None:

@@ -73,6 +73,6 @@ def freeze_parts(model: nn.Module, parts: Iterable[str]) -> Dict[str, int]:
             param.requires_grad_(False)
             frozen[part] += param.numel()
     if "router" in parts:
-        for bias, _ in balance_biases(model):
+        for bias in balance_biases(model):
             bias.frozen = True
     return frozen

@@ -14,13 +14,14 @@ holding the same experts), which makes a W-worker forward equal to one process h
 experts and the concatenated batch.
 
 ``route_tokens`` reads as its steps, each in its own file: the router chooses (``router.py``, given the
-layer's balance bias), the batch's counts and sums are totalled in one all-reduce (``batch_totals.py``), the
-router losses (``losses.py``) and the capacity (``capacity.py``) follow from them, the bias counts the load
-(``balance_bias.py``), slots are dispatched to the experts and combined (``dispatch.through_experts``), and
-the statistics for the logs are kept (``routing_log.py``).
+layer's balance bias), every worker's counts and sums are exchanged in one all-gather (``batch_totals.py``:
+their totals, and what each worker sends to each expert), the router losses (``losses.py``) and the capacity
+(``capacity.py``) follow from them, the bias counts the load (``balance_bias.py``), slots are dispatched to
+the experts and combined (``dispatch.through_experts``), and the statistics for the logs are kept
+(``routing_log.py``).
 """
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,14 +30,20 @@ from ..common.refusal import MoEOptionError
 from . import comm
 from .balance_bias import BalanceBias
 from .balance_scope import UpdateLoad
-from .batch_totals import BatchTotals, batch_totals
+from .batch_totals import BatchTotals, batch_totals, choice_counts, sent_per_expert
 from .cache import MoEAux, MoEAuxCache, inside_backward
-from .capacity import expert_capacity_tensor, slots_within_capacity_of_batch, token_fraction_capacity
-from .dispatch import bucket_counts, inverse_permutation, permute_rows, through_experts
+from .capacity import (
+    expert_capacity_tensor,
+    slots_within_capacity_of_batch,
+    slots_within_capacity_of_counts,
+    token_fraction_capacity,
+)
+from .dispatch import bucket_counts, through_experts
 from .expert_output_masking import mask_expert_outputs
 from .experts import BatchedExperts
 from .layer_config import MoELayerConfig
 from .losses import balance_loss, z_loss
+from .remote_experts import rows_per_expert, through_their_workers
 from .router import TopKRouter
 from .routing_log import routing_log
 from .second_expert import gates_renormalised_over_served
@@ -86,12 +93,16 @@ class MoELayer(nn.Module):
         self.cache = cache
         self.name = name
         self._group_checked = False
+        # The rank in the statistics group of each expert-parallel peer (a slice where they are consecutive).
+        self._peers = comm.ranks_within(group, self.statistics_group) if group is not None else None
         # The most rows this worker's experts computed in one call since rows_received.take_peak
         # last read it: with dropless routing nothing bounds it, and it is what runs a GPU out of memory.
         self.rows_received_peak = 0
         # Called as routing_tally(layer, expert_index, gates) after each evaluation-mode routing, pads
         # already sent to the id num_experts (routing_stats.py's counts; None: nothing is counted).
         self.routing_tally = None
+        # (LockStep, stack) where a lock-step round rides on this layer's next exchange (lockstep.py), else None.
+        self.lockstep_round = None
         routing = config.routing
         # Loss-free balancing (balance_bias.py; None keeps the routing as it was): the layer's own, counted
         # and passed to the router by the layer. The module sits in the router's place of the module tree
@@ -173,11 +184,14 @@ class MoELayer(nn.Module):
         y, aux = self.route_tokens(flat, real=~padding_mask.reshape(-1).bool())
         return _plus(y.view_as(x), shared), aux
 
-    def route_tokens(self, tokens: torch.Tensor, real: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MoEAux]:
+    def route_tokens(
+        self, tokens: torch.Tensor, real: Optional[torch.Tensor] = None, *, exchanged=None
+    ) -> Tuple[torch.Tensor, MoEAux]:
         """The MoE function on ``[N, model_dim]`` tokens; ``real`` (``[N]`` bool, default all) marks
-        the tokens that are routed and counted: the others' output is zero.
+        the tokens that are routed and counted: the others' output is zero. ``exchanged``: the exchange's
+        ``(rows, host_counts)`` already made (a lock-step round's, for a mirrored call; lockstep.py).
 
-        One host read per call (``_read_counts``): the rows per expert, which the expert GEMMs and
+        One host read per call (``remote_experts.rows_per_expert``): the rows per expert, which the expert GEMMs and
         the all-to-all need as sizes; everything else stays on the tokens' device (see docs/performance.md,
         "Host syncs: one per layer forward, none in backward")."""
         k, num_experts = self.k, self.num_experts
@@ -190,28 +204,44 @@ class MoELayer(nn.Module):
             expert_index = torch.where(real.unsqueeze(1), expert_index, num_experts)
         if self.routing_tally is not None and not self.training:
             self.routing_tally(self, expert_index, routing.gates)
-        by_fraction = not self.training and self.eval_capacity_token_fraction > 0
-        totals = batch_totals(routing, expert_index, real, self.statistics_group, count_positions=by_fraction)
+        # Whoever adds the losses may sum their gradients over the workers once for every layer (cache.py).
+        sum_over = self.statistics_group if self.cache is not None and self.cache.collector_sums else None
+        exchange = self._lockstep_exchange() if exchanged is None else (lambda row: exchanged)
+        totals = batch_totals(routing, expert_index, real, self.statistics_group, sum_over is None, exchange)
         aux_balance, aux_z = self._router_losses(totals)
         capacity = self._capacity(totals)
         # The real tokens' choices before capacity (token-major slots: token t's choice j is slot t * k + j):
         # logged, and the load behind the balance bias.
         routed_load = bucket_counts(expert_index.reshape(-1), num_experts + 1)[:num_experts]
-        if self.balance_bias is not None:
-            self.balance_bias.observe(routed_load)
-        slot_expert, gates = self._serve_within(capacity, routing, expert_index)
+        if self.balance_bias is not None:  # every worker's load, from the exchange
+            self.balance_bias.observe(sent_per_expert(totals.rows, num_experts, k).sum(0))
+        slot_expert, gates, sent = self._serve_within(capacity, routing, expert_index, totals)
         order = torch.argsort(slot_expert, stable=True)  # slots by expert; unserved ones (pads, dropped) last
         expert_load = routed_load if capacity is None else bucket_counts(slot_expert, num_experts + 1)[:num_experts]
-        loads, exchange = self._read_counts(expert_load)
+        host_counts = totals.host_counts if capacity is None else None
+        loads, exchange = rows_per_expert(
+            expert_load, sent, host_counts, self.group, self.statistics_group, self._peers, self.num_local_experts
+        )
         served = sum(loads)
         self.rows_received_peak = max(self.rows_received_peak, served if exchange is None else sum(exchange[1]))
 
         def experts(rows):
-            return self._mask_expert_outputs(self._run_experts(rows, loads, expert_load, exchange))
+            if self.group is None:
+                return self._mask_expert_outputs(self.experts(rows, loads, expert_load))
+            out = through_their_workers(rows, loads, exchange, self.experts, self.group, self.num_local_experts)
+            return self._mask_expert_outputs(out)
 
         y = through_experts(tokens, order, slot_expert, gates, served, num_experts, experts)
         stats = routing_log(totals.local_tokens, k, expert_load, routed_load, totals.local_probs)
-        return y, MoEAux(aux_balance, aux_z, stats)
+        return y, MoEAux(aux_balance, aux_z, stats, collector_sums_over=sum_over)
+
+    def _lockstep_exchange(self):
+        """The exchange of a lock-step round armed on this layer (``LockStep.before``; None: a plain all-gather)."""
+        armed, self.lockstep_round = self.lockstep_round, None
+        if armed is None:
+            return None
+        lockstep, stack = armed
+        return lambda row: lockstep.exchange(row, stack)
 
     def _check_group_once(self) -> None:
         """Workers built with different flags would exchange rows of different shapes (at best a transport
@@ -245,64 +275,41 @@ class MoELayer(nn.Module):
 
     def _capacity(self, totals: BatchTotals) -> Optional[torch.Tensor]:
         """Slots per expert (None: every slot is served), from the statistics group's batch (capacity.py)."""
-        if totals.positions is not None:  # the nllb branch's evaluation capacity ceil(f * S)
-            return token_fraction_capacity(totals.positions, self.eval_capacity_token_fraction)
+        if not self.training and self.eval_capacity_token_fraction > 0:  # the nllb branch's evaluation capacity
+            return token_fraction_capacity(totals.positions, self.eval_capacity_token_fraction)  # ceil(f * S)
         capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return expert_capacity_tensor(totals.tokens, self.num_experts, self.k, capacity_factor)
 
-    def _serve_within(self, capacity: Optional[torch.Tensor], routing, expert_index: torch.Tensor):
-        """(each slot's expert, the id ``num_experts`` for a slot over ``capacity`` or a pad's; the gates):
-        renormalised over the slots kept when the layer does so after dropping (second_expert.py)."""
+    def _serve_within(self, capacity: Optional[torch.Tensor], routing, expert_index: torch.Tensor, totals):
+        """(each slot's expert, the id ``num_experts`` for a slot over ``capacity`` or a pad's; the gates; every
+        worker's served slots per expert ``[W, E]``, from the exchange): the gates renormalised over the slots kept
+        when the layer does so after dropping (second_expert.py)."""
         n, k, num_experts = expert_index.shape[0], self.k, self.num_experts
         slot_expert = expert_index.reshape(-1)
-        if capacity is not None:
-            keep = self._slots_within_capacity(routing, capacity, expert_index)
+        if capacity is None:
+            sent = sent_per_expert(totals.rows, num_experts, k)
+        else:
+            keep, sent = self._slots_within_capacity(routing, capacity, expert_index, totals)
             slot_expert = torch.where(keep.reshape(-1), slot_expert, num_experts)  # dropped: no expert
         gates = routing.gates
         if self.normalize_gates_after_dropping:
             served = (slot_expert < num_experts).view(n, k)
             gates = gates_renormalised_over_served(routing.probs, routing.expert_index, served)
-        return slot_expert, gates
+        return slot_expert, gates, sent
 
     def _mask_expert_outputs(self, expert_out: torch.Tensor) -> torch.Tensor:
         return mask_expert_outputs(expert_out, self.expert_output_masking, self.training)
 
-    def _slots_within_capacity(self, routing, capacity, expert_index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``expert_index`` (default the router's) may send pad slots to the id ``num_experts``."""
-        expert_index = routing.expert_index if expert_index is None else expert_index
-        score, group = routing.priority_score, self.statistics_group
-        return slots_within_capacity_of_batch(expert_index, self.num_experts, capacity, score, group)
-
-    def _read_counts(self, expert_load: torch.Tensor) -> Tuple[List[int], Optional[Tuple[torch.Tensor, List[int]]]]:
-        """The layer's one host read per forward: rows per (global) expert sent from here, and with
-        expert parallelism the rows each rank sends to this one's experts, ``[P, L]`` (exchanged
-        on the device first), as one ``tolist`` of their concatenation."""
-        if self.group is None:
-            return expert_load.tolist(), None
-        recv_counts = comm.exchange_counts(expert_load.view(self.parallel_size, self.num_local_experts), self.group)
-        both = torch.cat([expert_load, recv_counts.reshape(-1)]).tolist()
-        return both[: self.num_experts], (recv_counts, both[self.num_experts :])
-
-    def _run_experts(self, dispatched, loads: List[int], expert_load: torch.Tensor, exchange) -> torch.Tensor:
-        if self.group is None:
-            return self.experts(dispatched, loads, expert_load)
-        parallel, local = self.parallel_size, self.num_local_experts
-        recv_counts, recv_flat = exchange  # [source rank, local expert], on the device and the host
-        send_splits = [sum(loads[r * local : (r + 1) * local]) for r in range(parallel)]
-        recv_splits = [sum(recv_flat[r * local : (r + 1) * local]) for r in range(parallel)]
-        received = comm.all_to_all(dispatched, send_splits, recv_splits, self.group)
-        # Rows arrive grouped by source rank; experts want them grouped by local expert.
-        row_expert = torch.repeat_interleave(
-            torch.arange(local, device=received.device).repeat(parallel),
-            recv_counts.reshape(-1).to(received.device),
-            output_size=received.shape[0],
-        )
-        by_expert = torch.argsort(row_expert, stable=True)
-        from_expert = inverse_permutation(by_expert)
-        local_counts = [sum(recv_flat[i::local]) for i in range(local)]
-        out = self.experts(permute_rows(received, by_expert, from_expert), local_counts, recv_counts.sum(0))
-        out = permute_rows(out, from_expert, by_expert)
-        return comm.all_to_all(out, recv_splits, send_splits, self.group)
+    def _slots_within_capacity(self, routing, capacity, expert_index: torch.Tensor, totals: BatchTotals):
+        """``(keep [N, k], every worker's served slots per expert [W, E])`` (capacity.py): in batch order from the
+        exchanged counts alone; by priority score over the gathered decisions (their sizes read first)."""
+        group, num_experts, k = self.statistics_group, self.num_experts, self.k
+        score = routing.priority_score
+        if score is None:
+            counts = choice_counts(totals.rows, num_experts, k)
+            return slots_within_capacity_of_counts(expert_index, num_experts, capacity, counts, comm.group_rank(group))
+        sizes = totals.rows[:, k * num_experts].round().long().tolist() if group is not None else None
+        return slots_within_capacity_of_batch(expert_index, num_experts, capacity, score, group, sizes)
 
     def extra_repr(self):
         return (

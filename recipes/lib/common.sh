@@ -34,7 +34,8 @@ setup_environment() {
   # shellcheck source=recipes/lib/venv.sh
   source "$RECIPES/lib/venv.sh"
   # shellcheck disable=SC2034  # the recipes pass it to fairseq
-  USER_DIR=$(python -m fairseq_moe_ext --user-dir)
+  # MOE_USER_DIR: another checkout's plugin to run with (benchmarks/main_job_wall.py times two side by side).
+  USER_DIR=${MOE_USER_DIR:-$(python -m fairseq_moe_ext --user-dir)}
   FAIRSEQ_BIN=$(dirname "$(command -v python)")
   # fairseq, hydra and fairscale print pages of deprecation warnings per process; the logs keep
   # everything fairseq itself says.

@@ -133,8 +133,8 @@ def _model_with_grads():
 # fmt: off
 CONTROL_PATHS = {
     "layer set-up check": lambda g: comm.check_same_on_every_rank([4, 2, 2, 8, 2], list("abcde"), "MoE layer", g),
-    "counts exchange": lambda g: comm.exchange_counts(torch.tensor([[3, 1]]), g),
-    "all_gather_rows": lambda g: comm.all_gather_rows(torch.tensor([[0, 1], [1, 0]]), g),
+    "exchange of counts and sums": lambda g: comm.all_gather_row(torch.tensor([3.0, 1.0]), g),
+    "all_gather_rows": lambda g: comm.all_gather_rows(torch.tensor([[0, 1], [1, 0]]), [2], g),
     "global grad norm": lambda g: grad_norm.global_grad_norm(_model_with_grads().parameters(), g),
     "replica gradient sum": lambda g: expert_grads.sum_expert_grads_over_replicas(_model_with_grads().parameters(), g),
     "shared-parameter fingerprints": lambda g: expert_grads.check_shared_parameters_agree(_model_with_grads(), g),

@@ -17,6 +17,7 @@ from fairseq_moe_ext.moe import (
     expert_capacity,
     z_loss,
 )
+from fairseq_moe_ext.moe.capacity import slots_within_capacity
 from fairseq_moe_ext.moe.reference import assert_layer_matches_reference, reference_moe
 
 D, H, E = 12, 20, 4
@@ -84,7 +85,7 @@ def test_first_choices_are_served_before_any_second_choice():
 
     routing = layer.router(x)
     assert routing.expert_index.tolist() == [[1, 0]] * 4 + [[0, 1]] * 4
-    keep = layer._slots_within_capacity(routing, expert_capacity(8, E, 2, 0.5))
+    keep = slots_within_capacity(routing.expert_index, E, expert_capacity(8, E, 2, 0.5))
     assert {(t, j) for t, j in keep.nonzero().tolist()} == first_choices_that_fit
     y, aux = layer.forward_with_aux(x)
     assert aux.stats["dropped_slots"].item() == 12

@@ -1,9 +1,9 @@
 """The MoE hot path makes a GPU wait for the host once per layer forward, and never in backward.
 
-Counted on CPU by ``sync_census.SyncCensus`` (every op that would be a host sync on CUDA). Bounds
+Counted on CPU by ``fairseq_moe_ext.moe.census.Census`` (every op that would be a host sync on CUDA). Bounds
 per layer forward: 1 (dropless: the rows per expert, which the expert GEMMs and the all-to-all
-need as sizes, read in one ``tolist``), 2 with capacity on several workers (the gathered routing
-decisions' sizes as well); 0 per backward; at most 1 for the global grad norm and for the
+need as sizes, read in one ``tolist``), 2 with batch-prioritised capacity on several workers (the
+gathered routing decisions' sizes as well); 0 per backward; at most 1 for the global grad norm and for the
 criterion per step. Statistics for the logs stay on the device until the criterion reads them.
 """
 
@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from fairseq_moe_ext.criterions.moe_criterions import MoELossMixin
 from fairseq_moe_ext.moe import MoEAuxCache, MoELayer, MoELayerConfig
+from fairseq_moe_ext.moe.census import Census
 from fairseq_moe_ext.parallel.grad_norm import global_grad_norm
 from support.launch.dist_utils import run_on_workers
-from support.oracles.sync_census import SyncCensus
 
 D, H, E = 8, 16, 4
 # fmt: off
@@ -40,10 +40,10 @@ def census_of_one_step(layer, x, mask):
     """Host syncs of one forward and of its backward (after a first, warm-up step)."""
     counts = []
     for _ in range(2):
-        with SyncCensus() as forward:
+        with Census() as forward:
             y, aux = layer.forward_with_aux(x, mask)
         loss = (y * y).sum() + aux.balance_loss + aux.z_loss
-        with SyncCensus() as backward:
+        with Census() as backward:
             loss.backward()
         counts.append((forward, backward))
     return counts[-1]
@@ -89,7 +89,7 @@ def test_shared_experts_add_no_host_sync_to_the_layer_forward_on_either_expert_p
 
 def test_the_census_sees_every_kind_of_host_sync():
     t = torch.arange(6)
-    with SyncCensus() as census:
+    with Census() as census:
         t.sum().item(), int(t[1]), bool(t[2] > 0), t.tolist(), t.cpu(), t.numpy()
         t.nonzero(), t[t > 2], torch.bincount(t), torch.unique(t), t.masked_select(t > 1)
         torch.repeat_interleave(t), torch.tensor([1, 2]), t.new_tensor([3])
@@ -125,17 +125,17 @@ def test_the_grad_norm_and_the_criterion_read_the_host_at_most_once_per_step():
     criterion = MoELossMixin()
     criterion._init_moe_loss(0.01, 0.1, "average", False)
     log = {}
-    with SyncCensus() as at_criterion:
+    with Census() as at_criterion:
         loss = criterion.add_moe_losses(model, x.pow(2).sum(), 20, log)
     loss.backward()
-    with SyncCensus() as at_grad_norm:
+    with Census() as at_grad_norm:
         norm = global_grad_norm([p for layer in layers for p in layer.parameters()])
     assert at_criterion.count <= 1, at_criterion.summary()
     assert at_grad_norm.count <= 1, at_grad_norm.summary()
     assert norm > 0 and log["moe_stat_dec0_num_tokens"] == 17 and log["moe_stat_dec2_e0"] >= 0
 
 
-TWO_WORKER_BOUNDS = {"dropless": 1, "dropless-padded": 1, "capacity": 2, "capacity-padded-prioritized": 2}
+TWO_WORKER_BOUNDS = {"dropless": 1, "dropless-padded": 1, "capacity": 1, "capacity-padded-prioritized": 2}
 
 
 def expert_parallel_census(rank, world):
@@ -150,7 +150,7 @@ def expert_parallel_census(rank, world):
 
 
 @pytest.mark.slow
-def test_two_workers_sync_once_per_forward_twice_with_capacity_and_never_in_backward():
+def test_two_workers_sync_once_per_forward_twice_if_batch_prioritised_never_in_backward():
     for found in run_on_workers(expert_parallel_census, 2):
         for path, bound in TWO_WORKER_BOUNDS.items():
             forward, forward_sites, backward, backward_sites = found[path]

@@ -26,7 +26,7 @@ def test_a_skipped_step_leaves_the_bias_and_the_next_update_counts_only_its_own_
     if "--amp" in PRECISIONS[precision]:  # the real scaler on the CPU (fairseq's is CUDA-only)
         trainer.optimizer._grad_scaler = torch.amp.GradScaler("cpu", init_scale=trainer.cfg.common.fp16_init_scale)
     model = trainer.get_model()
-    biases = [bias for bias, _ in balance_biases(model)]
+    biases = [bias for bias in balance_biases(model)]
     assert len(biases) == 2
     before = [bias.bias.clone() for bias in biases]
     pairs = sentence_pairs(12)

@@ -56,8 +56,8 @@ def overflow_worker(rank, world, data_dir, flags):
         "scale_before": scale_before,
         "scale_after": loss_scale(trainer.optimizer),
         "num_updates": trainer.get_num_updates(),
-        "biases": [bias.bias.clone() for bias, _ in balance_biases(model)],
-        "pending_loads": [bias.pending_load for bias, _ in balance_biases(model)],
+        "biases": [bias.bias.clone() for bias in balance_biases(model)],
+        "pending_loads": [bias.pending_load for bias in balance_biases(model)],
     }
 
 

@@ -208,9 +208,9 @@ def test_every_collective_of_a_four_worker_step_runs_over_the_group_the_docs_nam
         assert {issued.pop(name) == {WORLD} for name in checks} == {True}, "layer checks run over the world"
         assert issued == {
             "check of shared parameters": {WORLD},
-            "all-reduce of routing statistics": {WORLD},  # the losses' sums, their backward, the bias's load
-            "all-gather of routing decisions": {WORLD},  # the capacity decision
-            "all-to-all of expert loads": {row},
+            # The losses' sums, the capacity decision, every worker's rows for each expert (the receive counts).
+            "all-gather of routing counts and sums": {WORLD},
+            "all-reduce of routing statistics": {WORLD},  # the criterion: the losses' weights, once per forward
             "all-to-all of token rows": {row},
             "all-reduce of expert gradients over their replicas": {column},
             "all-reduce of expert gradient norms": {row},

@@ -64,6 +64,7 @@ def test_the_cpu_dry_run_passes_every_check_a_cpu_can_run_and_skips_only_what_ne
         "groups_two_ranks[replicas]",
         "groups_two_ranks[pad_only_rank]",
         "groups_two_ranks[lockstep_uneven]",
+        "groups_two_ranks[census]",
         "bench_layer[E=64]",
         "fairseq_fp32",
         "fairseq_bf16",
@@ -83,6 +84,7 @@ def test_the_cpu_dry_run_passes_every_check_a_cpu_can_run_and_skips_only_what_ne
     # fully_sharded --bf16 trains, or its one-line refusal is the result (refused until FSDP2 maps --bf16).
     fsdp = next(s for s in summary if s.split(" ")[1].rstrip(":") == "fairseq_two_ranks_gloo_fully_sharded_bf16")
     assert fsdp.startswith("PASS") or (fsdp.startswith("INFO") and "refused in one line" in fsdp), fsdp
+    assert status.get("groups_two_ranks[collective_time]") == "INFO", "the time in each collective is reported"
     assert all(line.endswith("[card: cpu, dry run]") for line in summary), "every line names the card"
     cuda_only = [s for s in summary if s.startswith("SKIP") and "(cuda)" in s]
     assert {s.split(" ")[1].rstrip(":") for s in cuda_only} == {

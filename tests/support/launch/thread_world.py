@@ -2,8 +2,8 @@
 process group, no worker processes, no fairseq start-up.
 
 ``ThreadWorld(W).install(monkeypatch)`` replaces the torch.distributed functions that the plugin
-and fairseq's legacy_ddp call (is_initialized, get_world_size, get_rank, new_group, all_reduce,
-all_gather, all_to_all_single, get_backend_config) with ones that exchange tensors between the
+and fairseq's legacy_ddp call (is_initialized, get_world_size, get_rank, get_process_group_ranks,
+new_group, all_reduce, all_gather, all_to_all_single, get_backend_config) with ones that exchange tensors between the
 threads of ``world.run(fn)``, which calls ``fn(rank)`` on W threads. A thread's rank is
 thread-local (``world.as_rank(r)`` lends one to the calling thread), and autograd runs a CPU
 backward in the thread that calls it, so the collectives of a backward stay on their rank. A group
@@ -113,6 +113,9 @@ class ThreadWorld:
     def get_rank(self, group=None):
         return self._group(group).rank()
 
+    def get_process_group_ranks(self, group):
+        return list(self._group(group).ranks)
+
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         assert op == dist.ReduceOp.SUM and not async_op, "the thread world sums, synchronously"
         values = self._group(group).exchange(tensor.detach().clone())
@@ -137,7 +140,8 @@ class ThreadWorld:
         output.copy_(torch.cat(received))
 
     def install(self, monkeypatch):
-        for name in ("get_world_size", "get_rank", "new_group", "all_reduce", "all_gather", "all_to_all_single"):
+        names = ("get_world_size", "get_rank", "get_process_group_ranks", "new_group", "all_reduce", "all_gather")
+        for name in (*names, "all_to_all_single"):
             monkeypatch.setattr(dist, name, getattr(self, name))
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo")
