@@ -225,7 +225,8 @@ def check_training_setup(trainer) -> None:
     model_cfg = trainer.cfg.model
     arch = config_value(model_cfg, "arch") or config_value(model_cfg, "_name")
     # The unwrapped model and criterion: touching trainer.model would build the DDP wrapper here.
-    if isinstance(trainer._criterion, MoELossMixin) and find_moe_cache(trainer._model) is None:
+    criterion = trainer._criterion
+    if isinstance(criterion, MoELossMixin) and criterion.needs_moe_model and find_moe_cache(trainer._model) is None:
         criterion = config_value(trainer.cfg.criterion, "_name")
         raise MoEOptionError(
             f"MoE criterions need an MoE model: --criterion {criterion} collects MoE balance losses, but "
