@@ -88,6 +88,7 @@ def wrap_distributed_model(original):
                     ignore_in_ddp(model, expert_grads.expert_parameter_names(model))
             wrapped = _data_parallel(original, args, model, process_group, device)
         if not moe:
+            STATE.training_plan = None  # a dense model (a distilled student) trains no expert
             return wrapped
         plan = plan_of(model)
         # With --moe-freeze experts no gradient carries the marker, and none lost it.

@@ -33,6 +33,7 @@ TINY_DENSE = [
 def write_teacher(data_dir: str, path: Path, parallel_size: int = 1, seed: int = 7) -> Path:
     """An MoE teacher (moe_transformer_tiny, 4 experts) after one update on the reversal task, saved at ``path``
     as fairseq's single file, or as a ``parallel_size``-file set under that name; returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     task, trainer = build_trainer(training_args(data_dir, 1, ["--seed", str(seed)]))
     trainer.train_step([collate(task, sentence_pairs(10, seed=seed))])
     trainer.consolidate_optimizer()  # what checkpoint_utils.save_checkpoint calls first
