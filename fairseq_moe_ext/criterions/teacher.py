@@ -130,7 +130,7 @@ def check_fits(teacher: TeacherCheckpoint, task) -> None:
                 f"teacher of these dictionaries, or binarise the data with the teacher's (fairseq-preprocess "
                 f"--srcdict / --tgtdict)"
             )
-        saved = saved_dictionary(teacher.cfg, side)
+        saved = saved_dictionary(teacher.cfg, side, task)
         if saved is not None and saved.symbols != dictionary.symbols[: len(saved)]:
             differ = next(i for i, (a, b) in enumerate(zip(saved.symbols, dictionary.symbols)) if a != b)
             raise MoEOptionError(
@@ -141,11 +141,12 @@ def check_fits(teacher: TeacherCheckpoint, task) -> None:
             )
 
 
-def saved_dictionary(cfg, side: str) -> Optional[Dictionary]:
-    """The dictionary of ``side`` the teacher was trained with, where its data directory still holds it."""
+def saved_dictionary(cfg, side: str, student_task=None) -> Optional[Dictionary]:
+    """The dictionary of ``side`` the teacher was trained with, where its data directory still holds it (its
+    language as the teacher's cfg names it, else as the student's task inferred it from its own data)."""
     task = config_value(cfg, "task")
     data = str(config_value(task, "data", None) or "").split(os.pathsep)[0]
-    lang = config_value(task, f"{side}_lang", None)
+    lang = config_value(task, f"{side}_lang", None) or config_value(getattr(student_task, "cfg", None), f"{side}_lang")
     for name in ([f"dict.{lang}.txt"] if lang else []) + ["dict.txt"]:
         path = os.path.join(data, name)
         if data and os.path.isfile(path):
