@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from fairseq.data import Dictionary
 from fairseq.tasks import TASK_REGISTRY
+from omegaconf import OmegaConf
 
 from .. import checkpoint as moe_ckpt
 from ..common.config_value import config_value
@@ -91,6 +92,8 @@ def find_teacher(path: Optional[str]) -> TeacherCheckpoint:
         cfg = convert_namespace_to_omegaconf(state["args"])
     if cfg is None:
         raise MoEOptionError(f"{FLAG} {path} holds no training config (cfg or args): give a checkpoint fairseq saved")
+    if isinstance(cfg, dict):  # as fairseq's load_checkpoint_to_cpu makes it
+        cfg = OmegaConf.create(cfg, flags={"allow_objects": True})
     if manifest is not None:
         counts = tuple(sorted({int(n) for n in manifest["num_experts"].values()}))
         world = int(manifest["world_size"])
