@@ -155,3 +155,12 @@ def test_the_teacher_never_changes_never_trains_and_is_never_saved(teacher):
     assert set(state["model"]) == set(trainer.model.state_dict())
     assert state.get("criterion") is None, "fairseq saves a criterion's state only when it has parameters"
     assert state["cfg"]["criterion"]["distill_teacher"] == str(teacher[1])
+
+
+@pytest.mark.parametrize("flags, want", [([], torch.bfloat16), (["--distill-teacher-dtype", "float32"], torch.float32)])
+def test_the_teacher_runs_in_the_student_s_precision_or_its_own(teacher, flags, want):
+    task, trainer = student_of(teacher, "--bf16", *flags, dense=False)
+    held = trainer.criterion.teacher
+    assert {p.dtype for p in held.parameters()} == {want}
+    trainer.train_step([collate(task, sentence_pairs(8, seed=2))])
+    assert trainer.get_num_updates() == 1 and {p.dtype for p in held.parameters()} == {want}
