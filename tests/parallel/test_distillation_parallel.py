@@ -49,6 +49,9 @@ def step(data_dir, teacher, backend, dense, world, pairs):
         },  # fmt: skip
         "experts": [n for n, p in model.named_parameters() if getattr(p, "expert", False)],
         "teacher_experts": sorted(teacher_experts),
+        # under fully_sharded only the student is sharded: the teacher keeps plain tensors, none an FSDP2 slice
+        "teacher_fsdp": any(hasattr(p, "full_tensor") for p in trainer.criterion.teacher.parameters()),
+        "student_fsdp": any(hasattr(p, "full_tensor") for p in model.parameters()),
     }
 
 
@@ -73,6 +76,8 @@ def test_a_step_with_the_teacher_s_experts_spread_over_two_workers_equals_one_pr
         case = f"{backend}, {'dense' if dense else 'MoE'} student"
         assert reference["teacher_experts"] == [4] and all(r["teacher_experts"] == [2] for r in results), case
         assert reference["distill_kl"] > 0, case
+        assert not any(r["teacher_fsdp"] for r in results), f"{case}: the teacher was FSDP-wrapped"
+        assert all(r["student_fsdp"] == (backend == "fully_sharded") for r in results), case
         for r in results:
             for key in ("loss", "gnorm", "distill_kl"):
                 assert r[key] == pytest.approx(reference[key], rel=1e-5), f"{case}: {key}"
