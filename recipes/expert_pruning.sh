@@ -5,6 +5,7 @@
 #
 #   bash recipes/expert_pruning.sh                 # the main job's MoE (trained once, reused), then pruning
 #   TINY=1 WORK=/tmp/w bash recipes/expert_pruning.sh   # the same pipeline on the tiny corpus (what the tests run)
+#   bash recipes/expert_pruning.sh --heal          # then heal each dialect's pruned set: distil it from the full set
 #
 # Pipeline: recipes/main.sh with its dense baselines off (skipped where its outputs are up to date);
 # routing statistics of the MoE on the valid split by dialect (fairseq-generate --moe-routing-stats
@@ -21,10 +22,20 @@
 #   METRIC [gate-mass]        top1, topk or gate-mass: what ranks the experts
 #   RATIOS [""]               encoder:decoder ratios R (prune --encoder-decoder-ratio) to measure per-dialect
 #                             and global pruning at too, e.g. "0.333 0.6 1.667 3": a second table, budgets.md
+# --heal (or HEAL=1): recipes/heal_pruned.py trains each dialect's pruned set on that dialect's sentences for
+#   HEAL_UPDATES [200; TINY 4] updates with --criterion moe_distillation from the full set (lr HEAL_LR [1e-3], warmup
+#   HEAL_WARMUP [20; TINY 2], DISTILL_WEIGHT [0.5], DISTILL_TEMPERATURE [1], on WORKERS [2] workers), and with the
+#   labels alone (HEAL_PLAIN [1]), then generates its test sentences: healed.md, healed.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${WORK:=./work-dirs/main}" "${FRACTIONS:=0.5 0.25}" "${SEEDS:=3}" "${METRIC:=gate-mass}" "${RATIOS:=}"
-if [ "${TINY:-0}" = 1 ]; then : "${BEAM:=2}"; fi
+for arg in "$@"; do
+  case $arg in
+    --heal) HEAL=1 ;;
+    *) echo "$0: unknown argument $arg (--heal, or none)" >&2; exit 2 ;;
+  esac
+done
+if [ "${TINY:-0}" = 1 ]; then : "${BEAM:=2}" "${HEAL_UPDATES:=4}" "${HEAL_WARMUP:=2}"; fi
 : "${BEAM:=5}"
 export WORK BEAM
 DENSE=0 DENSE_MATCHED=0 bash recipes/main.sh
@@ -35,3 +46,12 @@ echo "==> expert pruning by dialect (keep fractions $FRACTIONS, $SEEDS random se
 # shellcheck disable=SC2086  # FRACTIONS and RATIOS are lists
 python recipes/prune_by_dialect.py --work "$WORK" --out "$WORK/pruning" --fractions $FRACTIONS --seeds "$SEEDS" \
   --metric "$METRIC" --beam "$BEAM" --ratios $RATIOS
+if [ "${HEAL:-0}" = 1 ]; then
+  echo
+  echo "==> healing the per-dialect sets: distilled from the full set for ${HEAL_UPDATES:=200} updates on each dialect"
+  plain=(); [ "${HEAL_PLAIN:-1}" = 1 ] || plain=(--no-plain)
+  # shellcheck disable=SC2086  # FRACTIONS is a list
+  python recipes/heal_pruned.py --work "$WORK" --pruning "$WORK/pruning" --fractions $FRACTIONS \
+    --updates "$HEAL_UPDATES" --lr "${HEAL_LR:-1e-3}" --warmup "${HEAL_WARMUP:-20}" --weight "${DISTILL_WEIGHT:-0.5}" \
+    --temperature "${DISTILL_TEMPERATURE:-1}" --workers "${WORKERS:-2}" --beam "$BEAM" "${plain[@]}"
+fi

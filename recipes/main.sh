@@ -158,6 +158,11 @@ dense_args=(--arch transformer --criterion label_smoothed_cross_entropy)
 # costs the same per token in the MoE layers. (In the layers the MoE keeps dense, MOE_FREQ > 1, this
 # baseline spends TOPK x as much as the MoE does: it errs on the dense side; MOE_FREQ=1 matches exactly.)
 matched_ffn_dim=$(( TOPK * FFN_DIM ))
+# The flags every model of the job shares (data first), and the compute-matched dense model's own, one per line:
+# the recipes that train more models of the job read them (recipes/distillation.sh, recipes/heal_pruned.py).
+mkdir -p "$WORK"
+printf '%s\n' "${common_args[@]}" > "$WORK/common_args.txt"
+printf '%s\n' $(ffn_args "$matched_ffn_dim") "${dense_args[@]}" > "$WORK/dense_matched_args.txt"
 
 # train_and_evaluate NAME STAGE ARGS...: train on WORKERS workers, then generate in one process.
 train_and_evaluate() {

@@ -175,6 +175,34 @@ if [ "$PRECISION_CHECK" = 1 ]; then
 fi
 # ---------------- end of the precision check
 
+# ---- distillation (issue 55; docs/interop.md "Distilling NLLB-200 MoE into a dense student"): the import as the
+# teacher of a dense transformer (NLLB-200-distilled-600M's shape; --dry-run: 2 + 2 layers of width 64), word-level
+# (--criterion moe_distillation), on the GPUS workers with the teacher's experts spread over them (its set was
+# imported for GPUS workers), DISTILL_UPDATES [MAX_UPDATE] updates; then the student generates GEN_SUBSET in one
+# process: WORK/distil/ (train.log, ckpt/), WORK/generate_student.out. DISTILL [1 with --dry-run, else 0]
+: "${DISTILL:=$([ "$DRY_RUN" = 1 ] && echo 1 || echo 0)}" "${DISTILL_UPDATES:=$MAX_UPDATE}"
+if [ "$DISTILL" = 1 ]; then
+  echo "==> [distil] a dense student of the import, the teacher's experts spread over $GPUS worker(s)"
+  if [ "$DRY_RUN" = 1 ]; then
+    student=(--encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 64 --decoder-embed-dim 64
+             --encoder-ffn-embed-dim 128 --decoder-ffn-embed-dim 128 --encoder-attention-heads 2 --decoder-attention-heads 2)
+  else  # NLLB-200-distilled-600M: 12 + 12 layers, width 1024, FFN 4096, 16 heads, pre-norm, shared embeddings
+    student=(--encoder-layers 12 --decoder-layers 12 --encoder-embed-dim 1024 --decoder-embed-dim 1024
+             --encoder-ffn-embed-dim 4096 --decoder-ffn-embed-dim 4096 --encoder-attention-heads 16
+             --decoder-attention-heads 16 --encoder-normalize-before --decoder-normalize-before --share-all-embeddings)
+  fi
+  rm -rf "$WORK/distil"
+  train_workers "$GPUS" "$WORK/distil/train.log" "${task_args[@]}" --arch transformer "${student[@]}" \
+    --criterion moe_distillation --label-smoothing 0.1 --distill-teacher "$imported" --distill-weight 0.5 \
+    --optimizer adam --adam-betas "(0.9, 0.98)" --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" \
+    --max-update "$DISTILL_UPDATES" --max-tokens "$MAX_TOKENS" --ddp-backend "$DDP_BACKEND" --no-epoch-checkpoints \
+    --save-dir "$WORK/distil/ckpt" --log-format json --log-interval 1 "${device[@]}" > /dev/null
+  fairseq_tool generate "${gen_args[@]}" --path "$WORK/distil/ckpt/checkpoint_last.pt" > "$WORK/generate_student.out" 2>&1
+  echo "    $(grep -oE 'distillation teacher [^:]*: [0-9,]+ parameters on this worker, [^,]*' "$WORK/distil/train.log" | head -1)"
+  echo "    student: $(grep -oE 'done training in [0-9.]+ seconds' "$WORK/distil/train.log");" \
+    "$(grep -c '^H-' "$WORK/generate_student.out") hypotheses"
+fi
+
 stage 5 "fine-tune: $MAX_UPDATE updates from the import (lr $LR, warmup $WARMUP, dropout $DROPOUT, --moe-eom 0.2, gate loss 0, --moe-normalize-expert-grad sqrt_world_size)"
 if [ "$FINETUNE" != 1 ]; then
   echo "    skipped (FINETUNE=$FINETUNE)"

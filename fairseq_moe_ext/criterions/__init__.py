@@ -1,1 +1,1 @@
-from . import moe_criterions  # noqa: F401  (registers moe_cross_entropy, moe_label_smoothed_cross_entropy)
+from . import distillation, moe_criterions  # noqa: F401  (registers moe_distillation and the MoE criterions)

@@ -71,6 +71,8 @@ def summed_over(records):
 
 
 class MoELossMixin:
+    needs_moe_model = True  # its balance losses need MoE layers (fairseq_integration/training.check_training_setup)
+
     def _init_moe_loss(self, moe_gate_loss_wt, moe_z_loss_wt, moe_gate_loss_combine_method, moe_hide_expert_load):
         weights = {"moe_gate_loss_wt": moe_gate_loss_wt, "moe_z_loss_wt": moe_z_loss_wt}
         check_options(CRITERION_RANGES, weights.get)

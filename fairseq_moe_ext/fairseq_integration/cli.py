@@ -16,6 +16,7 @@ import torch
 from fairseq.models import ARCH_MODEL_REGISTRY
 
 from ..common.refusal import MoERefusal
+from ..criterions.distillation import DistillationOptions
 from ..criterions.moe_criterions import MoELossConfig
 from ..models.moe_config import MoEConfig, MoEEncoderDecoderConfig
 from ..models.moe_transformer import MoETransformerLanguageModel, MoETransformerModel
@@ -48,7 +49,13 @@ def explain_unrecognized_moe_option(message: str):
     for option in options(MoEConfig):
         owners[option] = ("--arch", "the MoE architectures", archs(MoETransformerModel, MoETransformerLanguageModel))
     for option in options(MoELossConfig):
-        owners[option] = ("--criterion", "the MoE criterions", "moe_label_smoothed_cross_entropy, moe_cross_entropy")
+        owners[option] = (
+            "--criterion",
+            "the MoE criterions",
+            "moe_label_smoothed_cross_entropy, moe_cross_entropy, moe_distillation",
+        )
+    for option in options(DistillationOptions):
+        owners[option] = ("--criterion", "the distillation criterion", "moe_distillation")
     for word in message[len(prefix) :].split():
         option = word.split("=", 1)[0]
         if option in owners:

@@ -243,6 +243,8 @@ def wrap_load_model_ensemble_and_task(original):
             named_set = not os.path.exists(name) or names_a_rank_file(name)
             found = moe_ckpt.resolve(name, fallback=False) if named_set else None
             resolved.append(found.path if found is not None else name)
+        if STATE.teacher_load is not None:  # a distillation teacher (criterions/teacher.py)
+            return load_teacher(original, resolved, STATE.teacher_load, *args, **kwargs)
         run = current_run()
         dtype = dtype_for_load(kwargs.get("arg_overrides", args[0] if args else None), run.dtype)
         # Experts on meta, filled from the checkpoint in the dtype they run in; every expert on each worker
@@ -262,3 +264,21 @@ def wrap_load_model_ensemble_and_task(original):
         return loaded
 
     return load_model_ensemble_and_task
+
+
+def load_teacher(original, filenames, teacher, *args, **kwargs):
+    """Hook 8 for a distillation teacher: built for the load as generation builds a model (experts on meta, in the
+    dtype it runs in), holding every expert or, spread over the training workers, this worker's share of them
+    (``teacher.share``: read from the files holding it, as a resume reads a worker's share)."""
+    with built_for_load(teacher.dtype, every_expert_local=teacher.share is None) as model_load:
+        if teacher.share is not None:
+            STATE.load_targets.append(teacher.share)
+        try:
+            loaded = original(filenames, *args, **kwargs)
+        finally:
+            if teacher.share is not None:
+                STATE.load_targets.pop()
+    release_ranges(model_load.mappings)
+    check_loaded(loaded[0], filenames)
+    cast_for_inference(loaded[0], teacher.dtype)
+    return loaded

@@ -2,7 +2,7 @@
 and ``docs/options.md`` from the tables that define them, so the reference cannot drift from the code.
 
 hooks.md is one row per entry of ``HOOKS`` (number, fairseq target, the module of its wrapper, why).
-options.md is every ``--moe-*`` option the plugin registers, read back from the argparse parsers
+options.md is every ``--moe-*`` and ``--distill-*`` option the plugin registers, read back from the argparse parsers
 fairseq builds from the option dataclasses (made from the option records, ``options/``; and the
 inference CLIs' flag), with its range from ``options.ranges``. ``--check`` writes nothing and exits 1
 naming each file that differs.
@@ -15,9 +15,10 @@ from typing import Dict, List
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
+from ..criterions.distillation import DistillationOptions
 from ..criterions.moe_criterions import MoELossConfig
 from ..models.moe_config import MoEConfig, MoEEncoderDecoderConfig
-from ..options.ranges import CRITERION_RANGES, MODEL_RANGES, Range
+from ..options.ranges import CRITERION_RANGES, DISTILL_RANGES, MODEL_RANGES, Range
 from . import HOOKS
 from .inference import add_inference_experts_flag
 
@@ -75,7 +76,7 @@ def kind_text(action: argparse.Action, ranges: Dict[str, Range]) -> str:
 def option_rows(parser: argparse.ArgumentParser, ranges: Dict[str, Range], only=None) -> List[str]:
     rows = []
     for action in parser._actions:
-        flag = next((s for s in action.option_strings if "moe-" in s), None)
+        flag = next((s for s in action.option_strings if "moe-" in s or s.startswith("--distill-")), None)
         if flag is None or (only is not None and action.dest not in only):
             continue
         default = "unset" if action.default is None else f"`{action.default}`"
@@ -99,14 +100,18 @@ def options_markdown() -> str:
             option_rows(parser_of(lambda p: gen_parser_from_dataclass(p, MoELossConfig())), CRITERION_RANGES),
         ),
         (
+            "Distillation: `moe_distillation` (`--criterion`; it takes the MoE criterions' options too)",
+            option_rows(parser_of(lambda p: gen_parser_from_dataclass(p, DistillationOptions())), DISTILL_RANGES),
+        ),
+        (
             "Inference CLIs: generate, interactive, eval-lm, validate",
             option_rows(parser_of(add_inference_experts_flag), {}),
         ),
     ]
     return (
         HEADER.format(source="fairseq_moe_ext/options/ (one record per option)")
-        + "# Options\n\nEvery `--moe-*` option the plugin registers with fairseq. Numeric options are checked "
-        "at start-up against their range; a value outside it stops the run with one line naming the flag "
+        + "# Options\n\nEvery `--moe-*` and `--distill-*` option the plugin registers with fairseq. Numeric options "
+        "are checked at start-up against their range; a value outside it stops the run with one line naming the flag "
         "and the fix.\n" + "".join(f"\n## {title}\n\n{table}" + "\n".join(rows) + "\n" for title, rows in sections)
     )
 

@@ -88,6 +88,7 @@ def wrap_distributed_model(original):
                     ignore_in_ddp(model, expert_grads.expert_parameter_names(model))
             wrapped = _data_parallel(original, args, model, process_group, device)
         if not moe:
+            STATE.training_plan = None  # a dense model (a distilled student) trains no expert
             return wrapped
         plan = plan_of(model)
         # With --moe-freeze experts no gradient carries the marker, and none lost it.
@@ -225,7 +226,8 @@ def check_training_setup(trainer) -> None:
     model_cfg = trainer.cfg.model
     arch = config_value(model_cfg, "arch") or config_value(model_cfg, "_name")
     # The unwrapped model and criterion: touching trainer.model would build the DDP wrapper here.
-    if isinstance(trainer._criterion, MoELossMixin) and find_moe_cache(trainer._model) is None:
+    criterion = trainer._criterion
+    if isinstance(criterion, MoELossMixin) and criterion.needs_moe_model and find_moe_cache(trainer._model) is None:
         criterion = config_value(trainer.cfg.criterion, "_name")
         raise MoEOptionError(
             f"MoE criterions need an MoE model: --criterion {criterion} collects MoE balance losses, but "

@@ -23,7 +23,7 @@ from typing import Dict
 
 from ..common.config_value import config_value
 from ..moe.placement import side_moe_freq
-from .criterion import CRITERION_OPTIONS
+from .criterion import CRITERION_OPTIONS, DISTILL_OPTIONS
 from .inference import INFERENCE_OPTIONS  # noqa: F401  (re-exported)
 from .model import MODEL_OPTIONS as _MODEL
 from .model import TRANSLATION_OPTIONS
@@ -34,7 +34,9 @@ from .run import RUN_OPTIONS
 # translation architectures' own.
 ARCH_OPTIONS = _MODEL + RUN_OPTIONS
 MODEL_OPTIONS = ARCH_OPTIONS + TRANSLATION_OPTIONS
-OPTIONS: Dict[str, Option] = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS + INFERENCE_OPTIONS}
+# The options a checkpoint's cfg saves (the inference CLIs' flags are never saved).
+SAVED_OPTIONS = MODEL_OPTIONS + CRITERION_OPTIONS + DISTILL_OPTIONS
+OPTIONS: Dict[str, Option] = {o.name: o for o in SAVED_OPTIONS + INFERENCE_OPTIONS}
 
 # The layer-config field each option sets ("routing.k"), and back: the flag a layer config's field is
 # named by in a message.
@@ -138,6 +140,6 @@ def layer_fields(cfg) -> Dict:
 def record_problems():
     """One line per incomplete record or name declared twice (empty: every record is whole)."""
     found = [line for o in OPTIONS.values() for line in o.problems()]
-    if len(OPTIONS) != len(MODEL_OPTIONS) + len(CRITERION_OPTIONS) + len(INFERENCE_OPTIONS):
+    if len(OPTIONS) != len(SAVED_OPTIONS) + len(INFERENCE_OPTIONS):
         found.append("an option name is declared by two records")
     return found

@@ -24,7 +24,7 @@ import math
 from ..common.refusal import MoEOptionError
 
 # Re-exported: the records are written with these (options/record.py), and callers import them here.
-from . import CRITERION_OPTIONS, MODEL_OPTIONS
+from . import CRITERION_OPTIONS, DISTILL_OPTIONS, MODEL_OPTIONS
 from .record import (  # noqa: F401
     FP32_LOSS,
     FP32_MAX,
@@ -40,6 +40,7 @@ from .record import (  # noqa: F401
 # Each option's range is its record's (options/model.py, run.py, criterion.py).
 MODEL_RANGES = {o.name: o.range for o in MODEL_OPTIONS if o.range is not None}
 CRITERION_RANGES = {o.name: o.range for o in CRITERION_OPTIONS if o.range is not None}
+DISTILL_RANGES = {o.name: o.range for o in DISTILL_OPTIONS if o.range is not None}
 
 # Workers: the records' bound (record.MOST_WORKERS); symbols: 4 x the largest vocabulary of a released model
 # (NLLB-200's 256,206; Gemma's 256,000); bytes of one device: 4 x the largest accelerator's (288 GB).
@@ -89,6 +90,8 @@ def check_option(spec: Range, value, **fix_fields) -> None:
     except OverflowError:  # an integer beyond every float
         raise wrong from None
     if spec.low is not None and (value < spec.low or (spec.low_open and value == spec.low)):
+        raise wrong
+    if spec.most is not None and value > spec.most:
         raise wrong
     if spec.high is not None and abs(value) > spec.high:
         limit = f"{spec.high:g}" if isinstance(spec.high, float) else str(spec.high)

@@ -55,6 +55,7 @@ class Range:
     fix: str  # may name {experts}: the run's --moe-expert-count
     low: Optional[float] = None  # the smallest value allowed, or the bound it must exceed (low_open)
     low_open: bool = False
+    most: Optional[float] = None  # the largest value allowed (a weight's 1), said by the requirement
     high: Optional[float] = None  # the largest value what holds it can hold ...
     holder: str = ""  # ... and what holds it
     smallest: Optional[float] = None  # a nonzero value below this is 0 in the holder

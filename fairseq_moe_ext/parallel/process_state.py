@@ -91,6 +91,17 @@ class ModelLoad:
     # whose pages are given back once read (checkpoint/mapped_pages.py)
 
 
+@dataclass(frozen=True)
+class TeacherLoad:
+    """A distillation teacher being loaded (``criterions/teacher.py``), for the duration of fairseq's
+    load_model_ensemble_and_task: the dtype it runs in, and its expert share when its experts are spread
+    over the training workers."""
+
+    dtype: Any  # the torch dtype the teacher is built in and runs in
+    share: Optional[LoadTarget] = None  # this worker's experts of a sharded teacher (None: every expert local)
+    parallel_size: int = 1  # P of a sharded teacher: the workers its experts are spread over
+
+
 @dataclass
 class PluginState:
     # Writer and reader: plan.ParallelPlan.groups and io_waits.io_wait_group (the groups made, per
@@ -120,6 +131,10 @@ class PluginState:
     # build (models/moe_layers.py: experts on meta, in its dtype; the plan: every expert local) and the
     # load_checkpoint_to_cpu hook. None: a model built to train, or from flags.
     model_load: Optional[ModelLoad] = None
+    # Writer: criterions/teacher.load_teacher (a TeacherLoad, around fairseq's load_model_ensemble_and_task).
+    # Reader: the load_model_ensemble_and_task hook, which builds the teacher in its dtype with its share of the
+    # experts, and keeps the student task's state as it was. None: no teacher is being loaded.
+    teacher_load: Optional[TeacherLoad] = None
 # fmt: on
 
 

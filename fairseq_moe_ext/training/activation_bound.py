@@ -42,11 +42,12 @@ class _DataDependentAnswers(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def worst_rows(layer: MoELayer, tokens: int, layout: Layout) -> int:
-    """The most rows this worker's experts can receive in one call, ``tokens`` being this worker's."""
+def worst_rows(layer: MoELayer, tokens: int, layout: Layout, capacity_factor=None) -> int:
+    """The most rows this worker's experts can receive in one call, ``tokens`` being this worker's, under the
+    training capacity factor (or ``capacity_factor``: evaluation's, for a teacher)."""
     k, p, e = layer.k, layout.parallel_size, layer.num_experts
     every_slot = k * tokens * p
-    cf = layer.capacity_factor
+    cf = layer.capacity_factor if capacity_factor is None else capacity_factor
     if cf == 0:
         return every_slot
     per_expert = k * int(abs(cf) * math.ceil(tokens * layout.world_size / e))

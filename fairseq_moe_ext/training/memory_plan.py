@@ -99,7 +99,10 @@ Layout = ParallelPlan
 
 def layouts(world_size: int, *expert_counts: int) -> List[Layout]:
     """Every layout of ``world_size`` workers: each valid P under legacy_ddp, under fully_sharded, and under
-    fully_sharded with experts sharded over their replicas where there are replicas (W > P)."""
+    fully_sharded with experts sharded over their replicas where there are replicas (W > P); a model without
+    experts gets legacy_ddp and fully_sharded (P = 1)."""
+    if not expert_counts:  # a dense model (a distilled student): no experts to place
+        return [ParallelPlan(world_size, 1, backend="legacy_ddp"), ParallelPlan(world_size, 1, backend="fully_sharded")]
     rows = []
     for p in valid_parallel_sizes(world_size, *expert_counts):
         rows.append(ParallelPlan(world_size, p, backend="legacy_ddp"))

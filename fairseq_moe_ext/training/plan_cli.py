@@ -24,6 +24,7 @@ from ..options.ranges import PLAN_TOOL_RANGES, check_options
 from . import memory_plan as mp
 
 PLAN_FLAGS = ("--world-size", "--device-memory", "--dictionary-size")
+CRITERION = "moe_distillation"  # whose --distill-teacher plan counts (teacher_plan.py)
 # Options plan decides itself (every backend, every P, the world size given): removed from the arguments
 # the model is built with, so that fairseq-train's own checks of them do not refuse a layout plan prints.
 DECIDED_HERE = (
@@ -134,7 +135,13 @@ def parsed_training_args(argv: List[str]):
 
 
 def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
-    """(cfg, model) as fairseq-train builds them, the model's tensors on the meta device."""
+    """(cfg, args, model) as fairseq-train builds them, the model's tensors on the meta device."""
+    cfg, args, _, model = build_task_and_model(argv, dictionary_size)
+    return cfg, args, model
+
+
+def build_task_and_model(argv: List[str], dictionary_size: Optional[int]):
+    """(cfg, args, task, model): ``build_on_meta``'s, with the task the model was built for."""
     import torch
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -146,10 +153,11 @@ def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
         argv = ["plan-without-data", *argv]  # fairseq-train's DATA, never read: the dictionaries are in memory
     args = parsed_training_args(argv)
     arch = config_value(args, "arch")
-    if arch is None or not str(arch).startswith("moe_"):
+    distilled = str(config_value(args, "criterion")) == CRITERION  # a dense student of a teacher is planned too
+    if arch is None or not (str(arch).startswith("moe_") or distilled):
         raise PlanError(
             f"--arch {arch} is not an MoE architecture of this plugin: plan is for moe_transformer* and "
-            f"moe_transformer_lm* models"
+            f"moe_transformer_lm* models (a dense student with --criterion {CRITERION} --distill-teacher PATH)"
         )
     cfg = convert_namespace_to_omegaconf(args)
     try:
@@ -168,10 +176,11 @@ def build_on_meta(argv: List[str], dictionary_size: Optional[int]):
         raise PlanError(f"{argv[0]}: {NO_PAIR}") from None
     with torch.device("meta"):
         model = task.build_model(cfg.model)
-    return cfg, args, model
+    return cfg, args, task, model
 
 
-def model_shapes(model) -> mp.ModelShapes:
+def model_shapes(model, dense: bool = False) -> mp.ModelShapes:
+    """The model's parameter shapes; ``dense``: a model without MoE layers is planned too (a distilled student)."""
     from ..moe.experts import is_expert
     from ..moe.layer import MoELayer
 
@@ -182,7 +191,7 @@ def model_shapes(model) -> mp.ModelShapes:
     for name, module in model.named_modules():
         if isinstance(module, MoELayer):
             sides.setdefault(name.split(".")[0], module.num_experts)
-    if not sides:
+    if not sides and not dense:
         raise PlanError("the model has no MoE layers: plan is for MoE models (check --moe-freq and the expert counts)")
     return mp.ModelShapes(tuple(shared), tuple(experts), tuple(sides.items()))
 
@@ -190,6 +199,8 @@ def model_shapes(model) -> mp.ModelShapes:
 def experts_per_layer(shapes: mp.ModelShapes) -> str:
     """'in 4 experts per MoE layer', or where the sides differ (--encoder/--decoder-moe-expert-count) each
     side's: 'in experts: 4 per encoder MoE layer, 2 per decoder MoE layer'."""
+    if not shapes.expert_counts:
+        return "in experts: none, a dense model"
     if len(shapes.expert_counts) == 1:
         return f"in {shapes.expert_counts[0]} experts per MoE layer"
     return "in experts: " + ", ".join(f"{e} per {side} MoE layer" for side, e in shapes.side_experts)
@@ -239,9 +250,12 @@ def worker_bytes(shapes, layout, precision, optimizer, options, rank=0) -> dict:
     return out
 
 
-def plan_rows(shapes, units, precision, optimizer, options, world, refused, activation, memory) -> List[dict]:
+def plan_rows(
+    shapes, units, precision, optimizer, options, world, refused, activation, memory, teacher=0
+) -> List[dict]:
     """One dict per layout: the bytes of worker 0 (the largest slices: torch.chunk gives the first
-    ranks ceil(rows / W)). ``units``: (fully_sharded's unit numels, one MoE layer's expert numel)."""
+    ranks ceil(rows / W)). ``units``: (fully_sharded's unit numels, one MoE layer's expert numel); ``teacher``:
+    the bytes a distillation teacher adds to every worker (teacher_plan.TeacherCost.total)."""
     units, expert_layer = units
     rows = []
     for layout in mp.layouts(world, *shapes.expert_counts):
@@ -249,12 +263,12 @@ def plan_rows(shapes, units, precision, optimizer, options, world, refused, acti
         gathered = mp.gathered_unit_bytes(units, layout, precision)
         gathered += mp.gathered_expert_bytes(expert_layer, layout, precision)
         act = activation(layout)
-        total = held["shared"].total + held["expert"].total + held["buffers"] + gathered + act
+        total = held["shared"].total + held["expert"].total + held["buffers"] + gathered + act + teacher
         note = []
         if layout.backend == "fully_sharded" and refused:
             note.append(f"refused on this build: {refused}")
         rows.append(dict(layout=layout, shared=held["shared"], expert=held["expert"], buffers=held["buffers"],
-                         gathered=gathered, activations=act, total=total,
+                         gathered=gathered, activations=act, teacher=teacher, total=total,
                          fits=[total <= m for m in memory], note=note))  # fmt: skip
     return rows
 
@@ -263,9 +277,11 @@ def format_rows(rows, header: List[str]) -> str:
     unit, name = (2**30, "GiB") if max(r["total"] for r in rows) >= 2**30 else (2**20, "MiB")
     size = lambda n: f"{n / unit:.2f}"
     lines = [*header, f"per worker, {name}: parameters/gradients/optimizer state of experts and of shared parameters"]
+    teacher = any(r.get("teacher") for r in rows)  # a column of its own only with a distillation teacher
+    column = lambda text: f"{text:>9}" if teacher else ""  # noqa: E731
     lines.append(
         f"{'backend':<14}{'P':>4} {'experts':<8}{'experts p/g/opt':>22}{'shared p/g/opt':>22}"
-        f"{'master':>9}{'buffers':>9}{'activ.':>9}{'total':>10}  fits"
+        f"{'master':>9}{'buffers':>9}{'activ.':>9}{column('teacher')}{'total':>10}  fits"
     )
     notes = []
     for r in rows:
@@ -280,7 +296,7 @@ def format_rows(rows, header: List[str]) -> str:
         lines.append(
             f"{lay.backend:<14}{lay.parallel_size:>4} {'sharded' if lay.experts_sharded else 'whole':<8}"
             f"{pgo(e):>22}{pgo(s):>22}{size(s.master + e.master):>9}{size(r['buffers'] + r['gathered']):>9}"
-            f"{size(r['activations']):>9}{size(r['total']):>10}  {fits}"
+            f"{size(r['activations']):>9}{column(size(r['teacher']))}{size(r['total']):>10}  {fits}"
         )
     lines += [f"{'*' * (i + 1)} {note}" for i, note in enumerate(notes)]
     return "\n".join(lines)
@@ -302,13 +318,15 @@ def predicted(argv: List[str], world_size: int, backend: str, parallel_size: int
 def main(argv: List[str], prog: str = "python -m fairseq_moe_ext plan") -> int:
     from ..parallel.fully_sharded import refused_options
     from .activation_bound import activation_bytes
+    from .teacher_plan import teacher_cost
 
     logging.disable(logging.INFO)  # fairseq's and hydra's start-up notes: the table is the output
     warnings.filterwarnings("ignore")  # hydra's and torch's deprecation notes: the table is the output
     try:
         own, memory, asked, fairseq_argv = split_argv(argv, prog)
-        cfg, args, model = build_on_meta(fairseq_argv, own.dictionary_size)
-        shapes = model_shapes(model)
+        cfg, args, task, model = build_task_and_model(fairseq_argv, own.dictionary_size)
+        teacher = teacher_cost(cfg, task, own.world_size)
+        shapes = model_shapes(model, dense=teacher is not None)
         precision = mp.precision_of(lambda name: getattr(cfg.common, name, False))
         optimizer, options = optimizer_of(cfg)
         if precision.name.startswith("memory_efficient") and optimizer in ("sgd", "adagrad", "adadelta"):
@@ -318,9 +336,11 @@ def main(argv: List[str], prog: str = "python -m fairseq_moe_ext plan") -> int:
             )
         refused = (refused_options(args) or [""])[0].split(":")[0]
         activation = activation_bytes(cfg, model, shapes, precision)
+        units = unit_numels(model)
         rows = plan_rows(
-            shapes, unit_numels(model), precision, optimizer, options, own.world_size, refused, activation, memory
-        )
+            shapes, units, precision, optimizer, options, own.world_size, refused, activation, memory,
+            teacher=0 if teacher is None else teacher.total,
+        )  # fmt: skip
     except (PlanError, ValueError) as error:
         print(f"plan: error: {error}", file=sys.stderr)
         return 2
@@ -332,6 +352,8 @@ def main(argv: List[str], prog: str = "python -m fairseq_moe_ext plan") -> int:
         + (f"; fits: {own.device_memory} ({', '.join(mp.gib(m) for m in memory)} GiB)" if memory else ""),
         f"worker 0 (the largest slices); activations: {activation.describe}",
     ]
+    if teacher is not None:
+        header.append(teacher.describe())
     if asked:
         header.append("asked: " + ", ".join(f"{k} {v}" for k, v in asked.items()) + " (plan shows every choice)")
     print(format_rows(rows, header))

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..common.config_value import config_value
 from ..common.refusal import MoEOptionError
-from ..options import CRITERION_OPTIONS, MODEL_OPTIONS
+from ..options import SAVED_OPTIONS
 
 # Re-exported: the kinds are written in the option records (options/record.py).
 from ..options.record import CHANGES_FUNCTION, CHANGES_PARAMETERS, MAY_CHANGE, TRAINING_ONLY  # noqa: F401
@@ -47,9 +47,7 @@ class Rule:
 # Each --moe-* option's rule is its record's (resume, why); fairseq's --activation-fn, which is the
 # experts' activation, is fairseq's own option and has no record. The inference CLIs' flags are saved
 # with no checkpoint, so no rule applies to them.
-POLICY: Dict[str, Rule] = {
-    o.name: Rule(o.resume, o.why, o.section, o.effective) for o in MODEL_OPTIONS + CRITERION_OPTIONS
-}
+POLICY: Dict[str, Rule] = {o.name: Rule(o.resume, o.why, o.section, o.effective) for o in SAVED_OPTIONS}
 POLICY["activation_fn"] = Rule(CHANGES_FUNCTION, "the activation of the experts and of the dense layers")
 
 _ABSENT = object()

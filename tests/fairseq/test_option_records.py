@@ -12,6 +12,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from fairseq_moe_ext.checkpoint.branch.options import branch_flags
 from fairseq_moe_ext.checkpoint.hf.config import HF_DEFAULTS, hf_config, imported_options
+from fairseq_moe_ext.criterions.distillation import DistillationOptions, MoEDistillationCriterion
 from fairseq_moe_ext.criterions.moe_criterions import (
     MoECrossEntropyCriterion,
     MoELabelSmoothedCrossEntropyCriterion,
@@ -32,6 +33,7 @@ from fairseq_moe_ext.options import (
     ARCH_OPTIONS,
     BRANCH_NAMES,
     CRITERION_OPTIONS,
+    DISTILL_OPTIONS,
     HF_NAMES,
     INFERENCE_OPTIONS,
     MODEL_OPTIONS,
@@ -40,7 +42,7 @@ from fairseq_moe_ext.options import (
     Option,
     record_problems,
 )
-from fairseq_moe_ext.options.ranges import CRITERION_RANGES, MODEL_RANGES
+from fairseq_moe_ext.options.ranges import CRITERION_RANGES, DISTILL_RANGES, MODEL_RANGES
 from fairseq_moe_ext.options.record import CHANGES_FUNCTION, CRITERION
 from fairseq_moe_ext.training.resume_policy import POLICY
 from support.inputs.model_namespaces import exportable_options, model_defaults
@@ -67,7 +69,7 @@ def changed(record: Option):
 
 def test_every_record_is_whole_and_an_incomplete_one_is_named_with_what_it_lacks():
     assert record_problems() == []
-    assert [o.name for o in MODEL_OPTIONS + CRITERION_OPTIONS + INFERENCE_OPTIONS] == list(OPTIONS)
+    assert [o.name for o in MODEL_OPTIONS + CRITERION_OPTIONS + DISTILL_OPTIONS + INFERENCE_OPTIONS] == list(OPTIONS)
     whole = OPTIONS["moe_top_k"]
     assert dataclasses.replace(whole, help=" ").problems() == [
         "moe_top_k: every record says what it does (help) and why it may change or not (why)"
@@ -87,13 +89,17 @@ def test_the_fairseq_dataclasses_and_argparse_hold_each_record_s_type_default_an
     assert [f.name for f in dataclasses.fields(MoELossConfig) if f.name != "_name"] == [
         o.name for o in CRITERION_OPTIONS
     ]
+    assert [f.name for f in dataclasses.fields(DistillationOptions) if f.name != "_name"] == [
+        o.name for o in DISTILL_OPTIONS
+    ]
     assert MOE_OPTIONS == tuple(o.name for o in MODEL_OPTIONS)
     parser = argparse.ArgumentParser()
     gen_parser_from_dataclass(parser, MoEEncoderDecoderConfig())
     gen_parser_from_dataclass(parser, MoELossConfig())
+    gen_parser_from_dataclass(parser, DistillationOptions())
     add_inference_experts_flag(parser)  # the inference CLIs' flags, added to their parsers
     actions = {a.dest: a for a in parser._actions}
-    assert {name for name in actions if "moe" in name} == set(OPTIONS)
+    assert {name for name in actions if "moe" in name or name.startswith("distill_")} == set(OPTIONS)
     for o in OPTIONS.values():
         action = actions[o.name]
         assert (action.option_strings, action.default, action.help) == ([o.flag], o.default, o.help), o.name
@@ -104,8 +110,10 @@ def test_the_fairseq_dataclasses_and_argparse_hold_each_record_s_type_default_an
 def test_each_range_resume_rule_and_launch_only_flag_is_its_record_s_and_nothing_else():
     assert MODEL_RANGES == {o.name: o.range for o in MODEL_OPTIONS if o.range}
     assert CRITERION_RANGES == {o.name: o.range for o in CRITERION_OPTIONS if o.range}
-    assert all(spec.flag == OPTIONS[name].flag for name, spec in {**MODEL_RANGES, **CRITERION_RANGES}.items())
-    saved = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS}  # the inference CLIs' flags are never saved
+    assert DISTILL_RANGES == {o.name: o.range for o in DISTILL_OPTIONS if o.range}
+    ranges = {**MODEL_RANGES, **CRITERION_RANGES, **DISTILL_RANGES}
+    assert all(spec.flag == OPTIONS[name].flag for name, spec in ranges.items())
+    saved = {o.name: o for o in MODEL_OPTIONS + CRITERION_OPTIONS + DISTILL_OPTIONS}  # inference flags are never saved
     assert set(POLICY) == set(saved) | FAIRSEQ_OPTIONS_IN_POLICY
     for name, o in saved.items():
         rule = POLICY[name]
@@ -115,10 +123,14 @@ def test_each_range_resume_rule_and_launch_only_flag_is_its_record_s_and_nothing
 
 
 def test_the_criterions_take_each_criterion_record_with_the_record_s_default():
-    for criterion in (MoECrossEntropyCriterion, MoELabelSmoothedCrossEntropyCriterion):
+    for criterion in (MoECrossEntropyCriterion, MoELabelSmoothedCrossEntropyCriterion, MoEDistillationCriterion):
         parameters = inspect.signature(criterion.__init__).parameters
         assert {name for name in parameters if name.startswith("moe_")} == {o.name for o in CRITERION_OPTIONS}
-        for o in CRITERION_OPTIONS:
+        records = CRITERION_OPTIONS + (DISTILL_OPTIONS if criterion is MoEDistillationCriterion else ())
+        assert {name for name in parameters if name.startswith("distill_")} == {o.name for o in records} - {
+            o.name for o in CRITERION_OPTIONS
+        }
+        for o in records:
             assert o.where == CRITERION and parameters[o.name].default == o.default, (criterion, o.name)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from fairseq import tasks
 from fairseq_moe_ext.checkpoint.compat import check_resumable
-from fairseq_moe_ext.criterions.moe_criterions import MoELossConfig
+from fairseq_moe_ext.criterions.distillation import MoEDistillationConfig
 from fairseq_moe_ext.models.moe_config import MOE_OPTIONS
 from fairseq_moe_ext.options import default
 from fairseq_moe_ext.training.resume_policy import (
@@ -68,11 +68,20 @@ CHANGED = {
     "moe_z_loss_wt": (FREE, 0.0, 0.001),
     "moe_gate_loss_combine_method": (FREE, "average", "sum"),
     "moe_hide_expert_load": (FREE, False, True),
+    # --criterion moe_distillation: which teacher and how it teaches (it is read again at every launch)
+    "distill_teacher": (FREE, "teacher/checkpoint_best.pt", "other/checkpoint_best.pt"),
+    "distill_weight": (FREE, 0.5, 0.8),
+    "distill_temperature": (FREE, 1.0, 2.0),
+    "distill_top_k": (FREE, 0, 8),
+    "distill_teacher_dtype": (FREE, "student", "bfloat16"),
+    "distill_teacher_experts": (FREE, "auto", "local"),
 }
 # fmt: on
 
 
-CRITERION_OPTIONS = {name for name in MoELossConfig.__dataclass_fields__ if name.startswith("moe_")}
+CRITERION_OPTIONS = {
+    name for name in MoEDistillationConfig.__dataclass_fields__ if name.startswith(("moe_", "distill_"))
+}  # the distillation criterion's: the MoE criterions' and its own
 
 
 def spelled(name, value):
@@ -90,7 +99,7 @@ def configs(name, saved_value, current_value):
     """The checkpoint's cfg and this run's model and criterion sections, equal but for ``name``."""
     model = {n: default(n) for n in MOE_OPTIONS}
     model.update(activation_fn="relu", moe_balance="bias")  # bias: its rate is read
-    criterion = {name: getattr(MoELossConfig(), name) for name in CRITERION_OPTIONS}
+    criterion = {name: MoEDistillationConfig.__dataclass_fields__[name].default for name in CRITERION_OPTIONS}
     section = "criterion" if name in CRITERION_OPTIONS else "model"
     saved = {"model": dict(model), "criterion": dict(criterion)}
     saved[section][name] = saved_value

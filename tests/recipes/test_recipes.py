@@ -179,6 +179,10 @@ def test_nllb_moe_dry_run_imports_the_release_lookalike_generates_two_ways_and_f
     manifest = json.loads((work / "pruned" / "model.set.json").read_text())
     assert set(manifest["num_experts"].values()) == {2} and manifest["pruned"]["groups"] == ["eng_Latn", "fra_Latn"]
     assert len(hypotheses(work / "generate_pruned.out")) == 8 and "| 0.5 | 2 |" in output
+    # the distillation step: a dense student of the import, the teacher's 4 experts spread over the 2 workers
+    assert "its experts spread over 2 workers" in (work / "distil" / "train.log").read_text()
+    assert "num_updates: 3 >= max_update: 3" in (work / "distil" / "train.log").read_text()
+    assert len(hypotheses(work / "generate_student.out")) == 8
 
 
 def test_nllb_langs_gives_stock_fairseq_one_comma_list_and_refuses_a_code_twice_in_one_line(tmp_path, capsys):
@@ -237,3 +241,37 @@ def test_expert_pruning_tiny_mode_prunes_per_dialect_globally_and_at_random_and_
     assert (
         set(budgets[0]["dialect"]) == dialects and "| 50% | 3 | 6:2 |" in (work / "pruning" / "budgets.md").read_text()
     )
+
+
+@pytest.mark.slow
+def test_distillation_tiny_mode_writes_every_table_and_restarts_without_regenerating(tmp_path):
+    """``distillation.sh all``: the MoE teacher, dense students from scratch, word- and sequence-level distilled, the
+    pruned sets healed (expert_pruning.sh --heal), the cost; each table under its measurement line; a rerun of the
+    sequence-level step generates no finished shard again."""
+    work = tmp_path / "main"
+    env = dict(TINY="1", DIALECTS="2", FRACTIONS="0.5", SEEDS="1", STUDENT_SEEDS="1", SHARD_LINES="30")
+    output = run_recipe("distillation.sh", work, "all", timeout=1500, **env)
+    out = work / "distillation"
+    students = (out / "students.md").read_text()
+    assert students.startswith("Measured ") and "load average (1, 5, 15 min) before" in students
+    for kind in ("from scratch", "word-level distilled", "sequence-level distilled"):
+        assert f"| dense student, {kind} |" in students, students
+    for name in ("scratch_1", "word_1", "seq_1"):
+        assert 0 <= json.loads((out / "runs" / name / "bleu.json").read_text())["bleu"] <= 100
+    assert "its experts spread over 2 workers" in (out / "runs" / "word_1" / "train.log").read_text()
+    shards = sorted((out / "seq_data" / "shards").glob("*.hyp"))  # every training sentence, in shards of 30
+    sentences = len((work / "data" / "tok" / "train.src").read_text().splitlines())
+    assert len(shards) == -(-sentences // 30) and sum(len(p.read_text().splitlines()) for p in shards) == sentences
+    cost = json.loads((out / "cost.json").read_text())
+    assert cost["plain_wps"] > 0 and cost["distilled_wps"] > 0 and "sentences/s" in cost["generation"]
+    healed = (work / "pruning" / "healed.md").read_text()
+    assert healed.startswith("Measured ") and "healed (distilled)" in healed and "sequence-level" in output
+    assert set(json.loads((work / "pruning" / "healed.json").read_text())["by_fraction"]["0.5"]["mean"]) == {
+        "full",
+        "pruned",
+        "plain",
+        "healed",
+    }
+    stamp = shards[0].stat().st_mtime_ns
+    again = run_recipe("distillation.sh", work, "students", timeout=900, **env)
+    assert "up to date" in again and "shard 1/" not in again and shards[0].stat().st_mtime_ns == stamp

@@ -12,6 +12,7 @@ alone on one worker while the other idles: the longest slow tests and module gro
 # fmt: off
 LONGEST_FIRST = (
     "test_fault_injection.py::test_eleven_seeded_sigkills",
+    "test_recipes.py::test_distillation_tiny_mode",
     "test_gpu_scripts.py::test_the_cpu_dry_run",
     "test_gpu_scripts.py::test_the_dry_runs_verdicts_fail_on_a_planted",
     "test_recipes.py::test_expert_pruning_tiny_mode",
@@ -38,6 +39,7 @@ LONGEST_FIRST = (
     "test_fault_injection.py::test_heartbeat_timeout_ends_a_job",
     "test_multiworker_cli.py",
     "test_multiworker_sets_cli.py",
+    "test_distillation_cli.py",
 )
 # fmt: on
 
