@@ -105,7 +105,8 @@ def current_rss_bytes() -> int:
 def predicted(size: str) -> dict:
     from fairseq_moe_ext.training import memory_plan as mp
     from fairseq_moe_ext.training.activation_bound import activation_bytes
-    from fairseq_moe_ext.training.plan_cli import build_on_meta, model_shapes, optimizer_of, worker_bytes
+    from fairseq_moe_ext.training.plan_cli import model_shapes, optimizer_of, worker_bytes
+    from fairseq_moe_ext.training.plan_model import build_on_meta
 
     vocabulary = SIZES[size][4]
     cfg, _, model = build_on_meta(argv_for(size, "data-bin"), vocabulary)

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fairseq_moe_ext.moe.experts import is_expert
-from fairseq_moe_ext.training.plan_cli import build_task_and_model
+from fairseq_moe_ext.training.plan_model import build_task_and_model
 
 
 def shape_only_state(argv, dictionary_size=None) -> dict:

@@ -1,5 +1,5 @@
 """What one worker holds during training, by backend, expert-parallel size and precision: the arithmetic
-behind ``fairseq-moe plan`` (``plan_cli.py`` builds the model and prints it).
+behind ``fairseq-moe plan`` (``plan_model.py`` builds the model, ``plan_cli.py`` prints it).
 
 The inputs are the shapes of the model's parameters (shared ones once each, expert ones with every
 expert: dim 0 is E), the precision and the optimizer as fairseq-train's flags give them. What each

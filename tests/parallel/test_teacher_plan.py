@@ -42,7 +42,7 @@ def plan_args(data_dir, teacher_path, *flags):
 
 @pytest.mark.parametrize("dtype", ["student", "bfloat16"])
 def test_the_teacher_s_weights_on_one_worker_are_what_the_criterion_holds(teacher, dtype):
-    from fairseq_moe_ext.training.plan_cli import build_task_and_model
+    from fairseq_moe_ext.training.plan_model import build_task_and_model
 
     data_dir, path = teacher
     argv = plan_args(data_dir, path, "--distill-teacher-dtype", dtype)
