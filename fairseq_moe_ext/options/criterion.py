@@ -5,7 +5,17 @@ logging (a teacher is never saved with its student: a resume reads it again from
 
 from typing import Optional
 
-from .record import CRITERION, FP32_LOSS, FP32_MAX, INT64_MAX, MAY_CHANGE, TRAINING_ONLY, Option, within
+from .record import (
+    CRITERION,
+    FP32_LOSS,
+    FP32_MAX,
+    MAY_CHANGE,
+    MOST_SYMBOLS,
+    SYMBOLS_SIZED_FROM,
+    TRAINING_ONLY,
+    Option,
+    within,
+)
 
 COMBINE_METHODS = ("average", "sum")
 LOSS_WEIGHT = "a loss weight; " + TRAINING_ONLY
@@ -58,8 +68,8 @@ DISTILL_OPTIONS = (
            "keep only the teacher's K most probable tokens per target position, renormalised (memory: K instead of "
            "the vocabulary per token); 0: the whole vocabulary (default 0)",
            MAY_CHANGE, LOSS_WEIGHT, where=CRITERION,
-           range=within(True, "an integer >= 0", "use 0 (the whole vocabulary) or e.g. 8", low=0, high=INT64_MAX,
-                        holder="the int64 tensor sizes it becomes")),
+           range=within(True, "an integer >= 0", "use 0 (the whole vocabulary) or e.g. 8", low=0, high=MOST_SYMBOLS,
+                        sized_from=SYMBOLS_SIZED_FROM)),
     Option("distill_teacher_dtype", str, "student",
            "the dtype the teacher runs in: 'student' (default: the run's --fp16 / --bf16, else float32), or "
            "float32, float16, bfloat16 whatever the student's",

@@ -30,8 +30,10 @@ from .record import (  # noqa: F401
     FP32_MAX,
     FP32_SMALLEST,
     INT64_MAX,
+    MOST_SYMBOLS,
     MOST_WORKERS,
     SIZE,
+    SYMBOLS_SIZED_FROM,
     TIMEDELTA_MAX_S,
     WORKERS_SIZED_FROM,
     Range,
@@ -42,9 +44,9 @@ MODEL_RANGES = {o.name: o.range for o in MODEL_OPTIONS if o.range is not None}
 CRITERION_RANGES = {o.name: o.range for o in CRITERION_OPTIONS if o.range is not None}
 DISTILL_RANGES = {o.name: o.range for o in DISTILL_OPTIONS if o.range is not None}
 
-# Workers: the records' bound (record.MOST_WORKERS); symbols: 4 x the largest vocabulary of a released model
-# (NLLB-200's 256,206; Gemma's 256,000); bytes of one device: 4 x the largest accelerator's (288 GB).
-LARGEST_WORLD, LARGEST_VOCABULARY, LARGEST_DEVICE = MOST_WORKERS, 2**20, 2**40
+# Workers and symbols: the records' bounds (record.MOST_WORKERS, MOST_SYMBOLS: 4 x the largest vocabulary of a
+# released model, NLLB-200's 256,206; Gemma's 256,000); bytes of one device: 4 x the largest accelerator's (288 GB).
+LARGEST_WORLD, LARGEST_VOCABULARY, LARGEST_DEVICE = MOST_WORKERS, MOST_SYMBOLS, 2**40
 WORLD_SIZED_FROM = WORKERS_SIZED_FROM
 
 # fmt: off
@@ -54,7 +56,7 @@ PLAN_TOOL_RANGES = {
     "dictionary_size": Range("--dictionary-size", True, "an integer >= 5 (fairseq's 4 special symbols and a word)",
                              "give the dictionary's size: the lines of the dict.txt fairseq-train will read, plus 4",
                              low=5, high=LARGEST_VOCABULARY, optional=True,
-                             sized_from="4 x the largest vocabulary of a released model (NLLB-200's 256,206 symbols)"),
+                             sized_from=SYMBOLS_SIZED_FROM),
 }
 CHECKPOINT_TOOL_RANGES = {  # every subcommand's that has them (python -m fairseq_moe_ext.checkpoint)
     "world_size": Range("--world-size", True, "a positive number of workers", "use the number of workers that will "

@@ -29,6 +29,8 @@ WIDEST_FFN = 2**20
 FFN_SIZED_FROM = "14 x PaLM's 73,728-wide FFN, the widest of a published model"
 MOST_WORKERS = 2**20
 WORKERS_SIZED_FROM = "10 x the largest training jobs run (some 100,000 GPUs)"
+MOST_SYMBOLS = 2**20
+SYMBOLS_SIZED_FROM = "4 x the largest vocabulary of a released model (NLLB-200's 256,206 symbols)"
 FP32_LOSS = "the fp32 loss it multiplies"
 
 # What a change of the option does when a run resumes (training/resume_policy.py).

@@ -2,9 +2,10 @@
 what one worker holds, per backend and expert-parallel size, before any GPU is rented.
 
 The model is built from the same arguments as fairseq-train builds it, on the ``meta`` device (shapes
-only: no memory, no weights: ``plan_model.py``); ``--dictionary-size N`` builds it with N-entry dictionaries held in memory
-when the data directory is not there yet (nothing is written: a model's shapes need a dictionary's length,
-not its words). The bytes come from ``memory_plan.py``, the activation bound from ``activation_bound.py``.
+only: no memory, no weights; ``plan_model.py``); ``--dictionary-size N`` builds it with N-entry dictionaries
+held in memory when the data directory is not there yet (nothing is written: a model's shapes need a
+dictionary's length, not its words). The bytes come from ``memory_plan.py``, the activation bound from
+``activation_bound.py``.
 A bad argument is one line, as everywhere in the plugin: fairseq-train's own refusal of an argument
 included (argparse's line, which fairseq's parser prints, is caught and said as plan's).
 """
