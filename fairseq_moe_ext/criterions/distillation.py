@@ -43,7 +43,12 @@ from ..models.moe_config import dataclass_of
 from ..options.criterion import DISTILL_OPTIONS
 from ..options.ranges import DISTILL_RANGES, check_options
 from . import teacher as teachers
-from .moe_criterions import MoELabelSmoothedCrossEntropyConfig, MoELabelSmoothedCrossEntropyCriterion, find_moe_cache
+from .moe_criterions import (
+    MoELabelSmoothedCrossEntropyConfig,
+    MoELabelSmoothedCrossEntropyCriterion,
+    find_moe_cache,
+    summing_losses,
+)
 
 # The distillation options, one record each (options/criterion.py), as a fairseq dataclass.
 DistillationOptions = dataclass_of("DistillationOptions", DISTILL_OPTIONS, FairseqDataclass, module=__name__)
@@ -145,7 +150,8 @@ class MoEDistillationCriterion(MoELabelSmoothedCrossEntropyCriterion):
         positions = target.ne(self.padding_idx)
         # The teacher first: its activations are gone before the student's are made.
         teacher_log_probs, teacher_index = self.teacher_targets(sample, positions)
-        net_output = model(**sample["net_input"])
+        with summing_losses(model):  # the student's MoE losses summed over workers once, in add_moe_losses
+            net_output = model(**sample["net_input"])
         smoothed, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
         student_logits = net_output[0][:, self.ignore_prefix_size :][positions]
         kl = kl_per_token(student_logits, teacher_log_probs, teacher_index, self.temperature)

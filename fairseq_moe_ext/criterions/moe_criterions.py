@@ -70,6 +70,14 @@ def summed_over(records):
     return next(iter(groups.values()), None)
 
 
+def summing_losses(model):
+    """Around the model's forward in a criterion that adds the MoE losses (``add_moe_losses``): the layers leave
+    the sum over workers of their losses' gradients to it, one collective per forward in its backward instead of
+    one per layer (moe/cache.py); nothing for a model without MoE layers."""
+    cache = find_moe_cache(model)
+    return cache.summing_collector() if cache is not None else contextlib.nullcontext()
+
+
 class MoELossMixin:
     needs_moe_model = True  # its balance losses need MoE layers (fairseq_integration/training.check_training_setup)
 
@@ -82,10 +90,7 @@ class MoELossMixin:
         self.moe_hide_expert_load = moe_hide_expert_load
 
     def forward(self, model, sample, reduce=True):
-        cache = find_moe_cache(model)
-        # The layers leave the sum over workers of their losses' gradients to add_moe_losses (one collective
-        # per forward in its backward, not one per layer).
-        with cache.summing_collector() if cache is not None else contextlib.nullcontext():
+        with summing_losses(model):
             loss, sample_size, logging_output = super().forward(model, sample, reduce)
         loss = self.add_moe_losses(model, loss, sample_size, logging_output, reduce)
         return loss, sample_size, logging_output

@@ -4,7 +4,8 @@ moe_distillation`` and a teacher set saved by 2 workers (``--distill-teacher-exp
 2 of its 4 experts, and every teacher forward is an all-to-all between them); one process runs the same step
 on the whole batch with the teacher's experts all local. Loss, gradient norm and every updated parameter
 (an MoE student's experts by global id) agree, for an MoE student under every backend that trains
-(fully_sharded included) and for a dense student."""
+(fully_sharded included) and for a dense student. On the workers the criterion, not each layer, sums the
+student's balance losses' gradients over them (once per forward, as the other MoE criterions)."""
 
 import pytest
 import torch
@@ -33,10 +34,17 @@ def step(data_dir, teacher, backend, dense, world, pairs):
     and the expert rows of the teacher this worker holds."""
     from fairseq.logging import metrics
 
+    from fairseq_moe_ext.criterions import moe_criterions
+
     argv = distilled(training_args(data_dir, world, ["--ddp-backend", backend]), teacher, *DISTILL, dense=dense)
     task, trainer = build_trainer(argv)
-    with metrics.aggregate(new_root=True) as agg:
-        trainer.train_step([collate(task, pairs)])
+    summed_over, groups = moe_criterions.summed_over, []  # the group each add_moe_losses sums the losses over
+    moe_criterions.summed_over = lambda records: groups.append(summed_over(records)) or groups[-1]
+    try:
+        with metrics.aggregate(new_root=True) as agg:
+            trainer.train_step([collate(task, pairs)])
+    finally:
+        moe_criterions.summed_over = summed_over
     model = trainer.get_model()
     teacher_experts = {p.shape[0] for n, p in trainer.criterion.teacher.named_parameters() if ".experts." in n}
     return {
@@ -52,6 +60,7 @@ def step(data_dir, teacher, backend, dense, world, pairs):
         # under fully_sharded only the student is sharded: the teacher keeps plain tensors, none an FSDP2 slice
         "teacher_fsdp": any(hasattr(p, "full_tensor") for p in trainer.criterion.teacher.parameters()),
         "student_fsdp": any(hasattr(p, "full_tensor") for p in model.parameters()),
+        "losses_summed_by_criterion": [group is not None for group in groups],
     }
 
 
@@ -78,6 +87,8 @@ def test_a_step_with_the_teacher_s_experts_spread_over_two_workers_equals_one_pr
         assert reference["distill_kl"] > 0, case
         assert not any(r["teacher_fsdp"] for r in results), f"{case}: the teacher was FSDP-wrapped"
         assert all(r["student_fsdp"] == (backend == "fully_sharded") for r in results), case
+        summed = [] if dense else [True]  # a dense student has no MoE losses
+        assert all(r["losses_summed_by_criterion"] == summed for r in results), f"{case}: summed by each layer"
         for r in results:
             for key in ("loss", "gnorm", "distill_kl"):
                 assert r[key] == pytest.approx(reference[key], rel=1e-5), f"{case}: {key}"
