@@ -40,7 +40,8 @@ def training_wall(log: Path) -> float:
     records = json_records(log.read_text(), "train")
     if not records:
         sys.exit(f"main_job_wall.py: no train record in {log}")
-    return float(records[-1]["wall"])
+    # an epoch's record names fairseq's wall meter (seconds since training started) train_wall
+    return float(records[-1]["train_wall"])
 
 
 def run_main_job(work: Path, user_dir, timeout, loads: Loads) -> dict:
