@@ -8,12 +8,17 @@ from .hf.importer import import_hf
 from .sets_cli import refuse_overwrite, refusing
 
 
-def add_import_fairseq_moe_parser(p) -> None:
-    p.add_argument("prefix", help="e.g. nllb/checkpoint_2_300000 for checkpoint_2_300000-{shared,rank-0,...}.pt")
+def add_set_output(p) -> None:
+    """The output both imports write: one file, or a set of rank files for --world-size W."""
     p.add_argument(
         "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
     )
     p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
+
+
+def add_import_fairseq_moe_parser(p) -> None:
+    p.add_argument("prefix", help="e.g. nllb/checkpoint_2_300000 for checkpoint_2_300000-{shared,rank-0,...}.pt")
+    add_set_output(p)
     p.add_argument(
         "--dictionary",
         default=None,
@@ -66,10 +71,7 @@ def export_hf_command(args) -> int:
 
 def add_import_hf_parser(p) -> None:
     p.add_argument("hf_dir", help="the directory holding config.json and the safetensors file(s)")
-    p.add_argument(
-        "output", help="output name, e.g. moe/checkpoint_imported.pt (a set of rank files if --world-size > 1)"
-    )
-    p.add_argument("--world-size", type=int, default=1, help="W: write a set for W workers (1, the default: one file)")
+    add_set_output(p)
     p.add_argument(
         "--dtype",
         default=None,
