@@ -51,14 +51,16 @@ mkdir -p "$OUT/runs"
 mapfile -t common < "$WORK/common_args.txt"  # the job's flags, its data directory first
 mapfile -t dense < "$WORK/dense_matched_args.txt"  # the dense model of the MoE's active size
 teacher=$WORK/moe/ckpt/checkpoint_best.pt
+teacher_sig=$(cat "$WORK/moe/.trained")  # its training's knobs: what the teacher teaches changes with them
 distil=(--criterion moe_distillation --distill-teacher "$teacher" --distill-weight "$DISTILL_WEIGHT"
         --distill-temperature "$DISTILL_TEMPERATURE" --distill-top-k "$DISTILL_TOP_K")
 
 # student NAME DATA ARGS...: the dense student trained on DATA (skipped where trained with these flags), then the test
-# set generated in one process and scored per dialect.
+# set generated in one process (skipped where generated from that training) and scored per dialect.
 student() {
   local name=$1 data=$2; shift 2
   local dir=$OUT/runs/$name sig="${common[*]:1} ${dense[*]} $data $*"
+  case "$data $*" in *seq_data* | *--distill-teacher*) sig+=" teacher: $teacher_sig" ;; esac
   if needs_run "$dir/.trained" "$sig"; then
     rm -rf "$dir"
     train_workers "$WORKERS" "$dir/train.log" "$data" "${common[@]:1}" "${dense[@]}" "$@" --save-dir "$dir/ckpt" \
@@ -66,9 +68,12 @@ student() {
     mark_done "$dir/.trained" "$sig"
   fi
   [ "${GENERATE:-1}" = 1 ] || return 0
-  fairseq_tool generate "$WORK/data/bin" --user-dir "$USER_DIR" --path "$dir/ckpt/checkpoint_best.pt" --cpu \
-    --gen-subset test --beam "$BEAM" --batch-size 128 --remove-bpe sentencepiece --num-workers 0 \
-    > "$dir/generate.out" 2> "$dir/generate.log"
+  if needs_run "$dir/.generated" "$sig beam=$BEAM"; then
+    fairseq_tool generate "$WORK/data/bin" --user-dir "$USER_DIR" --path "$dir/ckpt/checkpoint_best.pt" --cpu \
+      --gen-subset test --beam "$BEAM" --batch-size 128 --remove-bpe sentencepiece --num-workers 0 \
+      > "$dir/generate.out" 2> "$dir/generate.log"
+    mark_done "$dir/.generated" "$sig beam=$BEAM"
+  fi
   python recipes/score_translations.py "$dir/generate.out" --ref "$WORK/data/raw/test.tgt" \
     --domains "$WORK/data/raw/test.domain" --json-out "$dir/bleu.json" --name "$name" | sed 's/^/    /'
 }
@@ -80,6 +85,10 @@ if [ "$TABLE" = students ] || [ "$TABLE" = all ]; then
     student "word_$seed" "${common[0]}" --seed "$seed" "${distil[@]}"
   done
   echo "    the teacher's beam outputs of the training source side ($SHARD_LINES sentences per shard)"
+  if needs_run "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"; then  # shards of another teacher: made again
+    rm -rf "$OUT/seq_data"
+    mark_done "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"
+  fi
   python recipes/seq_distill_data.py --tok "$WORK/data/tok" --dicts "$WORK/data/bin" --teacher "$teacher" \
     --out "$OUT/seq_data" --shard-lines "$SHARD_LINES" --beam "$BEAM" --workers "$GEN_WORKERS" | sed 's/^/    /'
   for seed in $STUDENT_SEEDS; do

@@ -25,7 +25,8 @@
 # --heal (or HEAL=1): recipes/heal_pruned.py trains each dialect's pruned set on that dialect's sentences for
 #   HEAL_UPDATES [200; TINY 4] updates with --criterion moe_distillation from the full set (lr HEAL_LR [1e-3], warmup
 #   HEAL_WARMUP [20; TINY 2], DISTILL_WEIGHT [0.5], DISTILL_TEMPERATURE [1], on WORKERS [2] workers), and with the
-#   labels alone (HEAL_PLAIN [1]), then generates its test sentences: healed.md, healed.json
+#   labels alone (HEAL_PLAIN [1]), then generates its test sentences: healed.md, healed.json; HEAL_DIALECTS [all]
+#   heals only these dialects' sets (e.g. "harbor lowland"; the mean is theirs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${WORK:=./work-dirs/main}" "${FRACTIONS:=0.5 0.25}" "${SEEDS:=3}" "${METRIC:=gate-mass}" "${RATIOS:=}"
@@ -40,6 +41,13 @@ if [ "${TINY:-0}" = 1 ]; then : "${BEAM:=2}" "${HEAL_UPDATES:=4}" "${HEAL_WARMUP
 export WORK BEAM
 DENSE=0 DENSE_MATCHED=0 bash recipes/main.sh
 source recipes/lib/venv.sh
+source recipes/lib/common.sh
+# What is under WORK/pruning is kept by name (a set, an output that exists is not made again): made from another
+# training of the MoE, it all goes.
+if needs_run "$WORK/pruning/.teacher" "$(cat "$WORK/moe/.trained")"; then
+  rm -rf "$WORK/pruning"
+  mark_done "$WORK/pruning/.teacher" "$(cat "$WORK/moe/.trained")"
+fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
 echo
 echo "==> expert pruning by dialect (keep fractions $FRACTIONS, $SEEDS random seeds, metric $METRIC)"
@@ -49,9 +57,11 @@ python recipes/prune_by_dialect.py --work "$WORK" --out "$WORK/pruning" --fracti
 if [ "${HEAL:-0}" = 1 ]; then
   echo
   echo "==> healing the per-dialect sets: distilled from the full set for ${HEAL_UPDATES:=200} updates on each dialect"
-  plain=(); [ "${HEAL_PLAIN:-1}" = 1 ] || plain=(--no-plain)
+  heal_flags=(); [ "${HEAL_PLAIN:-1}" = 1 ] || heal_flags=(--no-plain)
+  # shellcheck disable=SC2206  # HEAL_DIALECTS is a list
+  [ -z "${HEAL_DIALECTS:-}" ] || heal_flags+=(--dialects ${HEAL_DIALECTS})
   # shellcheck disable=SC2086  # FRACTIONS is a list
   python recipes/heal_pruned.py --work "$WORK" --pruning "$WORK/pruning" --fractions $FRACTIONS \
     --updates "$HEAL_UPDATES" --lr "${HEAL_LR:-1e-3}" --warmup "${HEAL_WARMUP:-20}" --weight "${DISTILL_WEIGHT:-0.5}" \
-    --temperature "${DISTILL_TEMPERATURE:-1}" --workers "${WORKERS:-2}" --beam "$BEAM" "${plain[@]}"
+    --temperature "${DISTILL_TEMPERATURE:-1}" --workers "${WORKERS:-2}" --beam "$BEAM" "${heal_flags[@]}"
 fi

@@ -7,10 +7,12 @@ main job's flags (WORK/common_args.txt, written by recipes/main.sh); writes OUT/
 
   python recipes/heal_pruned.py --work work-dirs/main --pruning work-dirs/main/pruning [--fractions 0.5 0.25] \
       [--updates 200] [--lr 1e-3] [--warmup 20] [--weight 0.5] [--temperature 1] [--workers 2] [--beam 5] [--no-plain]
+      [--dialects D ...]
 """
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -56,19 +58,22 @@ def train(workers: int, args, log: Path) -> None:
 
 def tune(args, common, pruned: Path, data: Path, save: Path, teacher) -> Path:
     """``pruned`` trained on ``data`` for --updates updates, with the full set as its teacher or (None) the labels
-    alone; its checkpoint_last (trained once: a finished run is kept)."""
-    if not (save / ".done").exists():
-        save.mkdir(parents=True, exist_ok=True)
-        criterion = ["--criterion", "moe_label_smoothed_cross_entropy"]
-        if teacher is not None:
-            criterion = ["--criterion", "moe_distillation", "--distill-teacher", teacher, "--distill-weight",
-                         args.weight, "--distill-temperature", args.temperature]  # fmt: skip
-        flags = [data, *common[1:], "--arch", "moe_transformer", *model_flags(str(pruned)), *criterion]
-        flags += ["--restore-file", pruned, *RESETS, "--max-update", args.updates, "--lr", args.lr]
-        flags += ["--warmup-updates", args.warmup, "--save-dir", save, "--no-epoch-checkpoints"]
-        flags += ["--required-batch-size-multiple", 1]  # a dialect's few valid sentences still make a batch
+    alone; its checkpoint_last (trained once: a run finished with these flags is kept, one of other flags redone)."""
+    criterion = ["--criterion", "moe_label_smoothed_cross_entropy"]
+    if teacher is not None:
+        criterion = ["--criterion", "moe_distillation", "--distill-teacher", teacher, "--distill-weight",
+                     args.weight, "--distill-temperature", args.temperature]  # fmt: skip
+    flags = [data, *common[1:], "--arch", "moe_transformer", *model_flags(str(pruned)), *criterion]
+    flags += ["--restore-file", pruned, *RESETS, "--max-update", args.updates, "--lr", args.lr]
+    flags += ["--warmup-updates", args.warmup, "--save-dir", save, "--no-epoch-checkpoints"]
+    flags += ["--required-batch-size-multiple", 1]  # a dialect's few valid sentences still make a batch
+    signature = " ".join(map(str, [args.workers, *flags]))
+    if not ((save / ".done").exists() and (save / ".flags").exists() and (save / ".flags").read_text() == signature):
+        shutil.rmtree(save, ignore_errors=True)
+        save.mkdir(parents=True)
         started = time.time()
         train(args.workers, flags, save / "train.log")
+        (save / ".flags").write_text(signature)
         (save / ".done").write_text(f"{time.time() - started:.1f} s\n")
     return save / "checkpoint_last.pt"
 
@@ -86,6 +91,7 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--no-plain", action="store_true", help="leave out the fine-tuning without the teacher")
+    parser.add_argument("--dialects", nargs="+", help="heal only these dialects' sets (all the test set's by default)")
     args = parser.parse_args(argv)
     work, out = args.work.resolve(), args.pruning.resolve()
     common = (work / "common_args.txt").read_text().splitlines()
@@ -93,9 +99,12 @@ def main(argv=None):
     labels = (work / "data/raw/test.domain").read_text().splitlines()
     refs = (work / "data/raw/test.tgt").read_text().splitlines()
     dialects = list(dict.fromkeys(labels))
+    unknown = sorted(set(args.dialects or ()) - set(dialects))
+    if unknown:
+        parser.error(f"--dialects {' '.join(unknown)}: not a dialect of the test set (it has {' '.join(dialects)})")
+    dialects = [d for d in dialects if d in (args.dialects or dialects)]
     teacher = work / "moe/ckpt/checkpoint_best.pt"
     heal = out / "heal"
-    (heal / "generate").mkdir(parents=True, exist_ok=True)
     rows = {}
     for fraction in args.fractions:
         tag = f"keep{fraction:g}"
@@ -108,9 +117,9 @@ def main(argv=None):
                 if kind == "plain" and args.no_plain:
                     continue
                 print(f"keep {100 * fraction:g}%, {d}: {kind} ({args.updates} updates)", flush=True)
-                path = tune(args, common, pruned, data, heal / "runs" / f"{d}_{tag}_{kind}", by)
-                hyps = generate(data, path, "test", heal / "generate" / f"{d}_{tag}_{kind}.out", args.beam,
-                                sentences=len(own))  # fmt: skip
+                save = heal / "runs" / f"{d}_{tag}_{kind}"
+                path = tune(args, common, pruned, data, save, by)  # a run made again takes its output with it
+                hyps = generate(data, path, "test", save / "generate_test.out", args.beam, sentences=len(own))
                 row[kind] = bleu(hyps, own)
             rows.setdefault(str(fraction), {})[d] = row
     for fraction, by_dialect in rows.items():

@@ -177,9 +177,12 @@ train_and_evaluate() {
   fi
   ls "$dir/ckpt" | sed 's/^/    /'
   # The rank-less name loads the whole per-rank set into this one process: no conversion step.
-  fairseq_tool generate "$DATA/bin" --user-dir "$USER_DIR" --path "$dir/ckpt/checkpoint_best.pt" --cpu \
-    --gen-subset test --beam "$BEAM" --batch-size 128 --remove-bpe sentencepiece --num-workers 0 \
-    > "$dir/generate.out" 2> "$dir/generate.log"
+  if needs_run "$dir/.generated" "$sig beam=$BEAM"; then
+    fairseq_tool generate "$DATA/bin" --user-dir "$USER_DIR" --path "$dir/ckpt/checkpoint_best.pt" --cpu \
+      --gen-subset test --beam "$BEAM" --batch-size 128 --remove-bpe sentencepiece --num-workers 0 \
+      > "$dir/generate.out" 2> "$dir/generate.log"
+    mark_done "$dir/.generated" "$sig beam=$BEAM"
+  fi
   grep -E "^(S|T|H)-(0|1|2|3)\s" "$dir/generate.out" | head -n 12 | sed 's/^/    /'
   tail -n 1 "$dir/generate.out" | sed 's/^/    fairseq-generate: /'
   python recipes/score_translations.py "$dir/generate.out" --ref "$DATA/raw/test.tgt" \
@@ -220,14 +223,21 @@ else
 fi
 
 stage 9 "routing by domain: which experts each dialect's tokens use (test set, merged set in one process)"
-python recipes/routing_by_domain.py --data "$DATA/bin" --path "$WORK/moe/ckpt/checkpoint_best.pt" \
-  --domains "$DATA/raw/test.domain" --subset test --png "$WORK/plots/routing_by_domain.png" \
-  --json-out "$WORK/routing.json" --title "routing by dialect (E=$EXPERTS, k=$TOPK, test set)" 2>&1 \
-  | grep -v "^INFO:"
+routing_sig="$(cat "$WORK/moe/.trained") E=$EXPERTS k=$TOPK"
+if needs_run "$WORK/plots/.routing" "$routing_sig"; then
+  python recipes/routing_by_domain.py --data "$DATA/bin" --path "$WORK/moe/ckpt/checkpoint_best.pt" \
+    --domains "$DATA/raw/test.domain" --subset test --png "$WORK/plots/routing_by_domain.png" \
+    --json-out "$WORK/routing.json" --title "routing by dialect (E=$EXPERTS, k=$TOPK, test set)" 2>&1 \
+    | grep -v "^INFO:"
+  mark_done "$WORK/plots/.routing" "$routing_sig"
+fi
 
 stage 10 "plot expert load over training"
-python recipes/plot_expert_load.py "$WORK/moe/train.log" --png "$WORK/plots/expert_load.png" \
-  --title "expert load during training (E=$EXPERTS, k=$TOPK, capacity factor $CAPACITY_FACTOR, $WORKERS workers)"
+if needs_run "$WORK/plots/.expert_load" "$routing_sig"; then
+  python recipes/plot_expert_load.py "$WORK/moe/train.log" --png "$WORK/plots/expert_load.png" \
+    --title "expert load during training (E=$EXPERTS, k=$TOPK, capacity factor $CAPACITY_FACTOR, $WORKERS workers)"
+  mark_done "$WORK/plots/.expert_load" "$routing_sig"
+fi
 
 stage 11 "summary"
 runs=(--run MoE "$WORK/moe")

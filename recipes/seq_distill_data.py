@@ -28,13 +28,16 @@ from score_translations import HYPOTHESIS, hypotheses
 
 
 def cut(tok: Path, shard_lines: int, shards: Path) -> int:
-    """The training pairs cut into shards (``NNNNN.src``/``.tgt``; kept when already cut); their count."""
+    """The training pairs cut into shards (``NNNNN.src``/``.tgt``; kept when already cut this way, every output
+    of another cut removed); their count."""
     sources = (tok / "train.src").read_text().splitlines()
     targets = (tok / "train.tgt").read_text().splitlines()
     count = -(-len(sources) // shard_lines)
     if (shards / ".cut").exists() and (shards / ".cut").read_text() == f"{len(sources)} {shard_lines}":
         return count
     shards.mkdir(parents=True, exist_ok=True)
+    for stale in shards.glob("*.hyp"):  # outputs of another cut: their sentences are not these shards'
+        stale.unlink()
     for s in range(count):
         for side, lines in (("src", sources), ("tgt", targets)):
             part = lines[s * shard_lines : (s + 1) * shard_lines]
