@@ -33,6 +33,11 @@ if [ ${#paths[@]} -eq 0 ]; then
   ruff check --quiet . || { echo "[tests/run.sh] ruff check found the problems above (settings: pyproject.toml)" >&2; exit 1; }
 fi
 
+# Bytecode is written and reused: where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), each of the
+# suite's hundreds of Python processes (fairseq launches, torchrun workers, probes) compiled the plugin from source
+# again (about 0.45 s of CPU each on 2 cores, the plugin alone) and each pytest worker rewrote every test module.
+# __pycache__ is ignored by git.
+unset PYTHONDONTWRITEBYTECODE
 started=$(date +%s.%N)
 status=0
 python -m pytest "${paths[@]}" -n "${MOE_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
