@@ -85,7 +85,9 @@ if [ "$TABLE" = students ] || [ "$TABLE" = all ]; then
     student "word_$seed" "${common[0]}" --seed "$seed" "${distil[@]}"
   done
   echo "    the teacher's beam outputs of the training source side ($SHARD_LINES sentences per shard)"
-  if needs_run "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"; then  # shards of another teacher: made again
+  # shards of another teacher are made again; shards older than the stamp are taken as this teacher's, as then
+  [ ! -d "$OUT/seq_data" ] || [ -f "$OUT/seq_data/.teacher" ] || mark_done "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"
+  if needs_run "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"; then
     rm -rf "$OUT/seq_data"
     mark_done "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"
   fi

@@ -43,7 +43,8 @@ DENSE=0 DENSE_MATCHED=0 bash recipes/main.sh
 source recipes/lib/venv.sh
 source recipes/lib/common.sh
 # What is under WORK/pruning is kept by name (a set, an output that exists is not made again): made from another
-# training of the MoE, it all goes.
+# training of the MoE, it all goes. A WORK/pruning older than its stamp is taken as made from this MoE, as then.
+[ ! -d "$WORK/pruning" ] || [ -f "$WORK/pruning/.teacher" ] || mark_done "$WORK/pruning/.teacher" "$(cat "$WORK/moe/.trained")"
 if needs_run "$WORK/pruning/.teacher" "$(cat "$WORK/moe/.trained")"; then
   rm -rf "$WORK/pruning"
   mark_done "$WORK/pruning/.teacher" "$(cat "$WORK/moe/.trained")"
