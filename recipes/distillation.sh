@@ -85,12 +85,7 @@ if [ "$TABLE" = students ] || [ "$TABLE" = all ]; then
     student "word_$seed" "${common[0]}" --seed "$seed" "${distil[@]}"
   done
   echo "    the teacher's beam outputs of the training source side ($SHARD_LINES sentences per shard)"
-  # shards of another teacher are made again; shards older than the stamp are taken as this teacher's, as then
-  [ ! -d "$OUT/seq_data" ] || [ -f "$OUT/seq_data/.teacher" ] || mark_done "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"
-  if needs_run "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"; then
-    rm -rf "$OUT/seq_data"
-    mark_done "$OUT/seq_data/.teacher" "$teacher_sig beam=$BEAM"
-  fi
+  made_for "$OUT/seq_data" "$teacher_sig beam=$BEAM"  # shards of another teacher or beam are made again
   python recipes/seq_distill_data.py --tok "$WORK/data/tok" --dicts "$WORK/data/bin" --teacher "$teacher" \
     --out "$OUT/seq_data" --shard-lines "$SHARD_LINES" --beam "$BEAM" --workers "$GEN_WORKERS" | sed 's/^/    /'
   for seed in $STUDENT_SEEDS; do

@@ -42,15 +42,8 @@ export WORK BEAM
 DENSE=0 DENSE_MATCHED=0 bash recipes/main.sh
 source recipes/lib/venv.sh
 source recipes/lib/common.sh
-# What is under WORK/pruning is kept by name (a set, an output that exists is not made again): made from another
-# training of the MoE, or ranked by another METRIC, or generated with another BEAM, it all goes. A WORK/pruning older
-# than its stamp is taken as made with what is asked now, as then.
-pruning_sig="$(cat "$WORK/moe/.trained") metric=$METRIC beam=$BEAM"
-[ ! -d "$WORK/pruning" ] || [ -f "$WORK/pruning/.teacher" ] || mark_done "$WORK/pruning/.teacher" "$pruning_sig"
-if needs_run "$WORK/pruning/.teacher" "$pruning_sig"; then
-  rm -rf "$WORK/pruning"
-  mark_done "$WORK/pruning/.teacher" "$pruning_sig"
-fi
+# WORK/pruning made from another training of the MoE, ranked by another METRIC or generated with another BEAM goes.
+made_for "$WORK/pruning" "$(cat "$WORK/moe/.trained") metric=$METRIC beam=$BEAM"
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${THREADS:-1} MKL_NUM_THREADS=${THREADS:-1}
 echo
 echo "==> expert pruning by dialect (keep fractions $FRACTIONS, $SEEDS random seeds, metric $METRIC)"

@@ -68,9 +68,10 @@ def tune(args, common, pruned: Path, data: Path, save: Path, teacher) -> Path:
     flags += ["--warmup-updates", args.warmup, "--save-dir", save, "--no-epoch-checkpoints"]
     flags += ["--required-batch-size-multiple", 1]  # a dialect's few valid sentences still make a batch
     signature = " ".join(map(str, [args.workers, *flags]))
-    if (save / ".done").exists() and not (save / ".flags").exists():  # finished before runs kept their flags
-        (save / ".flags").write_text(signature)  # taken as made with these, as then
-    if not ((save / ".done").exists() and (save / ".flags").exists() and (save / ".flags").read_text() == signature):
+    done = (save / ".done").exists()
+    if done and not (save / ".flags").exists():  # finished before runs kept their flags: taken as made with these
+        (save / ".flags").write_text(signature)
+    if not (done and (save / ".flags").read_text() == signature):
         shutil.rmtree(save, ignore_errors=True)
         save.mkdir(parents=True)
         started = time.time()

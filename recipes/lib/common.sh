@@ -78,6 +78,17 @@ needs_run() {
 
 mark_done() { mkdir -p "$(dirname "$1")" && printf '%s' "$2" > "$1"; }
 
+# made_for DIR SIGNATURE: for a DIR whose steps keep their outputs by name (an output that exists is not made
+# again): emptied when it was made for another SIGNATURE (another teacher, metric, beam). A DIR older than its stamp
+# (DIR/.made_for) is taken as made for SIGNATURE, as it was then.
+made_for() {
+  [ ! -d "$1" ] || [ -f "$1/.made_for" ] || mark_done "$1/.made_for" "$2"
+  if needs_run "$1/.made_for" "$2"; then
+    rm -rf "$1"
+    mark_done "$1/.made_for" "$2"
+  fi
+}
+
 # fairseq_examples: the examples/ directory of the installed fairseq package (its data scripts).
 fairseq_examples() {
   python -c 'import fairseq, os; print(os.path.join(os.path.dirname(fairseq.__file__), "examples"))'
